@@ -1,0 +1,1 @@
+"""hexrl: asynchronous GRPO on heterogeneous GPU clusters."""
