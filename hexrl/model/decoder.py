@@ -1,0 +1,155 @@
+"""The Qwen2 / Llama decoder in plain torch, split-able into pipeline stages and TP shards.
+
+Tokens are processed flattened (`[T, hidden]`) with explicit positions, so packed training
+batches, paged decode steps and plain `[batch, seq]` calls share one code path. Module names
+match Hugging Face's (`model.layers.7.self_attn.q_proj.weight`), layers are kept in a
+ModuleDict keyed by their *global* index so a pipeline stage holding layers [i, j) still
+has HF names.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionBackend, CausalAttention
+from .config import ModelConfig, rope_inv_freq
+from .parallel import TPGroup, column_linear, embedding, row_linear
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()  # statistics in fp32, as HF does, so bf16 runs match
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (non-interleaved halves, as in HF Llama/Qwen2)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, D]
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup | None):
+        super().__init__()
+        tp_size = tp.size if tp else 1
+        self.layer, self.head_dim = layer, cfg.head_dim
+        self.num_heads = cfg.num_attention_heads // tp_size
+        self.num_kv_heads = cfg.num_key_value_heads // tp_size
+        h, q, kv = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        self.q_proj = column_linear(h, q, cfg.qkv_bias, tp, "num_attention_heads*head_dim")
+        self.k_proj = column_linear(h, kv, cfg.qkv_bias, tp, "num_key_value_heads*head_dim")
+        self.v_proj = column_linear(h, kv, cfg.qkv_bias, tp, "num_key_value_heads*head_dim")
+        self.o_proj = row_linear(q, h, cfg.o_bias, tp)
+        self.rotary = Rotary(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
+        k = self.rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
+        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(attn(self.layer, q, k, v).reshape(t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, tp: TPGroup | None):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = column_linear(h, i, cfg.mlp_bias, tp, "intermediate_size")
+        self.up_proj = column_linear(h, i, cfg.mlp_bias, tp, "intermediate_size")
+        self.down_proj = row_linear(i, h, cfg.mlp_bias, tp, "intermediate_size")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer, tp)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, tp)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.*` namespace: embeddings (first stage), layers, final norm (last stage)."""
+
+    def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool, tp: TPGroup | None):
+        super().__init__()
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if first else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, tp) for i in layers})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
+
+
+class Decoder(nn.Module):
+    """A causal LM, or one pipeline stage of it (layers [start, end), TP shard `tp`).
+
+    `model(ids)` with `ids` of shape [batch, seq] returns [batch, seq, vocab] logits (full model).
+    Stages call `stage(x, positions, attn)` on flattened tokens instead.
+    """
+
+    def __init__(self, cfg: ModelConfig, layers: tuple[int, int] | None = None, tp: TPGroup | None = None):
+        super().__init__()
+        start, end = layers or (0, cfg.num_hidden_layers)
+        if not 0 <= start < end <= cfg.num_hidden_layers:
+            raise ValueError(f"layers [{start}, {end}) outside the model's {cfg.num_hidden_layers} layers")
+        self.cfg, self.tp, self.layer_range = cfg, tp, (start, end)
+        self.is_first, self.is_last = start == 0, end == cfg.num_hidden_layers
+        self.model = Backbone(cfg, range(start, end), self.is_first, self.is_last, tp)
+        self.lm_head = None
+        if self.is_last:  # vocab-sharded under TP: each rank produces its slice of the logits
+            self.lm_head = column_linear(cfg.hidden_size, cfg.vocab_size, False, tp, "vocab_size")
+            if cfg.tie_word_embeddings and self.is_first:
+                self.lm_head.weight = self.model.embed_tokens.weight
+
+    def stage(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        """Token ids [T] (first stage) or hidden [T, H] -> hidden [T, H], normed on the last stage."""
+        h = self.model.embed_tokens(x) if self.is_first else x
+        for layer in self.model.layers.values():
+            h = layer(h, positions, attn)
+        return self.model.norm(h) if self.is_last else h
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Normed hidden states -> logits (this rank's vocab slice under TP)."""
+        return self.lm_head(hidden)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        """[batch, seq] token ids -> [batch, seq, vocab] logits (full, unsharded model only)."""
+        if not (self.is_first and self.is_last):
+            raise RuntimeError("forward(ids) needs the whole model; pipeline stages use stage()")
+        b, s = ids.shape
+        positions = torch.arange(s, device=ids.device).repeat(b)
+        h = self.stage(ids.reshape(-1), positions, CausalAttention([s] * b))
+        return self.logits(h).view(b, s, -1)
+
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        """Random init as HF does (normal(0, std) linears/embeddings, ones for norms)."""
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        for name, p in self.named_parameters():
+            with torch.no_grad():
+                if name.endswith("norm.weight") or "layernorm" in name:
+                    p.fill_(1.0)
+                elif name.endswith("bias"):
+                    p.zero_()
+                else:
+                    p.copy_(torch.randn(p.shape, generator=g) * std)
