@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# Set up and run the whole CPU test suite (what CI runs).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh
+export TRITON_INTERPRET=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+exec python3 -m pytest -q -p no:cacheprovider --timeout=900 "$@"
