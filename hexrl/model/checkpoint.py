@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig, rope_inv_freq
 from .decoder import Decoder
-from .parallel import TPGroup
+from .parallel import TPGroup, shard_dim_of
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -56,8 +56,8 @@ def _open(file: Path):
 
 def _read(handle, name: str, module: torch.nn.Module | None, tp: TPGroup | None) -> torch.Tensor:
     """Read a tensor, or just this TP rank's slice of it along the module's `shard_dim`."""
-    dim = getattr(module, "shard_dim", None)
-    if tp is None or tp.size == 1 or dim is None or (name.endswith("bias") and dim == 1):
+    dim = shard_dim_of(module, name, tp)
+    if dim is None:
         return handle.get_tensor(name)
     sl = handle.get_slice(name)
     n = sl.get_shape()[dim] // tp.size

@@ -122,3 +122,11 @@ def row_linear(i: int, o: int, bias: bool, tp: TPGroup | None, what: str = "in_f
 
 def embedding(v: int, d: int, tp: TPGroup | None) -> nn.Embedding:
     return nn.Embedding(v, d) if tp is None or tp.size == 1 else VocabParallelEmbedding(v, d, tp)
+
+
+def shard_dim_of(module: nn.Module | None, name: str, tp: TPGroup | None) -> int | None:
+    """Which dimension of tensor `name` (owned by `module`) this TP rank holds a slice of, if any."""
+    dim = getattr(module, "shard_dim", None)
+    if tp is None or tp.size == 1 or dim is None or (name.endswith("bias") and dim == 1):
+        return None  # replicated: no TP, norms, or the bias of a row-parallel layer
+    return dim

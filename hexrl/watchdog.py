@@ -1,0 +1,111 @@
+"""Job-wide failure detection through the torch.distributed store.
+
+A crashing rank writes its cause under `hexrl/failed`; a killed rank stops refreshing its
+heartbeat. Rank 0 watches every heartbeat, every rank watches rank 0 and the failure key,
+so any death ends the whole job within `timeout_s` with the failing rank named (O(world)
+store traffic, not O(world^2)). The store lives in torchrun's agent, so it outlives workers.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+
+FAILED = "hexrl/failed"
+
+
+def _hb_key(rank: int) -> str:
+    return f"hexrl/hb/{rank}"
+
+
+def _done_key(rank: int) -> str:
+    return f"hexrl/done/{rank}"
+
+
+class Watchdog:
+    """Background thread: heartbeat this rank, end the process when any other rank has failed."""
+
+    def __init__(self, store, rank: int, world_size: int, describe: dict[int, str],
+                 interval_s: float = 2.0, timeout_s: float = 30.0, on_failure=None):
+        self.store, self.rank, self.world = store, rank, world_size
+        self.describe, self.interval, self.timeout = describe, interval_s, timeout_s
+        self.on_failure = on_failure or _exit_now
+        self._stop = threading.Event()
+        self._started = time.time()
+        self.beat()
+        self._thread = threading.Thread(target=self._run, name="hexrl-watchdog", daemon=True)
+
+    def start(self) -> "Watchdog":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def finish(self) -> None:
+        """A clean exit: stop watching and tell the others this rank's silence is expected."""
+        self.stop()
+        self.store.set(_done_key(self.rank), "1")
+
+    def beat(self) -> None:
+        self.store.set(_hb_key(self.rank), str(time.time()))
+
+    def report_failure(self, cause: str) -> None:
+        """Tell every rank that this one failed (first report wins the message)."""
+        msg = f"rank {self.rank} ({self.describe.get(self.rank, '?')}) failed: {cause}"
+        try:
+            if not self.store.check([FAILED]):
+                self.store.set(FAILED, msg)
+        except Exception:  # the store may already be gone while the job is tearing down
+            pass
+
+    def check(self) -> str | None:
+        """The failure message that should end this rank, or None while all is well."""
+        if self.store.check([FAILED]):
+            return self.store.get(FAILED).decode()
+        watched = range(self.world) if self.rank == 0 else [0]
+        now = time.time()
+        for r in watched:
+            if r == self.rank or self.store.check([_done_key(r)]):
+                continue
+            if not self.store.check([_hb_key(r)]):
+                if now - self._started > self.timeout:
+                    return self._dead(r, "never sent a heartbeat")
+                continue
+            age = now - float(self.store.get(_hb_key(r)).decode())
+            if age > self.timeout:
+                return self._dead(r, f"no heartbeat for {age:.0f} s (killed or hung)")
+        return None
+
+    def _dead(self, r: int, why: str) -> str:
+        msg = f"rank {r} ({self.describe.get(r, '?')}) is gone: {why}"
+        try:
+            self.store.set(FAILED, msg)
+        except Exception:
+            pass
+        return msg
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.beat()
+                msg = self.check()
+            except Exception as e:  # losing the store means the job's agent is gone
+                msg = f"lost the rendezvous store ({e!r}); the job is ending"
+            if msg and not self._stop.is_set():
+                self.on_failure(msg)
+                return
+
+
+def _exit_now(msg: str) -> None:
+    print(f"[hexrl] stopping: {msg}", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def describe_exception(e: BaseException) -> str:
+    """One line for the console, the last frame of the traceback included."""
+    tb = traceback.extract_tb(e.__traceback__)
+    where = f" at {tb[-1].filename}:{tb[-1].lineno}" if tb else ""
+    return f"{type(e).__name__}: {e}{where}"

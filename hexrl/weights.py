@@ -1,0 +1,86 @@
+"""Weight sync from trainer to rollout ranks over torch.distributed broadcast groups.
+
+For each pipeline stage, the stage's (dp=0, tp=0) trainer rank holds the stage's full
+(TP-gathered) weights and broadcasts them, packed into large flat buckets, to every rollout
+rank. Both sides derive the tensor list (names, shapes, order) from the model config and
+the stage's layer range, so nothing but raw numbers crosses the wire.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .model import Decoder, ModelConfig
+from .model.parallel import TPGroup, shard_dim_of
+
+BUCKET_BYTES = 64 << 20  # big enough to amortise per-call latency, small enough to stage on host
+
+
+@dataclass
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+
+
+def stage_specs(cfg: ModelConfig, layers: tuple[int, int]) -> list[TensorSpec]:
+    """Full (unsharded) tensors of one pipeline stage, in a fixed order both sides agree on."""
+    with torch.device("meta"):
+        stage = Decoder(cfg, layers=layers)
+    # named_parameters() skips the tied lm_head duplicate, so a tied weight is sent once
+    return [TensorSpec(n, tuple(p.shape)) for n, p in stage.named_parameters()]
+
+
+def _buckets(specs: list[TensorSpec], elem_bytes: int) -> list[list[int]]:
+    out, size = [[]], 0
+    for i, s in enumerate(specs):
+        nbytes = elem_bytes * _numel(s.shape)
+        if out[-1] and size + nbytes > BUCKET_BYTES:
+            out.append([])
+            size = 0
+        out[-1].append(i)
+        size += nbytes
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def broadcast_stage(state: dict[str, torch.Tensor] | None, specs: list[TensorSpec], src: int, group,
+                    dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
+    """Broadcast a stage's weights from `src` (which passes `state`) to the group; all return them."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    received = {}
+    for idx in _buckets(specs, elem):
+        sizes = [_numel(specs[i].shape) for i in idx]
+        if state is not None:
+            flat = torch.cat([state[specs[i].name].detach().to(device, dtype).reshape(-1) for i in idx])
+        else:
+            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        dist.broadcast(flat, src=src, group=group)
+        for i, part in zip(idx, torch.split(flat, sizes)):
+            received[specs[i].name] = part.view(specs[i].shape)
+    return received
+
+
+def shard_for(model: Decoder, name: str, full: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """This TP rank's slice of a full tensor, following the owning module's `shard_dim`."""
+    dim = shard_dim_of(model.get_submodule(name.rsplit(".", 1)[0]), name, tp)
+    if dim is None:
+        return full
+    n = full.shape[dim] // tp.size
+    return full.narrow(dim, tp.rank * n, n)
+
+
+@torch.no_grad()
+def load_into(model: Decoder, full_state: dict[str, torch.Tensor]) -> None:
+    """Copy received full tensors into a (possibly TP-sharded) model in place."""
+    params = dict(model.named_parameters())
+    for name, full in full_state.items():
+        if name in params:
+            params[name].copy_(shard_for(model, name, full, model.tp))
