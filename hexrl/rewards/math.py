@@ -1,0 +1,256 @@
+"""Math answer checking: extract the final answer, normalise it, compare it to the reference.
+
+Conventions (documented choices):
+- the answer is the LAST well-formed `\\boxed{...}` / `\\fbox{...}`, else the text after the
+  last `####` (GSM8K), else none (reward 0) unless `last_number_fallback=True`;
+- percent signs are dropped: `50\\%` equals `50` (and does NOT equal `0.5`);
+- units (`\\text{cm}`, `^\\circ`, `5 inches`) are dropped after a number;
+- `1,000` equals `1000` only when the whole answer is a thousands-grouped number, so the
+  tuple `1,2` stays a tuple;
+- numbers compare with relative tolerance 1e-6 (absolute 1e-9) through exact fractions:
+  `0.5`, `1/2`, `\\frac12`, `\\dfrac{1}{2}` are all equal; everything else compares as the
+  normalised string (tuples and intervals element by element).
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+REL_TOL = Fraction(1, 10**6)  # exact, so huge values cannot overflow a float
+ABS_TOL = Fraction(1, 10**9)
+_MAX_NUMBER_LEN = 100  # longer "numbers" are not worth parsing (and could be slow)
+_MAX_ANSWER_LEN = 1000  # longer "answers" are compared as plain strings (keeps the worst case cheap)
+
+# ----------------------------------------------------------------------------- extraction
+
+
+def _matching_brace(s: str, i: int) -> int | None:
+    """Index of the brace closing the `{` at s[i], or None if unbalanced."""
+    depth = 0
+    for j in range(i, len(s)):
+        if s[j] == "{":
+            depth += 1
+        elif s[j] == "}":
+            depth -= 1
+            if depth == 0:
+                return j
+    return None
+
+
+def _brace_pairs(s: str) -> dict[int, int]:
+    """Map each `{` index to its closing `}` index, in one pass (unbalanced ones are absent)."""
+    stack, pairs = [], {}
+    for i, c in enumerate(s):
+        if c == "{":
+            stack.append(i)
+        elif c == "}" and stack:
+            pairs[stack.pop()] = i
+    return pairs
+
+
+def find_boxed(text: str) -> str | None:
+    """Content of the last well-formed `\\boxed{...}` or `\\fbox{...}` (nested braces ok).
+
+    `\\boxed 5` (no braces) counts too. Linear time, so a flood of unclosed boxes is cheap.
+    """
+    starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])", text)]
+    if not starts:
+        return None
+    pairs = _brace_pairs(text)
+    for i in reversed(starts):
+        j = i
+        while j < len(text) and text[j] == " ":
+            j += 1
+        if j < len(text) and text[j] == "{":
+            if j in pairs:
+                return text[j + 1:pairs[j]]
+        elif j > i and (m := re.match(r"[^\s$]+", text[j:j + 200])):
+            return m.group(0)
+    return None
+
+
+def find_hash_answer(text: str) -> str | None:
+    """GSM8K style: the rest of the line after the last `####`."""
+    k = text.rfind("####")
+    if k < 0:
+        return None
+    answer = text[k + 4:].split("\n", 1)[0].strip()
+    return answer or None
+
+
+_LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
+
+
+def extract_answer(text: str, last_number_fallback: bool = False) -> str | None:
+    """The final answer of a completion: last box, else last `####`, else (optionally) last number."""
+    found = find_boxed(text)
+    if found is None:
+        found = find_hash_answer(text)
+    if found is None and last_number_fallback:
+        numbers = _LAST_NUMBER.findall(text)
+        found = numbers[-1] if numbers else None
+    return found
+
+
+# ----------------------------------------------------------------------------- normalisation
+
+_UNIT_WORDS = (
+    "cm|mm|km|m|in|inch|inches|ft|foot|feet|yd|yard|yards|mile|miles|meter|meters|metre|metres|"
+    "centimeter|centimeters|kg|g|gram|grams|lb|lbs|pound|pounds|second|seconds|minute|minutes|"
+    "hour|hours|day|days|week|weeks|year|years|dollar|dollars|cent|cents|unit|units|degree|"
+    "degrees|mph|people|students")
+_PLAIN_UNIT = re.compile(
+    rf"^([-+]?[\d.,/]+)\s*(?:(?:square|sq|cubic)\.?\s+)?(?:{_UNIT_WORDS})(?:\s*\^\s*\{{?[23]\}}?)?$")
+_TEXT_UNIT = re.compile(
+    r"\\(?:text|mbox|mathrm|textnormal)\s*\{\s*[a-zA-Z][a-zA-Z .]*\}(?:\s*\^\s*\{?\d\}?)?\s*$")
+_TEXT_WRAP = re.compile(r"\\(?:text|textbf|textnormal|mathrm|mathbf|mbox)\s*\{([^{}]*)\}")
+_SPACING = re.compile(r"\\[!,;:> ]|\\q?quad(?![a-zA-Z])|~")
+_LEFT_RIGHT = re.compile(r"\\(?:left|right)(?![a-zA-Z])")
+_DEGREES = re.compile(r"\^\s*\{\s*\\circ\s*\}|\^\s*\\circ(?![a-zA-Z])|\\circ(?![a-zA-Z])|°")
+_THOUSANDS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_ASSIGNMENT = re.compile(r"(?:[a-zA-Z]|\\[a-zA-Z]+)(?:_\{?\w+\}?)?=(.+)")
+_SIMPLE_RATIO = re.compile(r"([A-Za-z0-9.\\{}]+)/([A-Za-z0-9.\\{}]+)")
+
+
+def _fix_command_args(s: str, command: str, n_args: int) -> str:
+    """Brace single-character arguments: `\\frac12` -> `\\frac{1}{2}`, `\\sqrt2` -> `\\sqrt{2}`."""
+    out, i = [], 0
+    while (j := s.find(command, i)) >= 0:
+        out.append(s[i:j + len(command)])
+        i = j + len(command)
+        for _ in range(n_args):
+            if i < len(s) and s[i] == "{":
+                end = _matching_brace(s, i)
+                if end is None:
+                    break
+                out.append("{" + _fix_command_args(s[i + 1:end], command, n_args) + "}")
+                i = end + 1
+            elif i < len(s) and s[i] not in "\\[{}":
+                out.append("{" + s[i] + "}")
+                i += 1
+            else:
+                break
+    out.append(s[i:])
+    return "".join(out)
+
+
+def _strip_units(s: str) -> str:
+    m = _TEXT_UNIT.search(s)
+    if m and s[:m.start()].strip():
+        s = s[:m.start()]
+    m = _PLAIN_UNIT.match(s.strip())
+    return m.group(1) if m else s
+
+
+def normalize_answer(s: str) -> str:
+    """Canonical string form of an answer (see the module docstring for the rules)."""
+    if len(s) > _MAX_ANSWER_LEN:
+        return re.sub(r"\s+", "", s)
+    s = s.strip().replace("\n", " ").replace("\u2212", "-")
+    s = s.replace("\\dfrac", "\\frac").replace("\\tfrac", "\\frac").replace("{,}", ",")
+    s = s.replace("\\$", "").replace("$", "").replace("\\%", "").replace("%", "")
+    s = _LEFT_RIGHT.sub("", s)
+    s = _DEGREES.sub("", s)
+    s = _SPACING.sub(" ", s)
+    s = _strip_units(s)
+    s = _TEXT_WRAP.sub(r"\1", s)
+    s = re.sub(r"\s+", "", s).rstrip(".")
+    if (m := _ASSIGNMENT.fullmatch(s)) and "=" not in m.group(1):
+        s = m.group(1)
+    s = _fix_command_args(s, "\\frac", 2)
+    s = _fix_command_args(s, "\\sqrt", 1)
+    if s.startswith("+"):
+        s = s[1:]
+    if _THOUSANDS.fullmatch(s):
+        s = s.replace(",", "")
+    if (m := _SIMPLE_RATIO.fullmatch(s)) and _parse_number(s) is None:
+        s = f"\\frac{{{m.group(1)}}}{{{m.group(2)}}}"
+    if re.fullmatch(r"\([A-Za-z]\)", s):  # multiple choice "(B)" -> "B"
+        s = s[1:-1]
+    return s
+
+
+# ----------------------------------------------------------------------------- comparison
+
+_NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?"
+_FRAC = re.compile(rf"\\frac\{{({_NUM})\}}\{{({_NUM})\}}")
+_RATIO = re.compile(rf"({_NUM})/({_NUM})")
+_MIXED = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
+
+
+def _parse_number(s: str) -> Fraction | None:
+    """An exact value for a normalised numeric answer: int, decimal, a/b, \\frac{a}{b}, 2\\frac{1}{2}."""
+    if not s or len(s) > _MAX_NUMBER_LEN:
+        return None
+    if s[0] == "-" and len(s) > 1 and s[1] not in "+-":
+        v = _parse_number(s[1:])
+        return None if v is None else -v
+    if re.fullmatch(_NUM, s):
+        return Fraction(s)
+    for pattern in (_FRAC, _RATIO):
+        if m := pattern.fullmatch(s):
+            den = Fraction(m.group(2))
+            return None if den == 0 else Fraction(m.group(1)) / den
+    if m := _MIXED.fullmatch(s):
+        den = int(m.group(3))
+        return None if den == 0 else int(m.group(1)) + Fraction(int(m.group(2)), den)
+    return None
+
+
+def _close(a: Fraction, b: Fraction) -> bool:
+    diff = abs(a - b)
+    return diff <= ABS_TOL or diff <= REL_TOL * max(abs(a), abs(b))
+
+
+def _split_top_level(s: str) -> list[str]:
+    """Split on commas that are not inside any bracket."""
+    parts, depth, start = [], 0, 0
+    for i, c in enumerate(s):
+        if c in "([{":
+            depth += 1
+        elif c in ")]}":
+            depth -= 1
+        elif c == "," and depth == 0:
+            parts.append(s[start:i])
+            start = i + 1
+    parts.append(s[start:])
+    return parts
+
+
+def _equal_normalized(p: str, g: str) -> bool:
+    if p == g:
+        return True
+    a, b = _parse_number(p), _parse_number(g)
+    if a is not None and b is not None:
+        return _close(a, b)
+    # tuples / intervals: same brackets, same length, equal elements
+    if len(p) > 2 and len(g) > 2 and p[0] == g[0] and p[-1] == g[-1] and p[0] in "([" and p[-1] in ")]":
+        ps, gs = _split_top_level(p[1:-1]), _split_top_level(g[1:-1])
+        if len(ps) == len(gs) > 1:
+            return all(_equal_normalized(normalize_answer(x), normalize_answer(y)) for x, y in zip(ps, gs))
+    return False
+
+
+def answers_match(predicted: str, reference: str) -> bool:
+    """True when two final answers are equal after normalisation (numerically where possible)."""
+    p, g = normalize_answer(predicted), normalize_answer(reference)
+    return bool(p) and bool(g) and _equal_normalized(p, g)
+
+
+def reference_answer(answer: str) -> str:
+    """The reference itself may be a boxed solution or a GSM8K `#### x` line."""
+    return find_boxed(answer) or find_hash_answer(answer) or answer
+
+
+def math_reward(completion: str, answer: str, *, last_number_fallback: bool = False) -> float:
+    """1.0 if the completion's final answer equals `answer`, else 0.0. Never raises."""
+    try:
+        if not isinstance(completion, str) or not isinstance(answer, str):
+            return 0.0
+        predicted = extract_answer(completion, last_number_fallback)
+        if predicted is None:
+            return 0.0
+        return 1.0 if answers_match(predicted, reference_answer(answer)) else 0.0
+    except Exception:  # a reward must never take the rollout down
+        return 0.0

@@ -1,0 +1,241 @@
+"""Reward pool: score completions in worker processes, with a per-call timeout.
+
+A reward that raises, returns garbage, crashes its process or hangs scores 0.0 and is counted
+in `pool.stats`; a hung or dead worker is killed and replaced, so the caller keeps going.
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing as mp
+import signal
+import threading
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Callable, Iterable
+
+from hexrl.rewards.code import code_reward
+from hexrl.rewards.math import math_reward
+from hexrl.rewards.synthetic import exact_match_reward
+
+RewardFn = Callable[[str, object], float]
+
+REWARD_FNS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_match_reward, "code": code_reward}
+
+
+def reward_fn_by_name(name: str) -> RewardFn:
+    """The reward function called `name`: "math", "exact" or "code"."""
+    if name not in REWARD_FNS:
+        raise ValueError(f"unknown reward {name!r}; choose one of {sorted(REWARD_FNS)}")
+    return REWARD_FNS[name]
+
+
+@dataclass
+class PoolStats:
+    """How reward calls ended (restarts counts replaced worker processes)."""
+
+    ok: int = 0
+    error: int = 0
+    timeout: int = 0
+    restarts: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+def _worker_main(conn: Connection, fn: RewardFn) -> None:
+    """Worker loop: (idx, completion, answer) in, (idx, "ok"|"error", value) out; None stops it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    conn.send(("ready",))
+    while True:
+        try:
+            msg = conn.recv()
+        except EOFError:
+            return
+        if msg is None:
+            return
+        idx, completion, answer = msg
+        try:
+            value = float(fn(completion, answer))
+            if not math.isfinite(value):
+                raise ValueError(f"reward returned {value}")
+            conn.send((idx, "ok", value))
+        except BaseException as e:  # SystemExit too: the worker must survive its reward
+            conn.send((idx, "error", f"{type(e).__name__}: {e}"[:300]))
+
+
+@dataclass
+class _Worker:
+    proc: mp.process.BaseProcess
+    conn: Connection
+    started: float
+    ready: bool = False
+    job: int | None = None
+    deadline: float = math.inf
+
+
+class RewardPool:
+    """Run `fn(completion, answer) -> float` in `workers` spawned processes.
+
+    `fn` is a reward name ("math", "exact", "code") or a picklable module-level function.
+    One `score` call runs at a time (a lock serialises callers).
+    """
+
+    def __init__(self, fn: RewardFn | str, workers: int = 2, timeout_s: float = 10.0,
+                 start_timeout_s: float = 60.0):
+        self.fn = reward_fn_by_name(fn) if isinstance(fn, str) else fn
+        problems = []
+        if not callable(self.fn):
+            problems.append(f"fn must be callable, got {type(self.fn).__name__}")
+        if not isinstance(workers, int) or workers < 1:
+            problems.append(f"workers must be an int >= 1, got {workers!r}")
+        if not timeout_s > 0:
+            problems.append(f"timeout_s must be > 0, got {timeout_s!r}")
+        if problems:
+            raise ValueError("RewardPool: " + "; ".join(problems))
+        self.timeout_s = float(timeout_s)
+        self.start_timeout_s = float(start_timeout_s)
+        self.stats = PoolStats()
+        self.recent_errors: deque[str] = deque(maxlen=20)
+        self._ctx = mp.get_context("spawn")  # fork would copy the caller's threads and CUDA state
+        self._lock = threading.Lock()
+        self._closed = False
+        self._workers = [self._start() for _ in range(workers)]
+        self._wait_all_ready()
+
+    # -- workers ---------------------------------------------------------------
+
+    def _start(self) -> _Worker:
+        parent, child = self._ctx.Pipe()
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.fn), daemon=True,
+                                 name="hexrl-reward")
+        try:
+            proc.start()
+        except Exception as e:  # typically a lambda or a local function
+            raise ValueError(f"reward fn {self.fn!r} cannot be sent to a worker process "
+                             f"(use a module-level function): {e}") from e
+        finally:
+            child.close()
+        return _Worker(proc, parent, started=time.monotonic())
+
+    def _replace(self, i: int) -> None:
+        old = self._workers[i]
+        old.proc.kill()
+        old.proc.join(timeout=5)
+        old.conn.close()
+        self.stats.restarts += 1
+        self._workers[i] = self._start()
+
+    def _wait_all_ready(self) -> None:
+        while not all(w.ready for w in self._workers):
+            self._poll(results=None, wait_s=0.5)
+
+    # -- scoring ---------------------------------------------------------------
+
+    def score(self, items: Iterable[tuple[str, object]]) -> list[float]:
+        """Rewards for (completion, answer) pairs, in order; failures score 0.0."""
+        if self._closed:
+            raise RuntimeError("RewardPool is closed")
+        items = list(items)
+        results: list[float | None] = [None] * len(items)
+        pending = deque(range(len(items)))
+        with self._lock:
+            while pending or any(w.job is not None for w in self._workers):
+                self._dispatch(pending, items, results)
+                self._poll(results, wait_s=1.0)
+        return [0.0 if r is None else r for r in results]
+
+    def _dispatch(self, pending: deque, items: list, results: list) -> None:
+        for i, w in enumerate(self._workers):
+            if not pending or not w.ready or w.job is not None:
+                continue
+            idx = pending.popleft()
+            completion, answer = items[idx]
+            try:
+                w.conn.send((idx, completion, answer))
+            except (BrokenPipeError, ConnectionError, EOFError):  # died while idle: not this item's fault
+                pending.appendleft(idx)
+                self._replace(i)
+                continue
+            except Exception as e:  # the item itself cannot be pickled
+                self._finish(results, idx, "error", f"cannot send item: {e}")
+                continue
+            w.job, w.deadline = idx, time.monotonic() + self.timeout_s
+
+    def _poll(self, results: list | None, wait_s: float) -> None:
+        """Wait for messages (or the nearest deadline), then handle replies, deaths and timeouts."""
+        now = time.monotonic()
+        nearest = min([w.deadline for w in self._workers if w.job is not None], default=math.inf)
+        for conn in wait([w.conn for w in self._workers], timeout=max(0.0, min(wait_s, nearest - now))):
+            i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
+            self._receive(i, results)
+        now = time.monotonic()
+        for i, w in enumerate(self._workers):
+            if w.job is not None and now >= w.deadline:
+                self._finish(results, w.job, "timeout", f"no reward within {self.timeout_s}s")
+                self._replace(i)
+            elif not w.ready and now - w.started > self.start_timeout_s:
+                raise RuntimeError(f"reward worker did not start within {self.start_timeout_s}s")
+
+    def _receive(self, i: int, results: list | None) -> None:
+        w = self._workers[i]
+        try:
+            msg = w.conn.recv()
+        except (EOFError, OSError):
+            w.proc.join(timeout=1)
+            code = w.proc.exitcode
+            if not w.ready:
+                raise RuntimeError(f"reward worker died while starting (exit code {code}); "
+                                   f"is {self.fn!r} importable in a fresh process?") from None
+            if w.job is not None:
+                self._finish(results, w.job, "error", f"worker process died (exit code {code})")
+            self._replace(i)
+            return
+        if msg == ("ready",):
+            w.ready = True
+            return
+        idx, status, value = msg
+        if idx == w.job:
+            self._finish(results, idx, status, value)
+            w.job, w.deadline = None, math.inf
+
+    def _finish(self, results: list | None, idx: int, status: str, value) -> None:
+        setattr(self.stats, status, getattr(self.stats, status) + 1)
+        if status == "ok":
+            results[idx] = value
+        else:
+            results[idx] = 0.0
+            self.recent_errors.append(f"item {idx}: {status}: {value}")
+
+    # -- lifetime --------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop every worker (politely, then by force). Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for w in self._workers:
+            try:
+                w.conn.send(None)
+            except Exception:
+                pass
+        for w in self._workers:
+            w.proc.join(timeout=2)
+            if w.proc.is_alive():
+                w.proc.kill()
+                w.proc.join(timeout=2)
+            w.conn.close()
+
+    def __enter__(self) -> "RewardPool":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
