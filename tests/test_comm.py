@@ -1,0 +1,238 @@
+"""hexrl.comm: msgpack messages over ZeroMQ, validation of everything received, endpoint exchange."""
+import dataclasses
+
+import msgpack
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import zmq
+
+from hexrl import comm
+from hexrl.comm import DealerChannel, MessageError, RouterChannel, message
+from hexrl.trajectory import Trajectory
+
+
+def one_of_each() -> list[dict]:
+    """A valid message of every type in the schema."""
+    return [
+        message("prompt", group_id=7, problem_id="p-3", prompt_ids=[1, 2, 3], n=4,
+                sampling={"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 16}, version=2),
+        message("trajectory", group_id=7, prompt_ids=[1, 2, 3], completion_ids=[4, 5], logprobs=[-0.5, -1.25],
+                versions=[2, 3], reward=1.0, finish_reason="eos", problem_id=3, meta={"k": "v"}, rank=1),
+        message("heartbeat", rank=3, time=12.5),
+        message("stats", rank=3, time=13, values={"tokens": 100, "kv_used": np.arange(4, dtype=np.int64)}),
+        message("weights", version=5),
+        message("stop", reason="done"),
+        message("error", rank=2, cause="CUDA out of memory"),
+    ]
+
+
+def same(a, b) -> bool:
+    """Deep equality that understands arrays and tensors (dtype included)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, list) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    return type(a) is type(b) and a == b
+
+
+def test_every_message_type_round_trips():
+    for msg in one_of_each():
+        assert same(msg, comm.decode(comm.encode(msg))), msg["type"]
+    assert set(m["type"] for m in one_of_each()) == set(comm.SCHEMAS)
+
+
+def test_arrays_round_trip_with_dtype_and_shape():
+    g = torch.Generator().manual_seed(0)
+    values = {
+        "f32": np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+        "f16": np.arange(5, dtype=np.float16),
+        "i32": np.arange(6, dtype=np.int32)[::2],  # non-contiguous view
+        "u8": np.frombuffer(b"\x00\x01\xff", dtype=np.uint8),
+        "empty": np.zeros((0, 3), np.float32),
+        "bf16": torch.randn(2, 3, generator=g).to(torch.bfloat16),
+        "t_i64": torch.arange(10).reshape(2, 5).t(),  # non-contiguous tensor
+        "t_bool": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+    }
+    back = comm.decode(comm.encode(message("stats", rank=0, time=0.0, values=values)))["values"]
+    for k, v in values.items():
+        expect = np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v.contiguous()
+        assert same(expect, back[k]), k
+
+
+def test_disallowed_dtype_and_bad_fields_refused_at_send():
+    with pytest.raises(MessageError, match="float64"):
+        comm.encode(message("stats", rank=0, time=0.0, values={"x": np.zeros(3)}))
+    with pytest.raises(MessageError) as e:  # every problem named at once
+        comm.encode(message("prompt", group_id="7", problem_id=1, prompt_ids=[1, 2.5], sampling={}, version=0))
+    assert e.value.reason == "bad_fields"
+    for field in ("group_id", "prompt_ids", "'n'"):
+        assert field in str(e.value)
+    with pytest.raises(MessageError, match="differ in length"):
+        comm.encode(message("trajectory", group_id=1, prompt_ids=[1], completion_ids=[2, 3], logprobs=[-1.0],
+                            versions=[0, 0], reward=0.0, finish_reason="eos"))
+    with pytest.raises(MessageError, match="bool"):  # a bool is not an int
+        comm.encode(message("heartbeat", rank=True, time=1.0))
+
+
+def test_trajectory_conversion_round_trip():
+    traj = Trajectory(group_id=3, prompt_ids=[5, 6], completion_ids=[7, 8, 9], logprobs=[-0.1, -2.0, -0.75],
+                      versions=[4, 4, 5], reward=0.5, finish_reason="length", problem_id="q1", meta={"a": [1]})
+    msg = comm.trajectory_to_msg(traj, rank=2)
+    assert {f.name for f in dataclasses.fields(Trajectory)} <= msg.keys()  # no field left behind
+    back = comm.msg_to_trajectory(comm.decode(comm.encode(msg)))
+    assert back == traj
+    # arrays on the wire become plain lists again
+    msg = comm.trajectory_to_msg(traj)
+    msg.update(completion_ids=np.array([7, 8, 9], np.int32), logprobs=torch.tensor([-0.5, -2.0, -0.75]),
+               versions=np.array([4, 4, 5], np.int64))
+    back = comm.msg_to_trajectory(comm.decode(comm.encode(msg)))
+    assert back.completion_ids == [7, 8, 9] and back.logprobs == [-0.5, -2.0, -0.75] and back.versions == [4, 4, 5]
+    assert all(type(x) is int for x in back.completion_ids) and all(type(x) is float for x in back.logprobs)
+
+
+def bad_array_message() -> bytes:
+    """A well-formed msgpack message whose array holds fewer bytes than its shape needs."""
+    arr = {"__nd__": True, "dtype": "float32", "shape": [4], "kind": "numpy", "data": b"\x00" * 12}
+    return msgpack.packb(message("stats", rank=0, time=0.0, values={"x": arr}), use_bin_type=True)
+
+
+def bad_payloads() -> dict[str, list[bytes]]:
+    """reason -> raw payloads that must be rejected for that reason."""
+    pack = lambda obj: msgpack.packb(obj, use_bin_type=True)  # noqa: E731
+    ok = message("heartbeat", rank=1, time=1.0)
+    return {
+        "not_msgpack": [b"\xc1garbage", pack(ok)[:-3], pack(ok) + b"\x01"],  # never-used byte, truncated, trailing
+        "not_a_map": [pack([1, 2, 3])],
+        "bad_version": [pack({"rows": [1, 2], "owner": "someone else"}), pack({**ok, "v": 99})],
+        "unknown_type": [pack({**ok, "type": "launch_missiles"}), pack({**ok, "type": [1]})],
+        "bad_fields": [pack({**ok, "time": "noon"}), pack(message("stop"))],
+        "bad_array": [bad_array_message(),
+                      pack(message("stats", rank=0, time=0.0, values={"x": {"__nd__": True, "dtype": "object",
+                                                                              "shape": [1], "data": b"\x00" * 8}}))],
+        "oversize": [pack(message("stop", reason="x" * 5000))],
+    }
+
+
+def connected_pair():
+    router = RouterChannel(max_bytes=4096)
+    endpoint = router.bind("127.0.0.1")
+    dealer = DealerChannel("replica-0", max_bytes=4096)
+    dealer.connect(endpoint)
+    return router, dealer
+
+
+def test_channels_carry_every_message_type_both_ways():
+    router, dealer = connected_pair()
+    try:
+        assert router.recv(timeout_s=0.05) is None  # nothing sent: times out, returns None
+        for msg in one_of_each():
+            assert dealer.send(msg)
+            peer, got = router.recv(timeout_s=10)
+            assert peer == "replica-0" and same(msg, got)
+        assert router.peers == {"replica-0"}
+        for msg in one_of_each():
+            assert router.send(msg, to="replica-0")
+            assert same(msg, dealer.recv(timeout_s=10))
+        assert dealer.recv(timeout_s=0.05) is None
+        assert not router.send(message("stop", reason="x"), to="nobody", timeout_s=0.05)
+        assert router.stats()["send_failed"] == 1
+    finally:
+        router.close()
+        dealer.close()
+
+
+def test_router_rejects_bad_input_and_keeps_receiving():
+    router, dealer = connected_pair()
+    raw = zmq.Context.instance().socket(zmq.DEALER)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(router.endpoint)
+    try:
+        expected = {}
+        for reason, payloads in bad_payloads().items():
+            for p in payloads:
+                raw.send(p)
+            expected[reason] = len(payloads)
+        raw.send_multipart([b"a", b"b"])  # two frames where one is expected
+        expected["bad_frames"] = 1
+        good = message("heartbeat", rank=9, time=2.0)
+        raw.send(comm.encode(good))
+        got = router.recv(timeout_s=10)
+        assert got is not None and same(good, got[1])
+        assert dict(router.rejected) == expected
+        assert router.received == 1
+    finally:
+        raw.close()
+        router.close()
+        dealer.close()
+
+
+def test_dealer_rejects_bad_input_and_keeps_receiving():
+    raw = zmq.Context.instance().socket(zmq.ROUTER)
+    raw.setsockopt(zmq.LINGER, 0)
+    port = raw.bind_to_random_port("tcp://127.0.0.1")
+    dealer = DealerChannel("replica-1", max_bytes=4096)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        assert dealer.send(message("heartbeat", rank=1, time=0.0))
+        ident, _ = raw.recv_multipart()  # learn the dealer's routing id
+        assert ident == b"replica-1"
+        for payloads in bad_payloads().values():
+            for p in payloads:
+                raw.send_multipart([ident, p])
+        good = message("prompt", group_id=1, problem_id=0, prompt_ids=[3], n=2, sampling={}, version=0)
+        raw.send_multipart([ident, comm.encode(good)])
+        assert same(good, dealer.recv(timeout_s=10))
+        assert dict(dealer.rejected) == {r: len(p) for r, p in bad_payloads().items()}
+    finally:
+        raw.close()
+        dealer.close()
+
+
+def test_endpoint_exchange_through_tcpstore():
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
+    router = RouterChannel()
+    try:
+        comm.publish_endpoint(master, "controller", router.bind("127.0.0.1"))
+        endpoint = comm.lookup_endpoint(client, "controller", timeout_s=10)
+        assert endpoint == router.endpoint and endpoint.startswith("tcp://127.0.0.1:")
+        dealer = DealerChannel("replica-2")
+        dealer.connect(endpoint)
+        assert dealer.send(message("heartbeat", rank=2, time=0.0))
+        assert router.recv(timeout_s=10)[0] == "replica-2"
+        dealer.close()
+        with pytest.raises(TimeoutError, match="missing"):
+            comm.lookup_endpoint(client, "missing", timeout_s=0.1)
+        with pytest.raises(ValueError):
+            comm.publish_endpoint(master, "bad", "localhost:1234")
+    finally:
+        router.close()
+
+
+def test_wildcard_bind_advertises_a_connectable_address():
+    router = RouterChannel()
+    dealer = DealerChannel("replica-3")
+    try:
+        endpoint = router.bind("0.0.0.0", advertise="127.0.0.1")
+        assert endpoint.startswith("tcp://127.0.0.1:")
+        dealer.connect(endpoint)
+        assert dealer.send(message("stop", reason="bye"))
+        assert router.recv(timeout_s=10)[1]["reason"] == "bye"
+    finally:
+        router.close()
+        dealer.close()
+    with pytest.raises(ValueError, match="identity"):
+        DealerChannel("")
+
+
+def test_endpoint_exchange_through_hashstore():
+    store = dist.HashStore()
+    comm.publish_endpoint(store, "replica-0", "tcp://10.0.0.1:5555")
+    assert comm.lookup_endpoint(store, "replica-0", timeout_s=1) == "tcp://10.0.0.1:5555"

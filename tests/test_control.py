@@ -1,0 +1,319 @@
+"""hexrl.control: staleness gate, replay buffer, dispatch, dataset cursor, metrics, heartbeats."""
+import io
+import json
+import math
+from collections import Counter, deque
+
+import numpy as np
+import pytest
+
+from hexrl.control.buffer import ReplayBuffer
+from hexrl.control.dataset import DatasetCursor
+from hexrl.control.dispatch import Dispatcher
+from hexrl.control.gate import StalenessGate
+from hexrl.control.heartbeat import Heartbeats
+from hexrl.control.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics, staleness_histogram
+from hexrl.trajectory import Trajectory
+
+
+def traj(group_id: int, reward: float, version: int = 0, length: int = 2) -> Trajectory:
+    return Trajectory(group_id=group_id, prompt_ids=[1], completion_ids=[2] * length, logprobs=[-1.0] * length,
+                      versions=[version] * length, reward=reward, finish_reason="eos")
+
+
+# ---------------------------------------------------------------- gate
+
+
+def test_gate_eta0_is_synchronous_exactly_b_groups_per_version():
+    gate = StalenessGate(batch_size=4, eta=0)
+    for version in range(3):
+        handed = 0
+        while gate.try_acquire(version):
+            handed += 1
+        assert handed == 4
+        gate.on_accepted(4)
+        assert gate.capacity(version) == 0  # accepted groups keep their slot until the next version
+
+
+def test_gate_eta2_formula():
+    gate = StalenessGate(batch_size=3, eta=2)
+    assert gate.capacity(0) == 9  # (2 + 0 + 1) * 3
+    assert sum(gate.try_acquire(0) for _ in range(12)) == 9
+    gate.on_accepted(2)
+    gate.on_dropped("equal_rewards")  # a filtered group gives its slot back
+    assert (gate.running, gate.accepted) == (6, 2)
+    assert gate.capacity(0) == 9 - 8
+    assert gate.capacity(4) == (2 + 4 + 1) * 3 - 8
+    gate.on_dropped("stale", was_accepted=True)
+    assert gate.accepted == 1 and gate.released == {"equal_rewards": 1, "stale": 1}
+    with pytest.raises(ValueError, match="running"):
+        gate.on_accepted(7)
+    assert StalenessGate(4, None).capacity(0) == math.inf
+
+
+def test_gate_staleness_check_counts():
+    gate = StalenessGate(batch_size=2, eta=2)
+    assert not gate.is_too_stale(oldest_version=3, trainer_version=5)
+    assert gate.is_too_stale(oldest_version=2, trainer_version=5)
+    assert gate.too_stale == 1
+    assert not StalenessGate(2, None).is_too_stale(0, 10**6)
+    for bad in (dict(batch_size=0, eta=1), dict(batch_size=2, eta=-1)):
+        with pytest.raises(ValueError):
+            StalenessGate(**bad)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 3])
+def test_gate_and_buffer_keep_staleness_within_eta(eta):
+    """Simulated run: rollouts finish FIFO after `delay` ticks; the trainer steps when a batch is ready.
+
+    Reference: a group handed out at version v is trained at version <= v + eta (AReaL's bound),
+    and eta = 0 trains only on fresh data.
+    """
+    B, n, delay = 3, 2, 5
+    gate = StalenessGate(B, eta)
+    buf = ReplayBuffer(gate=gate)
+    version, next_gid, flying, staleness = 0, 0, deque(), Counter()
+    for tick in range(200):
+        while gate.try_acquire(version):
+            buf.expect(next_gid, n)
+            flying.append((tick + delay, next_gid, version))
+            next_gid += 1
+        while flying and flying[0][0] <= tick:
+            _, gid, v = flying.popleft()
+            for i in range(n):
+                buf.add(traj(gid, reward=float(i), version=v))
+        batch = buf.pop_batch(B, trainer_version=version)
+        if batch:
+            staleness.update(version - g.oldest_version for g in batch)
+            version += 1
+    assert version > 10 and gate.too_stale == 0
+    assert max(staleness) <= eta
+    if eta > 0:
+        assert max(staleness) > 0  # the overlap really happened
+    buf.drain()
+    buf.assert_balanced(allow_pending=False)
+
+
+# ---------------------------------------------------------------- buffer
+
+
+def test_buffer_groups_complete_then_pop_oldest_first():
+    gate = StalenessGate(batch_size=2, eta=None)
+    buf = ReplayBuffer(gate=gate)
+    for gid in range(4):
+        assert gate.try_acquire(0)
+        buf.expect(gid, n=2)
+    assert buf.add(traj(0, 0.0, version=5)) == "pending"
+    assert buf.pop_batch(1) is None  # an incomplete group is not ready
+    assert buf.add(traj(0, 1.0, version=5)) == "accepted"
+    for gid, version in ((1, 3), (2, 5)):
+        buf.add(traj(gid, 0.0, version))
+        buf.add(traj(gid, 1.0, version))
+    assert buf.pop_batch(4) is None  # only 3 ready: nothing popped
+    assert [g.group_id for g in buf.pop_batch(2)] == [1, 0]  # version 3 first, then completion order
+    assert [g.group_id for g in buf.pop_batch(1)] == [2]
+    assert (gate.running, gate.accepted) == (1, 3)
+    acc = buf.accounting()
+    assert acc["produced"] == 6 and acc["trained"] == 6 and acc["pending"] == 0 and acc["balanced"]
+
+
+def test_buffer_filters_equal_rewards_when_asked():
+    buf = ReplayBuffer()
+    buf.expect(0, n=3)
+    assert [buf.add(traj(0, 1.0)) for _ in range(3)] == ["pending", "pending", "filtered"]
+    assert buf.filtered == {"equal_rewards": 3} and buf.ready == []
+    keep = ReplayBuffer(filter_equal_rewards=False)
+    keep.expect(0, n=2)
+    assert [keep.add(traj(0, 1.0)) for _ in range(2)] == ["pending", "accepted"]
+
+
+def test_buffer_accounts_for_every_trajectory():
+    gate = StalenessGate(batch_size=1, eta=1)
+    buf = ReplayBuffer(gate=gate)
+    for gid in range(5):
+        assert gate.try_acquire(version=3)
+        buf.expect(gid, n=2)
+    assert buf.add(traj(99, 0.0)) == "dropped"  # never handed out
+    buf.add(traj(0, 0.0))
+    bad = traj(0, 1.0)
+    bad.logprobs = bad.logprobs[:1]
+    assert buf.add(bad) == "dropped"  # malformed sample: the whole group goes
+    assert buf.add(traj(0, 1.0)) == "dropped"  # late sample of that group, same reason
+    buf.add(traj(1, 0.0))
+    assert buf.abandon(1, "replica_dead") == 1
+    for gid, version in ((2, 0), (3, 3)):
+        buf.add(traj(gid, 0.0, version))
+        buf.add(traj(gid, 1.0, version))
+    buf.add(traj(4, 0.0))
+    assert buf.accounting()["balanced"]
+    batch = buf.pop_batch(1, trainer_version=3)  # group 2 is 3 versions behind, eta = 1
+    assert [g.group_id for g in batch] == [3] and gate.too_stale == 1
+    assert buf.drain("shutdown") == 1
+    acc = buf.accounting()
+    assert acc["dropped"] == {"unknown_group": 1, "malformed": 3, "replica_dead": 1, "stale": 2, "shutdown": 1}
+    assert acc["produced"] == 10 and acc["trained"] == 2 and acc["pending"] == 0
+    buf.assert_balanced(allow_pending=False)
+    assert (gate.running, gate.accepted) == (0, 1)  # only the trained group still holds a slot
+    buf.trained += 1  # a bookkeeping bug must not go unnoticed
+    with pytest.raises(AssertionError, match="does not add up"):
+        buf.assert_balanced()
+
+
+def test_buffer_rejects_double_hand_out():
+    buf = ReplayBuffer()
+    buf.expect(1, n=2)
+    with pytest.raises(ValueError, match="already"):
+        buf.expect(1, n=2)
+    with pytest.raises(ValueError, match="n must"):
+        buf.expect(2, n=0)
+
+
+# ---------------------------------------------------------------- dispatch
+
+
+def test_dispatch_follows_planned_shares():
+    d = Dispatcher({0: 1.0, 1: 3.0, 2: 2.0})
+    assert d.pick() == 0  # all idle: ties go to the smallest id
+    picks = Counter(d.assign(gid) for gid in range(12))
+    assert picks == {0: 2, 1: 6, 2: 4}  # proportional to the shares
+    assert d.done(5) is not None and d.done(5) is None
+
+
+def test_dispatch_fills_the_least_loaded_and_skips_the_dead():
+    d = Dispatcher({0: 1.0, 1: 1.0})
+    assert [d.assign(g) for g in range(4)] == [0, 1, 0, 1]
+    d.done(0)
+    assert d.pick() == 0
+    assert d.mark_dead(0) == [2]
+    assert [d.assign(g) for g in (10, 11)] == [1, 1]
+    assert d.in_flight[1] == {1, 3, 10, 11}
+    d.mark_dead(1)
+    assert d.assign(12) is None
+    with pytest.raises(ValueError, match="positive"):
+        Dispatcher({0: 1.0, 1: 0.0})
+
+
+# ---------------------------------------------------------------- dataset cursor
+
+
+def test_cursor_epochs_are_seeded_permutations():
+    problems = [f"p{i}" for i in range(10)]
+    c = DatasetCursor(problems, seed=3)
+    e0, e1 = [c.next() for _ in range(10)], [c.next() for _ in range(10)]
+    assert sorted(e0) == sorted(e1) == sorted(problems) and e0 != e1
+    again = DatasetCursor(problems, seed=3)
+    assert [again.next() for _ in range(20)] == e0 + e1
+    other = DatasetCursor(problems, seed=4)
+    assert [other.next() for _ in range(10)] != e0
+    assert [DatasetCursor(problems, shuffle=False).next() for _ in range(1)] == ["p0"]
+    idx, p = DatasetCursor(problems, seed=3).next_indexed()
+    assert problems[idx] == p == e0[0]
+
+
+@pytest.mark.parametrize("k", [0, 3, 7, 8, 9, 20])
+def test_cursor_resume_neither_repeats_nor_skips(k):
+    problems = list(range(7))
+    straight = DatasetCursor(problems, seed=11)
+    expected = [straight.next() for _ in range(k + 15)]
+    first = DatasetCursor(problems, seed=11)
+    head = [first.next() for _ in range(k)]
+    state = json.loads(json.dumps(first.state()))  # as it would go through a checkpoint
+    resumed = DatasetCursor(problems, seed=11)
+    resumed.load_state(state)
+    assert resumed.consumed == k
+    assert head + [resumed.next() for _ in range(15)] == expected
+
+
+def test_cursor_refuses_mismatched_state_and_stops_after_max_epochs():
+    c = DatasetCursor(list(range(5)), seed=1)
+    with pytest.raises(ValueError) as e:
+        c.load_state({"epoch": 0, "index": 9, "seed": 2, "shuffle": True, "size": 6})
+    for word in ("seed", "size", "index"):
+        assert word in str(e.value)
+    c = DatasetCursor(list(range(3)), seed=0, max_epochs=2)
+    assert sorted(c) == [0, 0, 1, 1, 2, 2]
+    with pytest.raises(StopIteration):
+        c.next()
+    with pytest.raises(ValueError, match="empty"):
+        DatasetCursor([], seed=0)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def record(step: int, **extra) -> dict:
+    base = {k: 0 for k in REQUIRED_KEYS}
+    base.update(step=step, version=step, reward_mean=0.25, rollout_tokens_per_s=1234.5)
+    return {**base, **extra}
+
+
+def test_metrics_writes_one_json_line_per_step(tmp_path):
+    out = io.StringIO()
+    w = MetricsWriter(tmp_path / "run", console=out, tensorboard=False)
+    w.log(record(0, staleness_hist=staleness_histogram([3, 3, 2], trainer_version=4)))
+    w.log(record(1, reward_mean=np.float32(0.5), train_tokens_per_s=float("nan")))
+    with pytest.raises(ValueError) as e:
+        w.log({"step": 2, "version": 2})
+    assert "reward_mean" in str(e.value) and "weight_sync_s" in str(e.value)
+    w.close()
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1]
+    assert rows[0]["staleness_hist"] == {"1": 2, "2": 1}
+    assert rows[1]["reward_mean"] == 0.5 and rows[1]["train_tokens_per_s"] is None
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("step 0 v0") and "1234 tok/s" in lines[0]
+
+
+def test_metrics_resume_truncates_redone_steps_and_skips_torn_line(tmp_path):
+    w = MetricsWriter(tmp_path, console=None, tensorboard=False)
+    for s in range(4):
+        w.log(record(s))
+    w.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "vers')  # crash mid-write
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    w = MetricsWriter(tmp_path, console=None, tensorboard=False, resume_step=1)
+    w.log(record(2, reward_mean=0.75))
+    w.close()
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["reward_mean"] == 0.75
+
+
+# ---------------------------------------------------------------- heartbeats
+
+
+def test_heartbeats_deadlines():
+    hb = Heartbeats(timeout_s=10)
+    hb.beat(0, now=0.0)
+    hb.beat(1, now=0.0)
+    hb.expect(2, now=0.0)
+    assert hb.dead(now=5.0) == []
+    hb.beat(1, now=8.0)
+    hb.beat(2, now=9.0)
+    assert hb.dead(now=12.0) == [0]
+    assert hb.dead(now=30.0) == [0, 1, 2]
+    hb.forget(0)
+    hb.beat(2, now=30.0)
+    assert hb.dead(now=30.0) == [1]
+    with pytest.raises(ValueError):
+        Heartbeats(timeout_s=0)
+
+
+def test_metrics_tensorboard_gets_numeric_scalars(tmp_path):
+    class FakeTB:  # stands in for SummaryWriter (tensorboard is optional and not installed here)
+        def __init__(self):
+            self.scalars = {}
+
+        def add_scalar(self, tag, value, step):
+            self.scalars[(tag, step)] = value
+
+        def close(self):
+            pass
+
+    w = MetricsWriter(tmp_path, console=None, tensorboard=False)
+    w.tb = FakeTB()
+    w.log(record(3, staleness_hist={"0": 5, "1": 2}, note="text"))
+    scalars = w.tb.scalars
+    w.close()
+    assert scalars[("reward_mean", 3)] == 0.25 and scalars[("staleness_hist/1", 3)] == 2
+    assert ("step", 3) not in scalars and ("note", 3) not in scalars
