@@ -37,7 +37,9 @@ log = logging.getLogger("hexrl.comm")
 # joined by "|"; a leading "?" marks an optional field. list[...] also accepts a 1-D array.
 SCHEMAS: dict[str, dict[str, str]] = {
     "prompt": {"group_id": "int", "problem_id": "int|str", "prompt_ids": "list[int]", "n": "int",
-               "sampling": "dict", "version": "int"},
+               "sampling": "dict", "version": "int",
+               # what the rollout side's reward needs: rewards run next to generation
+               "answer": "?str", "tests": "?list"},
     "trajectory": {"group_id": "int", "prompt_ids": "list[int]", "completion_ids": "list[int]",
                    "logprobs": "list[float]", "versions": "list[int]", "reward": "float",
                    "finish_reason": "str", "problem_id": "?int|str|None", "meta": "?dict",

@@ -1,0 +1,204 @@
+"""The controller: a thread on trainer rank 0 that feeds prompts and collects trajectories.
+
+It hands out prompt groups while the staleness gate allows, spreads them over the rollout
+replicas, files returning trajectories into the replay buffer, and gives the trainer thread
+batches of B complete groups. Only this thread touches the ZeroMQ socket; the trainer thread
+talks to it through `next_batch`, `publish_version` and `state` under one lock.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from hexrl.comm import RouterChannel, message, msg_to_trajectory
+from hexrl.control.buffer import Group, ReplayBuffer
+from hexrl.control.dataset import DatasetCursor
+from hexrl.control.dispatch import Dispatcher
+from hexrl.control.gate import StalenessGate
+from hexrl.control.heartbeat import Heartbeats
+
+
+@dataclass
+class ReplicaInfo:
+    id: int
+    share: float
+
+    @property
+    def name(self) -> str:  # the ZeroMQ identity its leader connects with
+        return f"replica-{self.id}"
+
+
+class ControllerFailure(RuntimeError):
+    """A rollout replica reported an error or went silent."""
+
+
+class Controller:
+    """Prompt dispatch, staleness gate, replay buffer and version bookkeeping (see module doc)."""
+
+    def __init__(self, rl, cursor: DatasetCursor, encode_prompt, replicas: list[ReplicaInfo],
+                 router: RouterChannel, heartbeat_timeout_s: float = 60.0):
+        self.rl, self.cursor, self.encode_prompt, self.router = rl, cursor, encode_prompt, router
+        self.replicas = {r.id: r for r in replicas}
+        self.by_name = {r.name: r.id for r in replicas}
+        self.gate = StalenessGate(rl.batch_size, rl.eta)
+        self.buffer = ReplayBuffer(self.gate, rl.filter_equal_groups)
+        self.dispatcher = Dispatcher({r.id: r.share for r in replicas})
+        self.heartbeats = Heartbeats(heartbeat_timeout_s)
+        self.version = 0
+        self.next_group = 0
+        self.in_flight: dict[int, int] = {}  # group id -> dataset index, until trained or given up
+        self.redo: deque[int] = deque()  # dataset indices to hand out again first (after a resume)
+        self.completion_tokens = 0  # counted as trajectories arrive, for rollout tokens/s
+        self.failure: str | None = None
+        self.lock = threading.Condition()
+        self.outbox: queue.Queue[dict] = queue.Queue()  # broadcast to every replica by this thread
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hexrl-controller", daemon=True)
+
+    # ------------------------------------------------------------------ trainer-thread API
+    def start(self) -> "Controller":
+        for r in self.replicas:
+            self.heartbeats.expect(r)
+        self._thread.start()
+        return self
+
+    def next_batch(self, timeout_s: float | None = None) -> list[Group]:
+        """Block until B complete groups fit the staleness bound; raise if the rollouts failed."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self.lock:
+            while True:
+                if self.failure:
+                    raise ControllerFailure(self.failure)
+                batch = self.buffer.pop_batch(self.rl.batch_size, trainer_version=self.version)
+                if batch is not None:
+                    for g in batch:
+                        self.in_flight.pop(g.group_id, None)
+                    return batch
+                if deadline is not None and time.monotonic() > deadline:
+                    raise TimeoutError(f"no batch of {self.rl.batch_size} groups within {timeout_s} s")
+                self.lock.wait(0.5)
+
+    def publish_version(self, version: int) -> None:
+        """The trainer finished `version`: open the gate and tell replicas to join the broadcast."""
+        with self.lock:
+            self.version = version
+        self.outbox.put(message("weights", version=version))
+
+    def stop(self, reason: str = "done") -> None:
+        self.outbox.put(message("stop", reason=reason))
+        deadline = time.monotonic() + 5
+        while not self.outbox.empty() and time.monotonic() < deadline and self._thread.is_alive():
+            time.sleep(0.05)
+        self._stop.set()
+        self._thread.join(timeout=10)
+        with self.lock:
+            self.buffer.drain("shutdown")
+
+    def state(self) -> dict:
+        """What a checkpoint needs so a resume neither repeats nor skips a prompt."""
+        with self.lock:
+            return {"cursor": self.cursor.state(), "next_group": self.next_group,
+                    "redo": sorted(set(self.in_flight.values()) | set(self.redo)), "version": self.version}
+
+    def load_state(self, state: dict) -> None:
+        self.cursor.load_state(state["cursor"])
+        self.next_group = state["next_group"]
+        self.redo = deque(state["redo"])
+        self.version = state["version"]
+
+    def counters(self) -> dict:
+        with self.lock:
+            acc = self.buffer.accounting()
+            return {**acc, "completion_tokens": self.completion_tokens, "too_stale": self.gate.too_stale,
+                    "rejected_messages": sum(self.router.rejected.values())}
+
+    # ------------------------------------------------------------------ controller thread
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._flush_outbox()
+                with self.lock:
+                    self._dispatch()
+                self._receive(timeout_s=0.02)
+                self._check_replicas()
+            except Exception as e:  # surface to the trainer thread instead of dying silently
+                with self.lock:
+                    self.failure = f"controller thread crashed: {type(e).__name__}: {e}"
+                    self.lock.notify_all()
+                return
+
+    def _flush_outbox(self) -> None:
+        while not self.outbox.empty():
+            msg = self.outbox.get()
+            for r in self.replicas.values():
+                if r.id not in self.dispatcher.dead and not self.router.send(msg, to=r.name, timeout_s=30):
+                    self._fail(f"could not deliver {msg['type']} to {r.name}")
+
+    def _dispatch(self) -> None:
+        while self.gate.capacity(self.version) > 0:
+            replica = self.dispatcher.pick()
+            if replica is None or self.replicas[replica].name not in self.router.peers:
+                return  # no live replica has connected yet
+            index = self.redo.popleft() if self.redo else self.cursor.next_indexed()[0]
+            problem = self.cursor.problems[index]
+            gid = self.next_group
+            msg = message("prompt", group_id=gid, problem_id=problem.id, prompt_ids=self.encode_prompt(problem.prompt),
+                          n=self.rl.group_size, sampling=self._sampling(gid), version=self.version,
+                          answer=str(problem.answer), tests=problem.tests)
+            if not self.router.send(msg, to=self.replicas[replica].name, timeout_s=5):
+                self.redo.appendleft(index)
+                return
+            self.gate.try_acquire(self.version)
+            self.buffer.expect(gid, self.rl.group_size, problem.id)
+            self.dispatcher.assign(gid)
+            self.in_flight[gid] = index
+            self.next_group += 1
+
+    def _sampling(self, gid: int) -> dict:
+        rl = self.rl
+        return {"temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
+                "max_new_tokens": rl.max_new_tokens, "seed": rl.seed * 1_000_003 + gid}
+
+    def _receive(self, timeout_s: float) -> None:
+        got = self.router.recv(timeout_s)
+        while got is not None:
+            self._handle(*got)
+            got = self.router.recv(0)
+
+    def _handle(self, peer: str, msg: dict) -> None:
+        replica = self.by_name.get(peer)
+        if replica is None:
+            self.router.rejected["unknown_peer"] += 1
+            return
+        self.heartbeats.beat(replica)
+        kind = msg["type"]
+        if kind == "trajectory":
+            with self.lock:
+                traj = msg_to_trajectory(msg)
+                self.completion_tokens += len(traj.completion_ids)
+                status = self.buffer.add(traj)
+                if status != "pending":
+                    self.dispatcher.done(traj.group_id)
+                    if status != "accepted":
+                        self.in_flight.pop(traj.group_id, None)
+                self.lock.notify_all()
+        elif kind == "error":
+            self._fail(f"rollout rank {msg['rank']} ({peer}) failed: {msg['cause']}")
+
+    def _check_replicas(self) -> None:
+        for replica in self.heartbeats.dead():
+            with self.lock:
+                for gid in self.dispatcher.mark_dead(replica):
+                    self.buffer.abandon(gid, "replica_dead")
+                    self.redo.append(self.in_flight.pop(gid))
+                self.heartbeats.forget(replica)
+                if len(self.dispatcher.dead) == len(self.replicas):
+                    self._fail("every rollout replica stopped sending heartbeats")
+
+    def _fail(self, why: str) -> None:
+        with self.lock:
+            self.failure = self.failure or why
+            self.lock.notify_all()

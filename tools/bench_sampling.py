@@ -1,0 +1,86 @@
+"""Micro-benchmark of the sampling and log-prob kernels against the HBM roofline (CUDA only).
+
+For each batch size, prints the time, the achieved logits bandwidth (one read of [B, V] over the
+time) and its ratio to a measured device copy bandwidth, next to torch's sort-based sampling
+(softmax, sort, cumsum, multinomial) and torch's log_softmax + gather, measured in the same run.
+
+    python tools/bench_sampling.py [--vocab 151936] [--batch 1 64 256] [--dtype bf16]
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+    """Measured device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    import triton.testing
+
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200)
+    return 2 * nbytes / (ms * 1e-3)
+
+
+def torch_sort_sample(logits, temperature: float, top_k: int, top_p: float):
+    """The usual torch recipe: tempered softmax, full sort, top-k/top-p mask, multinomial."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    if top_k:
+        sorted_p[:, top_k:] = 0
+    cum = sorted_p.cumsum(dim=-1)
+    sorted_p[(cum - sorted_p) > top_p * cum[:, -1:]] = 0
+    pick = torch.multinomial(sorted_p, 1)
+    return order.gather(1, pick)[:, 0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab", type=int, default=151936)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 64, 256])
+    parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_sampling: no CUDA device; this benchmark only measures GPU kernels. Nothing to do.")
+        return 0
+    import triton.testing
+
+    from kernels.logprob import token_logprobs
+    from kernels.sampling import sample
+
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    bw = copy_bandwidth()
+    print(f"device: {torch.cuda.get_device_name()}  copy bandwidth {bw / 1e9:.0f} GB/s  "
+          f"vocab {args.vocab}  {args.dtype}")
+    print(f"{'case':<28}{'B':>6}{'kernel us':>11}{'GB/s':>8}{'/copy':>7}{'torch us':>11}{'speedup':>9}")
+    for batch in args.batch:
+        logits = torch.randn(batch, args.vocab, device="cuda", dtype=dtype) * 3
+        nbytes = logits.numel() * logits.element_size()
+        seeds = torch.arange(batch, device="cuda")
+        targets = torch.randint(0, args.vocab, (batch,), device="cuda")
+        cases = [
+            ("sample T=1", lambda: sample(logits, 1.0, 0, 1.0, seeds, 0, check=False),
+             lambda: torch_sort_sample(logits, 1.0, 0, 1.0)),
+            ("sample T=.7 k=50 p=.9", lambda: sample(logits, 0.7, 50, 0.9, seeds, 0, check=False),
+             lambda: torch_sort_sample(logits, 0.7, 50, 0.9)),
+            ("sample T=1 p=.95", lambda: sample(logits, 1.0, 0, 0.95, seeds, 0, check=False),
+             lambda: torch_sort_sample(logits, 1.0, 0, 0.95)),
+            ("token_logprobs", lambda: token_logprobs(logits, targets, check=False),
+             lambda: torch.log_softmax(logits.float(), -1).gather(1, targets[:, None])),
+        ]
+        for name, kernel, baseline in cases:
+            ms = triton.testing.do_bench(kernel, warmup=10, rep=100)
+            ms_ref = triton.testing.do_bench(baseline, warmup=10, rep=100)
+            rate = nbytes / (ms * 1e-3)
+            print(f"{name:<28}{batch:>6}{ms * 1e3:>11.1f}{rate / 1e9:>8.0f}{rate / bw:>7.2f}"
+                  f"{ms_ref * 1e3:>11.1f}{ms_ref / ms:>9.2f}")
+    print("GB/s = one read of the [B, V] logits per call; /copy = that over the measured copy bandwidth.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
