@@ -1,0 +1,124 @@
+"""The rollout rank's loop: prompts in over ZeroMQ, trajectories (with rewards) out.
+
+The replica leader (TP rank 0) talks to the controller; the other TP ranks of the replica
+mirror its engine steps in `Engine.follow`. Every rank of the replica joins the weight
+broadcast when the controller announces a new version (between decode steps: the engine
+then drops its KV pages and recomputes every unfinished sequence).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hexrl.comm import DealerChannel, lookup_endpoint, message, trajectory_to_msg
+from hexrl.rewards import RewardPool
+from hexrl.trajectory import Trajectory
+from hexrl.weights import TensorSpec, broadcast_stage, load_into
+
+from .engine import Engine
+from .sequence import Finished, Request
+
+HEARTBEAT_S = 1.0
+
+
+@dataclass
+class SyncGroup:
+    """One pipeline stage's weight broadcast: its source trainer rank and group."""
+
+    src: int
+    group: object
+    specs: list[TensorSpec]
+
+
+@dataclass
+class PendingGroup:
+    msg: dict
+    outputs: dict[int, Finished] = field(default_factory=dict)
+
+
+def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device):
+    """`on_update(version)` for the engine: join each stage's broadcast and load what arrives."""
+    def receive(version: int):
+        def load(model):
+            for s in sync:
+                load_into(model, broadcast_stage(None, s.specs, s.src, s.group, dtype, device))
+        return load
+    return receive
+
+
+class RolloutLeader:
+    """Drives one replica's engine from controller messages; sends finished groups back."""
+
+    def __init__(self, engine: Engine, replica_id: int, rank: int, store, receive_weights,
+                 reward: str, reward_timeout_s: float, tokenizer, reward_workers: int = 2):
+        self.engine, self.rank, self.receive_weights, self.tokenizer = engine, rank, receive_weights, tokenizer
+        self.channel = DealerChannel(f"replica-{replica_id}")
+        self.channel.connect(lookup_endpoint(store, "controller", timeout_s=300))
+        self.reward_name = reward
+        self.rewards = RewardPool(reward, workers=reward_workers, timeout_s=reward_timeout_s)
+        self.groups: dict[int, PendingGroup] = {}
+        self._last_beat = 0.0
+
+    def run(self) -> None:
+        try:
+            while self._poll():
+                if self.engine.has_work():
+                    self._collect(self.engine.step())
+                self._heartbeat()
+        finally:
+            self.engine.shutdown()
+            self.rewards.close()
+            self.channel.close()
+
+    def report_error(self, cause: str) -> None:
+        self.channel.send(message("error", rank=self.rank, cause=cause), timeout_s=2)
+
+    def _poll(self) -> bool:
+        """Handle every waiting message; False once told to stop."""
+        msg = self.channel.recv(0 if self.engine.has_work() else 0.05)
+        while msg is not None:
+            kind = msg["type"]
+            if kind == "stop":
+                return False
+            if kind == "prompt":
+                self._add_group(msg)
+            elif kind == "weights":
+                self.engine.update_weights(self.receive_weights(msg["version"]), msg["version"])
+            msg = self.channel.recv(0)
+        return True
+
+    def _add_group(self, msg: dict) -> None:
+        s = msg["sampling"]
+        self.groups[msg["group_id"]] = PendingGroup(msg)
+        for i in range(msg["n"]):
+            self.engine.add(Request(
+                id=f"{msg['group_id']}:{i}", prompt_ids=list(msg["prompt_ids"]), max_new_tokens=int(s["max_new_tokens"]),
+                temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
+                seed=(int(s["seed"]) * 64 + i) % (1 << 62)))
+
+    def _collect(self, finished: list[Finished]) -> None:
+        for out in finished:
+            gid, i = map(int, out.id.split(":"))
+            group = self.groups[gid]
+            group.outputs[i] = out
+            if len(group.outputs) == group.msg["n"]:
+                self._send_group(self.groups.pop(gid))
+
+    def _send_group(self, group: PendingGroup) -> None:
+        msg, outs = group.msg, [group.outputs[i] for i in range(group.msg["n"])]
+        target = msg.get("tests") if self.reward_name == "code" else msg.get("answer")
+        rewards = self.rewards.score([(self.tokenizer.decode(o.token_ids), target) for o in outs])
+        for out, reward in zip(outs, rewards):
+            traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(out.prompt_ids), completion_ids=out.token_ids,
+                              logprobs=out.logprobs, versions=out.versions, reward=float(reward),
+                              finish_reason=out.finish_reason, problem_id=msg["problem_id"])
+            if not self.channel.send(trajectory_to_msg(traj, rank=self.rank), timeout_s=60):
+                raise RuntimeError("the controller stopped accepting trajectories for 60 s")
+
+    def _heartbeat(self) -> None:
+        now = time.time()
+        if now - self._last_beat >= HEARTBEAT_S:
+            self.channel.send(message("heartbeat", rank=self.rank, time=now), timeout_s=1)
+            self._last_beat = now
