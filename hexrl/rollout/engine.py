@@ -1,0 +1,346 @@
+"""The rollout engine: continuous batching over a paged KV cache, interruptible by weight updates.
+
+    engine = Engine(model, EngineConfig(page_size=16), eos_ids=[eos])
+    engine.add(Request("a", prompt_ids, max_new_tokens=128, temperature=1.0, seed=1))
+    while engine.has_work():
+        for out in engine.step():          # Finished(id, token_ids, logprobs, versions, ...)
+            ...
+    engine.update_weights(state_dict, version=7)   # between steps; unfinished sequences recompute
+
+One step = schedule chunks (decodes, prefill chunks, admissions) -> one forward pass over their
+tokens -> lm_head on the last token of each sequence that samples -> sample -> append, finish.
+
+Tensor parallelism: build the Decoder with `tp=TPGroup(...)`. TP rank 0 (the leader) takes
+requests and calls `step()`/`update_weights()`/`shutdown()`; each call first broadcasts what
+happens (new requests, or an update) to the other ranks, which sit in `follow()`. Every rank
+then runs the same deterministic scheduler and samples from the same all-gathered logits with
+the same per-request seeds, so all ranks stay in lockstep without shipping tokens around.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+
+from hexrl.model import Decoder
+
+from .attention import build_meta
+from .pages import PagePool, page_bytes
+from .sampler import sample_tokens
+from .scheduler import Chunk, Scheduler
+from .sequence import Finished, Request, Sequence
+from .torch_paged import TorchPagedAttention
+from .tp import broadcast_from_leader, gather_vocab, min_across
+
+Weights = dict[str, torch.Tensor] | Callable[[Decoder], None]
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. The KV pool holds `max_pages` pages if given, else `gpu_memory_fraction` of
+    the GPU memory still free after the model is loaded, or `cpu_kv_bytes` on CPU."""
+
+    page_size: int = 16
+    max_pages: int | None = None
+    gpu_memory_fraction: float = 0.8
+    cpu_kv_bytes: int = 256 << 20
+    max_batch_tokens: int = 8192  # tokens per forward pass (prefill chunks + decodes)
+    max_running: int = 256  # sequences in the running batch (at most max_batch_tokens)
+    attention: str = "auto"  # "auto" (FlashInfer when usable, else torch) | "torch" | "flashinfer"
+    cuda_graphs: bool = True  # decode graphs; GPU + FlashInfer only
+    graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, multiples of 8, max_running
+
+    def problems(self) -> list[str]:
+        p = []
+        for name in ("page_size", "max_batch_tokens", "max_running", "cpu_kv_bytes"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                p.append(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        if self.max_pages is not None and (not isinstance(self.max_pages, int) or self.max_pages < 1):
+            p.append(f"max_pages must be None or an integer >= 1, got {self.max_pages!r}")
+        if not 0 < self.gpu_memory_fraction <= 1:
+            p.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        if self.attention not in ("auto", "torch", "flashinfer"):
+            p.append(f"attention must be 'auto', 'torch' or 'flashinfer', got {self.attention!r}")
+        return p
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    prefill_tokens: int = 0  # tokens run through the model without producing a sample (incl. recompute)
+    generated_tokens: int = 0
+    preemptions: int = 0
+    interrupts: int = 0  # weight updates
+    graph_steps: int = 0  # decode steps replayed from a CUDA graph
+    finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
+
+
+class Engine:
+    """Continuous-batching generation for one (optionally TP-sharded) whole model."""
+
+    def __init__(self, model: Decoder, config: EngineConfig | None = None, eos_ids: list[int] | int | None = None,
+                 tokenizer=None, seed: int = 0):
+        self.config = config or EngineConfig()
+        problems = self.config.problems()
+        if not (model.is_first and model.is_last):
+            problems.append("the engine needs a whole model (all layers); pipeline stages are not supported")
+        if problems:
+            raise ValueError("invalid engine config: " + "; ".join(problems))
+        self.model, self.tokenizer, self.version = model.eval(), tokenizer, 0
+        self.tp = model.tp if model.tp is not None and model.tp.size > 1 else None
+        self.is_leader = self.tp is None or self.tp.rank == 0
+        self.eos_ids = self._eos_ids(eos_ids)
+        self.stats = EngineStats()
+        self._rng = random.Random(seed)
+        self._pending: list[Request] = []
+        self._live: set = set()  # ids added and not yet finished
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        tp_size = self.tp.size if self.tp else 1
+        cfg = model.cfg
+        self.heads = (cfg.num_attention_heads // tp_size, cfg.num_key_value_heads // tp_size, cfg.head_dim)
+        self.pool = PagePool(range(*model.layer_range), self._num_pages(), self.config.page_size,
+                             self.heads[1], cfg.head_dim, self.dtype, self.device)
+        self.scheduler = Scheduler(self.pool, self.config.max_batch_tokens, self.config.max_running)
+        self.backend, self.graphs = self._make_backend()
+
+    # ------------------------------------------------------------------ setup
+
+    def _eos_ids(self, eos_ids) -> set[int]:
+        if eos_ids is None:  # the model's and the tokenizer's
+            found = self.model.cfg.eos_token_id
+            eos_ids = [found] if isinstance(found, int) else list(found or [])
+            if self.tokenizer is not None:
+                eos_ids += list(getattr(self.tokenizer, "stop_ids", [self.tokenizer.eos_id]))
+        return {eos_ids} if isinstance(eos_ids, int) else set(eos_ids)
+
+    def _num_pages(self) -> int:
+        c = self.config
+        per_page = page_bytes(self.model.layer_range[1] - self.model.layer_range[0], c.page_size,
+                              self.heads[1], self.heads[2], self.dtype)
+        if c.max_pages is not None:
+            n = c.max_pages
+        elif self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            n = int(free * c.gpu_memory_fraction) // per_page
+        else:
+            n = c.cpu_kv_bytes // per_page
+        if self.tp:  # identical pools keep the ranks' schedulers identical
+            n = min_across(n, self.tp, self.device)
+        if n < 1:
+            raise MemoryError(f"no room for a single KV page ({per_page} bytes); lower the model size or "
+                              "raise gpu_memory_fraction / max_pages")
+        return n
+
+    def _make_backend(self):
+        from .flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, flashinfer_usable
+
+        kind = self.config.attention
+        if kind == "auto":
+            kind = "flashinfer" if flashinfer_usable(self.device, self.dtype) else "torch"
+        if kind == "torch":
+            return None, None
+        if not flashinfer_usable(self.device, self.dtype):
+            raise ValueError(f"attention='flashinfer' needs a CUDA model in fp16/bf16 and the flashinfer package "
+                             f"(model is {self.dtype} on {self.device})")
+        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        backend = FlashInferAttention(self.pool, *self.heads, workspace)
+        graphs = None
+        if self.config.cuda_graphs:
+            from .cuda_graph import DecodeGraphs, default_batch_sizes
+
+            sizes = self.config.graph_batch_sizes or default_batch_sizes(self.config.max_running)
+            with torch.no_grad():
+                graphs = DecodeGraphs(self.model, self.pool, self.heads, workspace, list(sizes))
+        return backend, graphs
+
+    # ------------------------------------------------------------------ public API
+
+    @property
+    def capacity_tokens(self) -> int:
+        """The most tokens (prompt + completion) one sequence can ever hold."""
+        return self.pool.num_pages * self.pool.page_size
+
+    def add(self, request: Request) -> None:
+        """Queue a request (leader only); it joins the running batch as soon as pages allow."""
+        if not self.is_leader:
+            raise RuntimeError("only TP rank 0 takes requests; the other ranks run follow()")
+        p = request.problems(self.model.cfg.vocab_size)
+        if request.id in self._live:
+            p.append(f"request {request.id!r}: an unfinished request with this id is already queued")
+        if request.stop_strings and self.tokenizer is None:
+            p.append(f"request {request.id!r}: stop_strings need the engine to have a tokenizer")
+        total = len(request.prompt_ids) + (request.max_new_tokens if isinstance(request.max_new_tokens, int) else 0)
+        if total > self.capacity_tokens:
+            p.append(f"request {request.id!r}: prompt + max_new_tokens = {total} tokens exceed the KV pool "
+                     f"({self.capacity_tokens} tokens = {self.pool.num_pages} pages x {self.pool.page_size})")
+        if p:
+            raise ValueError("; ".join(p))
+        if request.seed is None:  # a concrete seed travels to the other TP ranks with the request
+            request = replace(request, seed=self._rng.randrange(1 << 31))
+        self._live.add(request.id)
+        self._pending.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self._pending) or self.scheduler.has_work()
+
+    def step(self) -> list[Finished]:
+        """Run one batched forward pass; return the requests that finished in it."""
+        if not self.is_leader:
+            raise RuntimeError("step() is the leader's; the other TP ranks run follow()")
+        if not self.has_work():
+            return []
+        new, self._pending = self._pending, []
+        if self.tp:
+            broadcast_from_leader(("step", new), self.tp)
+        return self._step(new)
+
+    def generate(self, requests: list[Request]) -> list[Finished]:
+        """Add `requests`, step until all of them finish, and return their outputs in request order."""
+        for r in requests:
+            self.add(r)
+        wanted, done = {r.id for r in requests}, {}
+        while wanted - done.keys():
+            for out in self.step():
+                done[out.id] = out
+        return [done[r.id] for r in requests]
+
+    @torch.no_grad()
+    def update_weights(self, weights: Weights, version: int) -> None:
+        """Between steps: load new weights (a state dict of this rank's tensors, copied in place, or a
+        callable that loads them into the model in place), drop every KV page, and re-queue each
+        unfinished sequence as a prefill of prompt + tokens so far. Later tokens carry `version`.
+        Under TP the leader calls this; followers receive it in follow()."""
+        if self.tp and self.is_leader:
+            broadcast_from_leader(("update", version), self.tp)
+        if callable(weights):
+            weights(self.model)
+        else:
+            load_state(self.model, weights)
+        self.scheduler.drop_all_kv()
+        self.version = version
+        self.stats.interrupts += 1
+
+    def follow(self, on_update: Callable[[int], Weights] | None = None) -> None:
+        """Loop of a non-leader TP rank: mirror the leader's steps and weight updates until it calls
+        shutdown(). `on_update(version)` returns this rank's new weights (it may join a collective)."""
+        if self.is_leader:
+            raise RuntimeError("follow() is for TP ranks other than 0")
+        while True:
+            kind, arg = broadcast_from_leader(None, self.tp)
+            if kind == "step":
+                self._step(arg)
+            elif kind == "update":
+                if on_update is None:
+                    raise RuntimeError("the leader updated weights but follow() was given no on_update")
+                self.update_weights(on_update(arg), arg)
+            else:
+                return
+
+    def shutdown(self) -> None:
+        """Leader: release the followers from follow()."""
+        if self.tp and self.is_leader:
+            broadcast_from_leader(("stop", None), self.tp)
+
+    # ------------------------------------------------------------------ one step
+
+    @torch.no_grad()
+    def _step(self, new: list[Request]) -> list[Finished]:
+        for r in new:
+            self.scheduler.add(Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids)))
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            if self.scheduler.has_work():  # requests are checked to fit the pool, so the oldest can always run
+                raise RuntimeError("the scheduler made no progress with work queued (a bug)")
+            return []
+        sampling = [c for c in chunks if c.samples]
+        logits = self._forward(chunks)
+        tokens, logprobs = self._sample(logits, sampling)
+        self.stats.steps += 1
+        self.stats.preemptions = self.scheduler.preemptions
+        self.stats.prefill_tokens += sum(c.n for c in chunks) - len(sampling)
+        self.stats.generated_tokens += len(sampling)
+        for c in chunks:
+            c.seq.num_cached = c.start + c.n
+        return [f for c, t, lp in zip(sampling, tokens, logprobs) if (f := self._append(c.seq, t, lp))]
+
+    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
+        """Logits [S, V] (full vocab) of the last token of each sampling chunk."""
+        spans = [(c.seq.pages, c.start, c.n) for c in chunks]
+        ids = torch.tensor([t for c in chunks for t in c.seq.tokens[c.start:c.start + c.n]], device=self.device)
+        rows = [i for i, c in enumerate(chunks) if c.samples]
+        if self.graphs is not None and len(ids) == len(chunks) and len(chunks) <= self.graphs.max_batch:
+            logits = self.graphs.run(spans, ids)[rows]
+            self.stats.graph_steps += 1
+        else:
+            meta = build_meta(spans, self.pool.page_size, self.device)
+            attn = self.backend.begin(meta) if self.backend else TorchPagedAttention(self.pool, meta)
+            hidden = self.model.stage(ids, meta.positions, attn)
+            last = (torch.cumsum(torch.tensor([c.n for c in chunks]), 0) - 1)[rows]  # each chunk's last token
+            logits = self.model.logits(hidden[last.to(self.device)]) if rows else hidden.new_empty(0, 0)
+        if self.tp and rows:
+            logits = gather_vocab(logits, self.tp)
+        return logits
+
+    def _sample(self, logits: torch.Tensor, sampling: list[Chunk]) -> tuple[list[int], list[float]]:
+        if not sampling:
+            return [], []
+        reqs = [c.seq.req for c in sampling]
+        dev = logits.device
+
+        def col(values, dtype):
+            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
+
+        tokens, logprobs = sample_tokens(
+            logits, col([r.temperature for r in reqs], torch.float32), col([r.top_k for r in reqs], torch.int64),
+            col([r.top_p for r in reqs], torch.float32), col([c.seq.seed for c in sampling], torch.int64),
+            col([len(c.seq.tokens) - c.seq.num_prompt for c in sampling], torch.int64),
+        )
+        return tokens.tolist(), logprobs.tolist()
+
+    def _append(self, seq: Sequence, token: int, logprob: float) -> Finished | None:
+        """Record a sampled token; finish the sequence if it should stop."""
+        seq.tokens.append(token)
+        seq.logprobs.append(logprob)
+        seq.versions.append(self.version)
+        reason = self._stop_reason(seq, token)
+        if reason is None:
+            return None
+        self.scheduler.finish(seq)
+        self._live.discard(seq.req.id)
+        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+        return seq.finish(reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        req = seq.req
+        if token in self.eos_ids and not req.ignore_eos:
+            return "eos"
+        if token in req.stop_ids:
+            return "stop"
+        if req.stop_strings:
+            window = max(len(s) for s in req.stop_strings) + 8  # tokens: enough to hold any stop string
+            tail = self.tokenizer.decode(seq.output[-window:])
+            if any(s in tail for s in req.stop_strings):
+                return "stop"
+        if len(seq.output) >= req.max_new_tokens:
+            return "length"
+        return None
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a state dict into the model's parameters in place (CUDA graphs keep their addresses),
+    after checking names and shapes; every problem is reported at once."""
+    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
+    has_head = getattr(model, "lm_head", None) is not None
+    tied = {"lm_head.weight"} if has_head and "lm_head.weight" not in params else set()
+    problems = [f"missing {n}" for n in params if n not in state]
+    problems += [f"{n}: shape {tuple(state[n].shape)}, model has {tuple(p.shape)}"
+                 for n, p in params.items() if n in state and state[n].shape != p.shape]
+    problems += [f"unexpected {n}" for n in state if n not in params and n not in tied]
+    if problems:
+        raise ValueError("update_weights: state dict does not match the model: " + "; ".join(problems))
+    with torch.no_grad():
+        for n, p in params.items():
+            p.copy_(state[n])

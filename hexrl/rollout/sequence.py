@@ -1,0 +1,91 @@
+"""Requests in, finished outputs out, and the per-sequence state the engine keeps in between."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Request:
+    """One prompt to complete.
+
+    temperature 0 is greedy; top_k 0 and top_p 1.0 are off. `seed` fixes the sampling noise of
+    this request (token i draws with (seed, i)), so a request samples the same tokens whatever
+    batch it lands in; None lets the engine pick one. Generation stops at the engine's EOS ids
+    (unless `ignore_eos`), at any of `stop_ids`, at any of `stop_strings` (needs the engine's
+    tokenizer), or after `max_new_tokens`.
+    """
+
+    id: object
+    prompt_ids: list[int]
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    def problems(self, vocab_size: int) -> list[str]:
+        """Everything wrong with this request, as readable sentences."""
+        p, name = [], f"request {self.id!r}"
+        if not self.prompt_ids:
+            p.append(f"{name}: prompt_ids is empty")
+        bad = [t for t in self.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            p.append(f"{name}: prompt_ids has ids outside [0, {vocab_size}): {bad[:5]}")
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            p.append(f"{name}: max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if not self.temperature >= 0:
+            p.append(f"{name}: temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            p.append(f"{name}: top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            p.append(f"{name}: top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if any(not s for s in self.stop_strings):
+            p.append(f"{name}: stop_strings must not contain an empty string")
+        return p
+
+
+@dataclass
+class Finished:
+    """A completed request: the generated ids (EOS/stop id included), and per token the
+    behaviour log-prob and the weight version that produced it."""
+
+    id: object
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    finish_reason: str  # "eos" | "stop" | "length"
+
+
+@dataclass(eq=False)  # identity semantics: `seq in running` must not compare token lists
+class Sequence:
+    """A request in flight: its tokens so far, its KV pages, and how many of its tokens are cached."""
+
+    req: Request
+    seed: int
+    tokens: list[int] = field(default_factory=list)  # prompt + generated
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # block table
+    num_cached: int = 0  # tokens whose k/v are in `pages`
+    arrival: int = 0  # admission order; the newest are preempted first
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.req.prompt_ids)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt:]
+
+    @property
+    def num_uncached(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return len(self.tokens) - self.num_cached
+
+    def finish(self, reason: str) -> Finished:
+        return Finished(self.req.id, list(self.req.prompt_ids), self.output, list(self.logprobs),
+                        list(self.versions), reason)

@@ -1,0 +1,61 @@
+"""The few collectives a tensor-parallel rollout replica needs beyond the layers' own."""
+from __future__ import annotations
+
+import dataclasses
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from hexrl.model import TPGroup
+
+from .sequence import Request
+
+
+def _group(tp: TPGroup):
+    return tp.group if tp.group is not None else dist.group.WORLD
+
+
+def broadcast_from_leader(event: tuple[str, object] | None, tp: TPGroup) -> tuple[str, object]:
+    """Send an engine event `(kind, arg)` from TP rank 0 to the others; every rank returns it.
+
+    `arg` is None, an int (a version) or a list of Requests. Events travel as msgpack bytes,
+    never pickle: a length broadcast, then the payload.
+    """
+    group, src = _group(tp), dist.get_global_rank(_group(tp), 0)
+    device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
+    payload = _encode(event) if event is not None else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if event is not None else \
+        torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return event if event is not None else _decode(buf.cpu().numpy().tobytes())
+
+
+def _encode(event: tuple[str, object]) -> bytes:
+    kind, arg = event
+    if kind == "step":
+        arg = [dataclasses.asdict(r) for r in arg]
+    return msgpack.packb([kind, arg])
+
+
+def _decode(raw: bytes) -> tuple[str, object]:
+    kind, arg = msgpack.unpackb(raw)
+    if kind == "step":
+        arg = [Request(**{k: tuple(v) if k in ("stop_ids", "stop_strings") else v for k, v in r.items()}) for r in arg]
+    return kind, arg
+
+
+def gather_vocab(logits: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    """[B, V/tp] vocab slices on each rank -> the full [B, V] logits on every rank."""
+    parts = [torch.empty_like(logits) for _ in range(tp.size)]
+    dist.all_gather(parts, logits.contiguous(), group=_group(tp))
+    return torch.cat(parts, dim=-1)
+
+
+def min_across(n: int, tp: TPGroup, device: torch.device) -> int:
+    """The smallest of an integer over the TP group (every rank must size its page pool alike)."""
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_group(tp))
+    return int(t.item())

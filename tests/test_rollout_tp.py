@@ -1,0 +1,80 @@
+"""A tensor-parallel replica (2 CPU processes over gloo) generates what a single process does,
+through an interrupt with new weights as well."""
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hexrl.model import TPGroup, load_pretrained, save_pretrained
+from hexrl.rollout import Engine, EngineConfig, Request
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from make_tiny_model import make_tiny_model  # noqa: E402
+
+CONFIG = dict(page_size=4, max_pages=48, max_running=3, max_batch_tokens=24)
+SWITCH_AT = 4  # update weights before this step
+
+
+def checkpoint(path: Path, seed: int) -> Path:
+    make_tiny_model(path, seed=seed, vocab=128, tie=False)
+    model = load_pretrained(path)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20)  # sharp logits: the TP all-reduce order cannot flip a greedy pick
+    save_pretrained(model, path)
+    return path
+
+
+def requests() -> list[Request]:
+    g = torch.Generator().manual_seed(0)
+    reqs = [Request(i, torch.randint(3, 128, (n,), generator=g).tolist(), max_new_tokens=10, temperature=0.0,
+                    ignore_eos=True) for i, n in enumerate([4, 9, 2, 13])]
+    return reqs + [Request("sampled", [5, 6, 7], max_new_tokens=10, temperature=1.0, top_k=30, seed=3,
+                           ignore_eos=True)]
+
+
+def run_leader(engine: Engine, new_weights) -> dict:
+    for r in requests():
+        engine.add(r)
+    outs, k = {}, 0
+    while engine.has_work():
+        if k == SWITCH_AT:
+            engine.update_weights(new_weights, 1)
+        outs.update({str(f.id): (f.token_ids, f.versions) for f in engine.step()})
+        k += 1
+    return outs
+
+
+def worker(rank: int, port: int, path_a: str, path_b: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    tp = TPGroup(dist.group.WORLD, rank, 2)
+    engine = Engine(load_pretrained(path_a, tp=tp), EngineConfig(**CONFIG))
+    new = load_pretrained(path_b, tp=tp).state_dict()  # this rank's shard of the new weights
+    if rank == 0:
+        outs = run_leader(engine, new)
+        engine.shutdown()
+        Path(out).write_text(json.dumps(outs))
+    else:
+        engine.follow(on_update=lambda version: new)
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tp2_equals_tp1_through_an_interrupt(tmp_path):
+    a, b = checkpoint(tmp_path / "a", 0), checkpoint(tmp_path / "b", 1)
+    single = run_leader(Engine(load_pretrained(a), EngineConfig(**CONFIG)), load_pretrained(b).state_dict())
+    mp.spawn(worker, args=(free_port(), str(a), str(b), str(tmp_path / "out.json")), nprocs=2, join=True)
+    sharded = json.loads((tmp_path / "out.json").read_text())
+    assert sharded == {k: [list(t), list(v)] for k, (t, v) in single.items()}
+    assert any(0 < versions.count(0) < 10 for _, versions in single.values())  # the switch hit mid-sequence
