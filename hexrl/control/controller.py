@@ -131,10 +131,13 @@ class Controller:
                 return
 
     def _flush_outbox(self) -> None:
+        live = [r for r in self.replicas.values() if r.id not in self.dispatcher.dead]
+        if any(r.name not in self.router.peers for r in live):
+            return  # every replica must hear a version change: wait until all have connected
         while not self.outbox.empty():
             msg = self.outbox.get()
-            for r in self.replicas.values():
-                if r.id not in self.dispatcher.dead and not self.router.send(msg, to=r.name, timeout_s=30):
+            for r in live:
+                if not self.router.send(msg, to=r.name, timeout_s=30):
                     self._fail(f"could not deliver {msg['type']} to {r.name}")
 
     def _dispatch(self) -> None:
@@ -147,7 +150,7 @@ class Controller:
             gid = self.next_group
             msg = message("prompt", group_id=gid, problem_id=problem.id, prompt_ids=self.encode_prompt(problem.prompt),
                           n=self.rl.group_size, sampling=self._sampling(gid), version=self.version,
-                          answer=str(problem.answer), tests=problem.tests)
+                          answer=str(problem.answer), **({"tests": problem.tests} if problem.tests else {}))
             if not self.router.send(msg, to=self.replicas[replica].name, timeout_s=5):
                 self.redo.appendleft(index)
                 return

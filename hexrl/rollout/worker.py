@@ -15,6 +15,7 @@ import torch
 from hexrl.comm import DealerChannel, lookup_endpoint, message, trajectory_to_msg
 from hexrl.rewards import RewardPool
 from hexrl.trajectory import Trajectory
+from hexrl.watchdog import describe_exception
 from hexrl.weights import TensorSpec, broadcast_stage, load_into
 
 from .engine import Engine
@@ -67,6 +68,9 @@ class RolloutLeader:
                 if self.engine.has_work():
                     self._collect(self.engine.step())
                 self._heartbeat()
+        except Exception as e:  # tell the controller why before the socket closes
+            self.report_error(describe_exception(e))
+            raise
         finally:
             self.engine.shutdown()
             self.rewards.close()
@@ -122,3 +126,30 @@ class RolloutLeader:
         if now - self._last_beat >= HEARTBEAT_S:
             self.channel.send(message("heartbeat", rank=self.rank, time=now), timeout_s=1)
             self._last_beat = now
+
+
+def run_rollout(ctx) -> None:
+    """A rollout rank: load the model (this rank's TP shard), then lead or follow the replica."""
+    from hexrl.model import TPGroup, load_pretrained
+    from hexrl.tokenizer import load_tokenizer
+    from hexrl.weights import stage_specs
+
+    from .engine import EngineConfig
+
+    job, plan = ctx.plan.job, ctx.plan
+    replica = next(r for r in plan.replicas if r.id == ctx.info.replica)
+    tp_rank = replica.ranks.index(ctx.rank)
+    tp = TPGroup(ctx.replica_group, tp_rank, replica.tp) if replica.tp > 1 else None
+    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    model = load_pretrained(job.model.path, dtype=dtype, tp=tp, device=ctx.device)
+    tokenizer = load_tokenizer(job.model.path)
+    engine = Engine(model, EngineConfig(), tokenizer=tokenizer, seed=job.rl.seed)
+    sync = [SyncGroup(src, group, stage_specs(model.cfg, tuple(st.layers)))
+            for (src, group), st in zip(ctx.sync_groups, plan.trainer.stages)]
+    receive = weight_receiver(sync, dtype, ctx.device)
+    if tp_rank != 0:
+        engine.follow(on_update=receive)
+        return
+    leader = RolloutLeader(engine, replica.id, ctx.rank, ctx.store, receive, job.reward.name,
+                           job.reward.timeout_s, tokenizer)
+    leader.run()

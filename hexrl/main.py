@@ -1,0 +1,163 @@
+"""torchrun entry point: every rank reads the plan, takes its role and runs that role's loop.
+
+    torchrun --nnodes N --nproc_per_node G -m hexrl.main plan.json [--run-dir DIR] [--resume DIR]
+
+The plan is checked against the torchrun world before any collective. Then every rank
+creates the same process groups in the same order (the trainer grid, one weight-sync group
+per pipeline stage, one TP group per rollout replica), starts the watchdog, and runs
+`hexrl.train.worker.run_trainer` or `hexrl.rollout.worker.run_rollout`.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hexrl.config import ConfigError, Plan, load_plan, validate_plan_against_world
+from hexrl.watchdog import Watchdog, describe_exception
+
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # long steps are fine; dead peers are the watchdog's job
+
+
+@dataclass
+class RankContext:
+    """What a role's loop needs: the plan, who it is, and the groups it belongs to."""
+
+    plan: Plan
+    rank: int
+    local_rank: int
+    device: torch.device
+    run_dir: Path
+    resume: Path | None
+    store: object
+    layout: dict  # the trainer layout with explicit ranks (hexrl.train.grid.Layout format)
+    sync_groups: list  # per pipeline stage: (src rank, group) for the weight broadcast
+    replica_group: object  # this rollout rank's TP group (None for TP 1 or trainer ranks)
+    watchdog: Watchdog
+
+    @property
+    def info(self):
+        return self.plan.ranks[self.rank]
+
+    @property
+    def controller_rank(self) -> int:
+        return self.layout["ranks"][0]  # trainer slot (stage 0, dp 0, tp 0) hosts the controller
+
+
+def trainer_layout(plan: Plan) -> dict:
+    """The plan's trainer layout with the global rank of every slot (stage, then dp, then tp)."""
+    slot = {(r.pp, r.dp, r.tp): r.rank for r in plan.ranks if r.role == "train"}
+    ranks = [slot[(s, d, t)] for s, st in enumerate(plan.trainer.stages)
+             for d in range(plan.trainer.dp) for t in range(st.tp)]
+    return {"dp": plan.trainer.dp, "ranks": ranks,
+            "stages": [{"tp": st.tp, "layers": list(st.layers)} for st in plan.trainer.stages]}
+
+
+def build_groups(plan: Plan, layout: dict) -> tuple[list, dict]:
+    """Weight-sync groups (stage source + every rollout rank) and rollout replica TP groups.
+
+    Every rank calls new_group for every group in the same order (torch requires it); only
+    members get a communicator.
+    """
+    rollout = plan.rollout_ranks()
+    sync, offset = [], 0
+    for st in plan.trainer.stages:
+        src = layout["ranks"][offset]
+        sync.append((src, dist.new_group(sorted([src, *rollout]))))
+        offset += plan.trainer.dp * st.tp
+    replica_groups = {}
+    for rep in plan.replicas:
+        if rep.tp > 1:
+            replica_groups[rep.id] = dist.new_group(sorted(rep.ranks))
+    return sync, replica_groups
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(prog="python -m hexrl.main", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("plan", help="plan.json written by `python -m hexrl.plan`")
+    p.add_argument("--run-dir", default=None, help="metrics, checkpoints, final model (default: the job's out_dir)")
+    p.add_argument("--resume", default=None, help="a checkpoint directory (or its parent) to continue from")
+    p.add_argument("--steps", type=int, default=None, help="override rl.steps")
+    return p.parse_args(argv)
+
+
+def world_from_env() -> tuple[int, int, int, int]:
+    missing = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE") if k not in os.environ]
+    if missing:
+        sys.exit(f"hexrl.main: {', '.join(missing)} not set; launch with torchrun "
+                 "(e.g. torchrun --standalone --nproc_per_node 3 -m hexrl.main plan.json)")
+    return tuple(int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
+
+
+def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None) -> Plan:
+    """The plan, validated against this world before any collective; exits 2 with every problem."""
+    try:
+        plan = load_plan(path)
+        validate_plan_against_world(plan, world, local_world)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        if rank == 0:
+            print(f"hexrl.main: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    if steps is not None:
+        plan.job.rl.steps = steps
+    return plan
+
+
+def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        # gloo for CPU tensors (control data), NCCL for CUDA tensors (weights, gradients)
+        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        return torch.device("cuda", local_rank)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+    return torch.device("cpu")
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    rank, world, local_rank, local_world = world_from_env()
+    plan = load_checked_plan(args.plan, rank, world, local_world, args.steps)
+    device = init_distributed(rank, world, local_rank)
+    store = dist.distributed_c10d._get_default_store()  # the job-wide store torchrun set up
+    describe = {r.rank: f"{r.role} on node {r.node}, local rank {r.local_rank}" for r in plan.ranks}
+    watchdog = Watchdog(store, rank, world, describe).start()
+    role = plan.ranks[rank].role
+    try:
+        layout = trainer_layout(plan)
+        from hexrl.train.grid import Layout, build_grid
+
+        grid = build_grid(Layout.from_dict(layout), tied_embeddings=plan.job.model.tied)
+        sync, replica_groups = build_groups(plan, layout)
+        info = plan.ranks[rank]
+        run_dir = Path(args.run_dir or plan.job.out_dir)
+        ctx = RankContext(plan, rank, local_rank, device, run_dir, Path(args.resume) if args.resume else None,
+                          store, layout, sync, replica_groups.get(info.replica) if role == "rollout" else None,
+                          watchdog)
+        if role == "train":
+            from hexrl.train.worker import run_trainer
+
+            run_trainer(ctx, grid)
+        else:
+            from hexrl.rollout.worker import run_rollout
+
+            run_rollout(ctx)
+    except BaseException as e:  # noqa: BLE001 - any failure must end the whole job, named
+        cause = describe_exception(e)
+        print(f"[hexrl] rank {rank} ({describe[rank]}) failed: {cause}\n{traceback.format_exc()}",
+              file=sys.stderr, flush=True)
+        watchdog.report_failure(cause)
+        os._exit(1)  # skip destructors that could block in a collective
+    watchdog.finish()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

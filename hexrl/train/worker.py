@@ -1,0 +1,158 @@
+"""The trainer rank's loop: batches in, GRPO steps, weights out.
+
+Trainer slot (stage 0, dp 0, tp 0) also hosts the controller thread. Each step it takes B
+complete prompt groups from the controller and broadcasts them (msgpack bytes, never pickle)
+to every trainer rank; all ranks run the collective `Trainer.step`; then each stage's
+(dp 0, tp 0) rank broadcasts the new weights to the rollout ranks, whom the controller has
+told to join. Metrics go to `run_dir/metrics.jsonl`, checkpoints to `run_dir/checkpoints`.
+"""
+from __future__ import annotations
+
+import time
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from hexrl.comm import RouterChannel, msg_to_trajectory, publish_endpoint, trajectory_to_msg
+from hexrl.control.controller import Controller, ReplicaInfo
+from hexrl.control.dataset import DatasetCursor
+from hexrl.control.metrics import MetricsWriter, staleness_histogram
+from hexrl.data import load_jsonl, make_arithmetic
+from hexrl.tokenizer import load_tokenizer
+from hexrl.trajectory import Trajectory
+from hexrl.weights import broadcast_stage, stage_specs
+
+from .checkpoint import resolve
+from .trainer import TrainConfig, Trainer
+
+
+def load_problems(data) -> list:
+    """The job's training problems (synthetic ones generated from their spec)."""
+    if data.synthetic is not None:
+        opts = {k: v for k, v in data.synthetic.items() if k not in ("task", "n_heldout")}
+        if "digits" in opts:
+            opts["digits"] = tuple(opts["digits"])
+        return make_arithmetic(**opts)
+    result = load_jsonl(data.path, kind=data.kind)
+    return result.problems
+
+
+def train_config(rl) -> TrainConfig:
+    return TrainConfig(lr=rl.lr, clip_low=rl.clip_low, clip_high=rl.clip_high, behav_cap=rl.behav_cap,
+                       decoupled=rl.decoupled, kl_coef=rl.kl_coef, ppo_minibatches=rl.ppo_minibatches,
+                       temperature=rl.temperature if rl.temperature > 0 else 1.0,
+                       filter_equal_groups=rl.filter_equal_groups)
+
+
+def start_controller(ctx, tokenizer) -> Controller:
+    """Bind the controller's socket on this node's address and publish it through the store."""
+    plan, job = ctx.plan, ctx.plan.job
+    router = RouterChannel()
+    address = job.cluster.nodes[ctx.info.node].address
+    endpoint = router.bind("0.0.0.0" if address not in ("127.0.0.1", "localhost") else address, advertise=address)
+    replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
+    cursor = DatasetCursor(load_problems(job.data), seed=job.rl.seed)
+    controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
+                            replicas, router)
+    publish_endpoint(ctx.store, "controller", endpoint)
+    return controller
+
+
+def share_batch(batch: list[Trajectory] | None, group, src: int) -> list[Trajectory]:
+    """Broadcast the step's trajectories from the controller rank to every trainer rank."""
+    payload = msgpack.packb([trajectory_to_msg(t) for t in batch]) if batch is not None else b""
+    size = torch.tensor([len(payload)], dtype=torch.int64)
+    if group is not None:
+        dist.broadcast(size, src=src, group=group)
+    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if batch is not None else \
+        torch.empty(int(size.item()), dtype=torch.uint8)
+    if group is not None:
+        dist.broadcast(buf, src=src, group=group)
+    return batch if batch is not None else [msg_to_trajectory(m) for m in msgpack.unpackb(buf.numpy().tobytes())]
+
+
+def sync_weights(ctx, trainer: Trainer, dtype: torch.dtype) -> float:
+    """Send this stage's new weights to every rollout rank; returns the seconds it took."""
+    t0 = time.perf_counter()
+    full = trainer.named_full_weights_for_stage(dtype)  # collective over the stage's TP group
+    stage = trainer.grid.stage
+    src, group = ctx.sync_groups[stage]
+    if ctx.rank == src:
+        specs = stage_specs(trainer.model_cfg, trainer.grid.layers)
+        broadcast_stage(full, specs, src, group, dtype, ctx.device)
+    return time.perf_counter() - t0
+
+
+def run_trainer(ctx, grid) -> None:
+    job = ctx.plan.job
+    if not job.model.path:
+        raise ValueError("model.path: a run needs a checkpoint directory (a preset or inline config only plans)")
+    trainer = Trainer(job.model.path, ctx.layout, train_config(job.rl), grid=grid, device=ctx.device)
+    is_controller = ctx.rank == ctx.controller_rank
+    controller = metrics = None
+    start_step = 0
+    if ctx.resume is not None:
+        extra = trainer.load(ctx.resume)
+        start_step = extra.get("step", trainer.version)
+    if is_controller:
+        controller = start_controller(ctx, load_tokenizer(job.model.path))
+        if ctx.resume is not None:
+            controller.load_state(extra["controller"])
+        metrics = MetricsWriter(ctx.run_dir, resume_step=start_step if ctx.resume is not None else None)
+        controller.start()
+    rollout_dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    if ctx.resume is not None:  # rollout ranks still hold the initial weights
+        if is_controller:
+            controller.publish_version(trainer.version)
+        sync_weights(ctx, trainer, rollout_dtype)
+    try:
+        for step in range(start_step, job.rl.steps):
+            run_step(ctx, trainer, controller, metrics, step, rollout_dtype)
+        trainer.export_hf(ctx.run_dir / "final")
+    finally:
+        if controller is not None:
+            controller.stop()
+        if metrics is not None:
+            metrics.close()
+
+
+def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, step: int, dtype) -> None:
+    job, t0 = ctx.plan.job, time.perf_counter()
+    tokens_before = controller.counters()["completion_tokens"] if controller else 0
+    groups = controller.next_batch() if controller else None
+    batch = [t for g in groups for t in g.trajectories] if groups is not None else None
+    t_batch = time.perf_counter()
+    batch = share_batch(batch, trainer.grid.trainer_group, ctx.controller_rank)
+    version_before = trainer.version
+    out = trainer.step(batch)
+    t_train = time.perf_counter()
+    last = step + 1 == job.rl.steps
+    sync_s = 0.0
+    if not last:
+        if controller:
+            controller.publish_version(trainer.version)
+        sync_s = sync_weights(ctx, trainer, dtype)
+    every = job.rl.checkpoint_every
+    if last or (every and (step + 1) % every == 0):
+        extra = {"step": step + 1, "controller": controller.state() if controller else None}
+        trainer.save(ctx.run_dir / "checkpoints", extra)
+    if controller:
+        c = controller.counters()
+        elapsed = time.perf_counter() - t0
+        metrics.log({
+            "step": step + 1, "version": trainer.version,
+            "reward_mean": sum(t.reward for t in batch) / len(batch),
+            "trajectories_accepted": c["accepted"], "trajectories_filtered": sum(c["filtered"].values()),
+            "trajectories_dropped": sum(c["dropped"].values()), "trajectories_trained": c["trained"],
+            "trajectories_produced": c["produced"], "trajectories_pending": c["pending"],
+            "filtered_reasons": dict(c["filtered"]), "dropped_reasons": dict(c["dropped"]),
+            "max_staleness": max(version_before - t.oldest_version for t in batch),
+            "staleness_hist": staleness_histogram([t.oldest_version for t in batch], version_before),
+            "too_stale": c["too_stale"], "rejected_messages": c["rejected_messages"],
+            "rollout_tokens_per_s": (c["completion_tokens"] - tokens_before) / elapsed,
+            "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
+            "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
+            "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"],
+            "grad_norm": out["grad_norm"], "kl": out["kl"], "entropy": out["entropy"],
+        })
