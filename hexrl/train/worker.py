@@ -56,6 +56,8 @@ def start_controller(ctx, tokenizer) -> Controller:
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
                             replicas, router)
     publish_endpoint(ctx.store, "controller", endpoint)
+    ctx.run_dir.mkdir(parents=True, exist_ok=True)
+    (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
     return controller
 
 
@@ -155,4 +157,5 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, step
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
             "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"],
             "grad_norm": out["grad_norm"], "kl": out["kl"], "entropy": out["entropy"],
+            "problem_ids": sorted({t.problem_id for t in batch}, key=str),
         })

@@ -1,0 +1,194 @@
+"""Training checkpoints (every rank its shard, committed atomically) and Hugging Face export.
+
+Layout on disk (a shared filesystem for multi-node runs):
+    ROOT/step00000012/meta.json              version, layout, config (JSON, for people)
+    ROOT/step00000012/extra.pt               the caller's extra dict (pickled: any types round-trip)
+    ROOT/step00000012/model-s{S}-tp{T}.pt     weights + optimizer of (stage S, TP rank T), DP replica 0
+    ROOT/step00000012/rng-s{S}-dp{D}-tp{T}.pt RNG states of every rank
+    ROOT/latest                               name of the newest complete checkpoint, written last
+Ranks write into ROOT/.tmp-step00000012; when every rank reports success the leader renames
+it into place and only then rewrites `latest`. A crash at any point before that leaves the
+previous checkpoint (and `latest`) untouched; stale temp directories are removed next time.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from hexrl.weights import stage_specs
+
+from .grid import Grid
+
+LATEST = "latest"
+
+
+def shard_dims(model: torch.nn.Module) -> dict[str, int | None]:
+    """For each parameter name: the dimension it is TP-sharded along, or None if replicated."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        for p_name, _ in mod.named_parameters(recurse=False):
+            dim = getattr(mod, "shard_dim", None)
+            if isinstance(mod, RowParallelLinear) and p_name == "bias":
+                dim = None  # the bias is added after the all-reduce: replicated
+            if not isinstance(mod, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                dim = None
+            out[f"{mod_name}.{p_name}" if mod_name else p_name] = dim
+    return out
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def _write(obj, path: Path) -> None:
+    """One file, flushed to disk (tests replace this to simulate a crash between files)."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _agree(ok: bool, grid: Grid, device) -> bool:
+    """True on every rank iff `ok` on every trainer rank."""
+    if grid.trainer_group is None:
+        return ok
+    t = torch.tensor([0 if ok else 1], device=device)
+    dist.all_reduce(t, group=grid.trainer_group)
+    return t.item() == 0
+
+
+def save(root: str | os.PathLike, version: int, grid: Grid, shard: dict | None, meta: dict,
+         extra: dict | None = None, device="cpu", keep: int = 2) -> Path:
+    """Write this rank's `shard` (DP replica 0 only; None elsewhere) and RNG state, plus `meta`
+    (JSON) and `extra` from the leader; returns the committed directory. Collective over the
+    trainer ranks. Keeps the newest `keep` checkpoints."""
+    root = Path(root)
+    name = f"step{version:08d}"
+    tmp, final = root / f".tmp-{name}", root / name
+    is_leader = grid.rank == grid.leader
+    s, d, t = grid.coord
+
+    def prepare():
+        for old in root.glob(".tmp-step*"):  # left by a crashed save
+            shutil.rmtree(old, ignore_errors=True)
+        tmp.mkdir(parents=True)
+
+    def write_shards():
+        if shard is not None:
+            _write(shard, tmp / f"model-s{s}-tp{t}.pt")
+        _write(rng_state(), tmp / f"rng-s{s}-dp{d}-tp{t}.pt")
+
+    def commit():
+        _write(extra or {}, tmp / "extra.pt")
+        (tmp / "meta.json").write_text(json.dumps({"version": version, "layout": grid.layout.to_dict(), **meta},
+                                                  indent=1))
+        if final.exists():  # re-saving the same version
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _write_text_atomic(root / LATEST, name)
+        for old in sorted(root.glob("step*"))[:-keep] if keep else []:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # Each phase: run it where it belongs, then agree, so a failure raises everywhere instead of hanging.
+    for phase, mine in ((prepare, is_leader), (write_shards, True), (commit, is_leader)):
+        error = None
+        try:
+            if mine:
+                phase()
+        except Exception as e:
+            error = e
+        if not _agree(error is None, grid, device):
+            if is_leader and phase is not commit:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"checkpoint {final} not written: {phase.__name__} failed on a rank") from error
+    return final
+
+
+def _write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint root (follows `latest`) or one checkpoint directory -> that directory."""
+    path = Path(path)
+    if (path / LATEST).is_file():
+        path = path / (path / LATEST).read_text().strip()
+    if not (path / "meta.json").is_file():
+        raise FileNotFoundError(f"{path}: no complete checkpoint here (no meta.json, no '{LATEST}' pointer)")
+    return path
+
+
+def load(path: str | os.PathLike, grid: Grid, device="cpu") -> tuple[dict, dict, dict, dict]:
+    """(shard of this (stage, tp) slot, this rank's RNG state, meta, extra) of the checkpoint at `path`."""
+    path = resolve(path)
+    meta = json.loads((path / "meta.json").read_text())
+    want, have = grid.layout.to_dict(), meta["layout"]
+    if (want["dp"], want["stages"]) != (have["dp"], have["stages"]):
+        raise ValueError(f"{path}: saved with layout {have}, this trainer has {want}; resume needs the same layout")
+    s, d, t = grid.coord
+    shard = torch.load(path / f"model-s{s}-tp{t}.pt", map_location=device, weights_only=False)
+    rng = torch.load(path / f"rng-s{s}-dp{d}-tp{t}.pt", weights_only=False)
+    return shard, rng, meta, torch.load(path / "extra.pt", weights_only=False)
+
+
+def gather_stage(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:
+    """Full (TP-gathered) weights of this stage on its (dp 0, tp 0) rank; None elsewhere.
+    Collective over the TP group of DP replica 0; other replicas return at once."""
+    if grid.dp_rank != 0:
+        return None
+    dims, out = shard_dims(model), {}
+    for name, p in model.state_dict().items():
+        p = p.detach() if dtype is None else p.detach().to(dtype)
+        dim = dims.get(name)
+        if grid.tp is not None and dim is not None:
+            parts = [torch.empty_like(p) for _ in range(grid.tp.size)]
+            dist.all_gather(parts, p.contiguous(), group=grid.tp.group)
+            p = torch.cat(parts, dim=dim)
+        if grid.tp_rank == 0:
+            out[name] = p.to("cpu", copy=True)  # a snapshot, never an alias of live weights
+    return out if grid.tp_rank == 0 else None
+
+
+def gather_model(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:
+    """The whole model's state dict on the leader rank (stages sent point-to-point); None elsewhere.
+
+    Tensors travel raw, in the order `stage_specs` gives both sides (no pickled objects)."""
+    stage = gather_stage(model, grid, dtype)
+    if stage is None:
+        return None
+    if grid.rank != grid.leader:
+        for spec in stage_specs(model.cfg, grid.layers):
+            dist.send(stage[spec.name].contiguous(), dst=grid.leader)
+        return None
+    full = dict(stage)
+    like = next(iter(stage.values()))
+    for s in range(1, grid.layout.pp):
+        for spec in stage_specs(model.cfg, grid.layout.stages[s].layers):
+            full[spec.name] = torch.empty(spec.shape, dtype=like.dtype)
+            dist.recv(full[spec.name], src=grid.layout.rank(s, 0, 0))
+    return full

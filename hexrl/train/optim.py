@@ -1,0 +1,87 @@
+"""AdamW on float32 master weights with linear warm-up, and gradient clipping by the global norm.
+
+The model may compute in bf16; the optimizer keeps float32 masters (the model's own
+parameters when it computes in float32) and reads gradients from `param.main_grad` (the
+float32 buckets of `GradBuckets`). The global norm counts every parameter element of the
+whole model exactly once: TP-sharded parameters on every TP rank, TP-replicated ones
+(norms, row-parallel biases) on TP rank 0 only, a tied lm_head copy not at all, and only
+DP replica 0 contributes, all summed over every trainer rank.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+
+class AdamW:
+    """torch AdamW over float32 masters of `params`; weight decay on matrices only."""
+
+    def __init__(self, params: list[torch.nn.Parameter], lr: float, warmup_steps: int = 0,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 masters: list[torch.Tensor] | None = None):
+        """`masters`: float32 copies to start from (taken before the model was cast to bf16)."""
+        self.params = list({id(p): p for p in params}.values())
+        if masters is None:
+            masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.master = masters
+        self.lr, self.warmup_steps, self.steps = lr, warmup_steps, 0
+        decay = [m for m in self.master if m.dim() >= 2]
+        no_decay = [m for m in self.master if m.dim() < 2]
+        fused = all(m.is_cuda for m in self.master)
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}],
+                                     lr=lr, betas=betas, eps=eps, fused=fused or None)
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up over the first `warmup_steps` optimizer steps, then constant."""
+        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps > 0 else self.lr
+
+    def step(self, grad_scale: float = 1.0) -> float:
+        """Apply one update from `main_grad` (times `grad_scale`); returns the lr used."""
+        lr = self.lr_at(self.steps)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        for p, m in zip(self.params, self.master):
+            m.grad = p.main_grad.mul_(grad_scale) if grad_scale != 1.0 else p.main_grad
+        self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                m.grad = None
+                if m is not p:
+                    p.copy_(m)
+        self.steps += 1
+        return lr
+
+    def state_dict(self) -> dict:
+        masters = [m.detach() for p, m in zip(self.params, self.master) if m is not p]
+        return {"opt": self.opt.state_dict(), "steps": self.steps, "master": masters}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.opt.load_state_dict(state["opt"])
+        self.steps = state["steps"]
+        it = iter(state["master"])
+        with torch.no_grad():
+            for p, m in zip(self.params, self.master):
+                if m is not p:
+                    m.copy_(next(it))
+                    p.copy_(m)
+
+
+def global_grad_norm(counted: list[torch.Tensor], group=None) -> float:
+    """sqrt of the sum of squares of `counted` gradients, summed over `group`."""
+    device = counted[0].device if counted else "cpu"
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in counted:
+        sq += g.float().pow(2).sum()
+    if group is not None:
+        dist.all_reduce(sq, group=group)
+    return math.sqrt(sq.item())
+
+
+def clip_coef(norm: float, max_norm: float | None) -> float:
+    """The factor that brings the gradient to at most `max_norm` (1 when off or already within)."""
+    if not max_norm or not math.isfinite(norm):
+        return 1.0
+    return min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_

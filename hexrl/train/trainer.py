@@ -1,0 +1,304 @@
+"""The GRPO trainer: one slot of a DP x PP x TP grid running the decoupled PPO objective.
+
+Every trainer rank calls `step()` with the SAME full batch (all trajectories of the step).
+Each rank then derives the identical plan: group advantages and filtering over the whole
+batch, PPO mini-batches, each rank's DP share, micro-batches and their shapes; so pipeline
+ranks never exchange metadata and the loss normaliser (global completion-token count) is
+known locally. One step:
+  1. proximal log-probs (and reference log-probs for the KL) in a forward-only pipeline pass,
+     with the weights before any update;
+  2. per mini-batch: 1F1B forward/backward, DP all-reduce overlapping the last backward,
+     tied-embedding gradient sum, global-norm clipping, AdamW;
+  3. metrics reduced over all trainer ranks; `version` += 1.
+"""
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint as activation_checkpoint
+
+from hexrl.model import CausalAttention, ModelConfig, load_pretrained, save_state_dict
+from hexrl.trajectory import Trajectory
+
+from . import checkpoint as ckpt
+from .data_parallel import GradBuckets
+from .grid import Grid, Layout, build_grid
+from .loss import equal_reward_groups, group_advantages, ppo_terms
+from .optim import AdamW, clip_coef, global_grad_norm
+from .packing import MicroBatch, check_trajectories, plan_step
+from .pipeline import PipeComm, forward_only, train_1f1b
+from .vocab_parallel import vocab_parallel_logprobs
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Token-level sums reduced over all trainer ranks each step, in this order.
+SUMS = ("loss", "tokens", "clipped", "capped", "w", "kl", "entropy")
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation and objective settings (DESIGN.md "Loss")."""
+
+    lr: float = 1e-6
+    warmup_steps: int = 0  # linear warm-up, in optimizer steps (ppo_minibatches per train step)
+    weight_decay: float = 0.0  # on matrices only
+    betas: tuple[float, float] = (0.9, 0.999)
+    adam_eps: float = 1e-8
+    grad_clip: float | None = 1.0  # max global gradient norm; None = off
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    behav_cap: float | None = 5.0  # mask tokens with exp(p − b) above this; None = off
+    decoupled: bool = True  # False: naive PPO (p = b), no proximal forward pass
+    kl_coef: float = 0.0  # > 0 loads a frozen reference copy of this stage
+    adv_eps: float = 1e-6
+    filter_equal_groups: bool = True
+    ppo_minibatches: int = 1
+    micro_batch_tokens: int = 4096
+    temperature: float = 1.0  # the sampling temperature the behaviour log-probs were taken at
+    dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32
+    activation_checkpointing: bool = False
+    bucket_mb: float = 25.0
+    keep_checkpoints: int = 2
+
+    def problems(self) -> list[str]:
+        p = []
+        for k in ("lr", "micro_batch_tokens", "ppo_minibatches", "temperature", "bucket_mb"):
+            if not getattr(self, k) > 0:
+                p.append(f"train.{k}: must be > 0, got {getattr(self, k)!r}")
+        for k in ("clip_low", "clip_high", "kl_coef", "warmup_steps", "weight_decay"):
+            if not getattr(self, k) >= 0:
+                p.append(f"train.{k}: must be >= 0, got {getattr(self, k)!r}")
+        if self.clip_low >= 1:
+            p.append(f"train.clip_low: must be < 1, got {self.clip_low}")
+        if self.behav_cap is not None and not self.behav_cap > 0:
+            p.append(f"train.behav_cap: must be > 0 or None, got {self.behav_cap!r}")
+        if self.dtype not in ("auto", *DTYPES):
+            p.append(f"train.dtype: unknown {self.dtype!r} (known: auto, {', '.join(DTYPES)})")
+        return p
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+@dataclass
+class _StepState:
+    """What one step's last-stage forwards accumulate."""
+
+    sums: torch.Tensor
+    logprobs: dict = field(default_factory=dict)
+
+
+class Trainer:
+    """One trainer rank. See the module docstring for the step; `step()` is collective."""
+
+    def __init__(self, model_path: str | os.PathLike, layout: Layout | dict, config: TrainConfig | None = None,
+                 grid: Grid | None = None, device: str | torch.device | None = None):
+        self.config = config or TrainConfig()
+        self.model_cfg = ModelConfig.from_dir(model_path)
+        if isinstance(layout, dict):
+            layout = Layout.from_dict(layout, self.model_cfg.num_hidden_layers)
+        problems = self.config.problems() + layout.problems(self.model_cfg.num_hidden_layers)
+        if problems:
+            raise ValueError("invalid trainer settings:\n  " + "\n  ".join(problems))
+        self.grid = grid or build_grid(layout, tied_embeddings=self.model_cfg.tie_word_embeddings)
+        if self.grid is None:
+            raise ValueError("this process is not a slot of the trainer layout")
+        self.device = torch.device(device) if device is not None else default_device()
+        auto = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.dtype = auto if self.config.dtype == "auto" else DTYPES[self.config.dtype]
+        self.model = self._load(model_path)
+        self.params = list({id(p): p for p in self.model.parameters()}.values())
+        masters = [p.detach().clone() for p in self.params] if self.dtype != torch.float32 else None
+        for p in self.params:  # parameters only: RoPE buffers stay float32
+            p.data = p.data.to(self.dtype)
+        self.ref_model = None
+        if self.config.kl_coef > 0:
+            self.ref_model = self._load(model_path, self.dtype).requires_grad_(False)
+        c = self.config
+        self.grads = GradBuckets(self.params, self.grid.dp_group, c.bucket_mb, self.device)
+        self.optimizer = AdamW(self.params, c.lr, c.warmup_steps, c.betas, c.adam_eps, c.weight_decay, masters)
+        self.version = 0
+        self.last_logprobs: dict[int, torch.Tensor] = {}  # batch index -> θ log-probs (last stage)
+        self._norm_params = self._counted_params()
+
+    def _load(self, path, dtype=torch.float32):
+        g = self.grid
+        return load_pretrained(path, dtype=dtype, layers=g.layers, tp=g.tp, device=self.device)
+
+    def _counted_params(self) -> list[torch.Tensor]:
+        """Parameters this rank adds to the global gradient norm (each element once in the model)."""
+        g, dims = self.grid, ckpt.shard_dims(self.model)
+        if g.dp_rank != 0:
+            return []
+        tied_copy = self.model_cfg.tie_word_embeddings and g.is_last and not g.is_first
+        seen, out = set(), []
+        for name, p in self.model.named_parameters():
+            if id(p) in seen or (tied_copy and name == "lm_head.weight"):
+                continue
+            seen.add(id(p))
+            if dims[name] is not None or g.tp_rank == 0:
+                out.append(p)
+        return out
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, trajectories: list[Trajectory]) -> dict:
+        """One training step on the full batch (the same list on every trainer rank); returns metrics."""
+        c, g = self.config, self.grid
+        check_trajectories(trajectories, self.model_cfg.vocab_size)
+        rewards = [t.reward for t in trajectories]
+        group_ids = [t.group_id for t in trajectories]
+        adv = group_advantages(rewards, group_ids, c.adv_eps)
+        dropped = equal_reward_groups(rewards, group_ids) if c.filter_equal_groups else set()
+        seqs = [i for i, t in enumerate(trajectories) if t.group_id not in dropped and t.completion_ids]
+        plans = [p for p in plan_step(trajectories, seqs, adv, c.ppo_minibatches, g.layout.dp, c.micro_batch_tokens)
+                 if p.num_loss_tokens > 0]
+        mine = [[mb.to(self.device) for mb in p.micro_batches[g.dp_rank]] for p in plans]
+        prox = self._forward_logprobs(self.model, mine) if c.decoupled else [[None] * len(m) for m in mine]
+        ref = self._forward_logprobs(self.ref_model, mine) if self.ref_model else [[None] * len(m) for m in mine]
+        state = _StepState(torch.zeros(len(SUMS), dtype=torch.float64, device=self.device))
+        norms, lr, nonfinite = [], self.optimizer.lr_at(self.optimizer.steps), 0
+        for plan, mbs, p, r in zip(plans, mine, prox, ref):
+            norm, lr = self._train_minibatch(mbs, p, r, plan.num_loss_tokens, state)
+            norms.append(norm)
+            nonfinite += not math.isfinite(norm)
+        self.version += 1
+        self.last_logprobs = state.logprobs
+        return self._metrics(state.sums, trajectories, seqs, dropped, plans, norms, lr, nonfinite)
+
+    def _forward_logprobs(self, model, mine: list[list[MicroBatch]]) -> list[list[torch.Tensor | None]]:
+        """Log-probs of every micro-batch's targets under `model` (last stage; None elsewhere)."""
+        flat = [mb for mbs in mine for mb in mbs]
+        out = [None] * len(flat)
+
+        def forward(i, x):
+            h = self._run_stage(model, flat[i], x)
+            if self.grid.is_last:
+                out[i] = self._logprobs(model, h, flat[i], entropy=False)[0]
+            return h
+
+        forward_only(len(flat), forward, self._comm(flat))
+        it = iter(out)
+        return [[next(it) for _ in mbs] for mbs in mine]
+
+    def _train_minibatch(self, mbs, prox, ref, num_tokens: int, state: _StepState) -> tuple[float, float]:
+        """Forward/backward every micro-batch of one PPO mini-batch, then one optimizer step."""
+        c, g = self.config, self.grid
+        self.grads.zero()
+
+        def forward(i, x):
+            mb = mbs[i]
+            h = self._run_stage(self.model, mb, x)
+            if not g.is_last:
+                return h
+            logp, entropy = self._logprobs(self.model, h, mb)
+            t = ppo_terms(logp, prox[i], mb.behav, mb.adv, c.clip_low, c.clip_high, c.behav_cap, c.decoupled,
+                          ref[i], c.kl_coef)
+            loss = t.loss.sum() / num_tokens
+            with torch.no_grad():
+                count = torch.tensor(float(len(logp)), dtype=torch.float64, device=loss.device)
+                state.sums += torch.stack([loss.double(), count,
+                                           *(x.double().sum() for x in (t.clipped, t.capped, t.w, t.kl, entropy))])
+                for seq, lp in zip(mb.seqs, logp.detach().cpu().split(mb.completion_lens)):  # one copy
+                    state.logprobs[seq] = lp
+            return loss
+
+        def before_backward(j):
+            self.grads.sync = j == len(mbs) - 1  # all-reduce only once all micro-batches accumulated
+
+        train_1f1b(len(mbs), forward, self._comm(mbs), g.stage, g.layout.pp, before_backward)
+        self.grads.wait()
+        self._sum_tied_grads()
+        norm = global_grad_norm([p.main_grad for p in self._norm_params], g.trainer_group)
+        lr = self.optimizer.lr_at(self.optimizer.steps)
+        if math.isfinite(norm):  # skip the update on a non-finite gradient (counted in the metrics)
+            lr = self.optimizer.step(clip_coef(norm, c.grad_clip))
+        return norm, lr
+
+    def _run_stage(self, model, mb: MicroBatch, x: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers on a micro-batch (token ids on the first stage, else activations)."""
+        attn = CausalAttention(mb.seq_lens)
+        x = mb.input_ids if model.is_first else x
+        if not (self.config.activation_checkpointing and torch.is_grad_enabled()):
+            return model.stage(x, mb.positions, attn)
+        h = model.model.embed_tokens(x) if model.is_first else x  # Decoder.stage, layer by layer
+        for layer in model.model.layers.values():
+            h = activation_checkpoint(layer, h, mb.positions, attn, use_reentrant=False)
+        return model.model.norm(h) if model.is_last else h
+
+    def _logprobs(self, model, h: torch.Tensor, mb: MicroBatch, entropy: bool = True):
+        """(log-probs, entropy) of the micro-batch's completion tokens from last-stage hidden states."""
+        logits = model.logits(h[mb.loss_index])  # only rows that predict a completion token
+        return vocab_parallel_logprobs(logits, mb.targets, self.grid.tp, self.config.temperature, entropy)
+
+    def _comm(self, mbs: list[MicroBatch]) -> PipeComm:
+        return PipeComm(self.grid, [mb.num_tokens for mb in mbs], self.model_cfg.hidden_size, self.dtype, self.device)
+
+    def _sum_tied_grads(self) -> None:
+        """Tied embeddings across stages: embed (first stage) and lm_head (last) get the sum of both
+        gradients. Shards may differ in TP degree, so each rank adds its rows into a full-vocab buffer."""
+        g = self.grid
+        if g.tied_group is None:
+            return
+        p = self.model.model.embed_tokens.weight if g.is_first else self.model.lm_head.weight
+        rows = p.shape[0]
+        full = torch.zeros(self.model_cfg.vocab_size, p.shape[1], dtype=torch.float32, device=self.device)
+        full[g.tp_rank * rows:(g.tp_rank + 1) * rows] = p.main_grad
+        dist.all_reduce(full, group=g.tied_group)
+        p.main_grad.copy_(full[g.tp_rank * rows:(g.tp_rank + 1) * rows])
+
+    def _metrics(self, sums, trajs, seqs, dropped, plans, norms, lr, nonfinite) -> dict:
+        if self.grid.trainer_group is not None:
+            sums = sums * (self.grid.tp_rank == 0)  # TP ranks hold the same values: count one
+            dist.all_reduce(sums, group=self.grid.trainer_group)
+        s = dict(zip(SUMS, sums.tolist()))
+        n = max(s["tokens"], 1.0)
+        return {
+            "version": self.version, "loss": s["loss"] / max(len(plans), 1), "tokens": int(s["tokens"]),
+            "clip_frac": s["clipped"] / n, "capped_frac": s["capped"] / n, "mean_w": s["w"] / n,
+            "kl": s["kl"] / n, "entropy": s["entropy"] / n,
+            "grad_norm": sum(norms) / len(norms) if norms else 0.0, "lr": lr, "optimizer_steps": len(plans),
+            "nonfinite_steps": nonfinite, "sequences": len(seqs), "groups": len({t.group_id for t in trajs}),
+            "groups_filtered": len(dropped), "max_staleness": max(
+                (self.version - 1 - t.oldest_version for t in trajs), default=0),
+        }
+
+    # ------------------------------------------------------------------ state
+
+    def save(self, root: str | os.PathLike, extra: dict | None = None) -> Path:
+        """Checkpoint the full training state under `root` (collective); `extra` (any picklable dict,
+        e.g. the data position) comes back from load()."""
+        shard = None
+        if self.grid.dp_rank == 0:
+            shard = {"model": self.model.state_dict(), "optim": self.optimizer.state_dict()}
+        meta = {"config": asdict(self.config), "optimizer_steps": self.optimizer.steps}
+        return ckpt.save(root, self.version, self.grid, shard, meta, extra, self.device, self.config.keep_checkpoints)
+
+    def load(self, path: str | os.PathLike) -> dict:
+        """Restore a checkpoint written by save() with the same layout; returns its `extra` dict."""
+        shard, rng, meta, extra = ckpt.load(path, self.grid, self.device)
+        self.model.load_state_dict(shard["model"])
+        self.optimizer.load_state_dict(shard["optim"])
+        ckpt.set_rng_state(rng)
+        self.version = meta["version"]
+        return extra
+
+    def named_full_weights_for_stage(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """This stage's full (TP-gathered, CPU) weights with HF names on its (dp 0, tp 0) rank; None on
+        other ranks. Collective over the TP group of DP replica 0."""
+        return ckpt.gather_stage(self.model, self.grid, dtype)
+
+    def export_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Write the whole model as a Hugging Face checkpoint from the leader rank (collective)."""
+        full = ckpt.gather_model(self.model, self.grid, dtype)
+        if full is not None:
+            save_state_dict(full, self.model_cfg, path)
+        if self.grid.trainer_group is not None:
+            dist.barrier(group=self.grid.trainer_group)
