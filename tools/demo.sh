@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The CPU demo: a tiny model, warm-started on arithmetic, trained by asynchronous GRPO with
+# 2 trainer ranks + 1 rollout rank under torchrun on this machine. Writes runs/demo/.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash tools/setup.sh
+export OMP_NUM_THREADS=1
+RUN=${RUN:-runs/demo}
+mkdir -p "$RUN"
+if [ ! -f "$RUN/model/config.json" ]; then
+  echo "== warm start: short supervised phase on the synthetic task"
+  python3 tools/warm_start.py "$RUN/model"
+fi
+echo "== plan"
+python3 -m hexrl.plan tools/configs/cpu_demo.json -o "$RUN/plan.json"
+echo "== run: torchrun, 3 processes (2 trainer, 1 rollout)"
+python3 -m torch.distributed.run --standalone --nproc_per_node 3 -m hexrl.main "$RUN/plan.json" --run-dir "$RUN" "$@"
+echo "== done: metrics in $RUN/metrics.jsonl, final model in $RUN/final"
