@@ -1,7 +1,9 @@
 import os
+import shutil
 
-# Triton kernels run in the interpreter on CPU machines.
-os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton kernels run in the interpreter on CPU machines (no nvidia-smi: no GPU to compile for).
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 

@@ -140,6 +140,7 @@ def test_mixed_tp_three_stages_with_kl_and_checkpointing(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_gpu_bf16_step_tracks_float32_cpu_step(tmp_path):
     path = make_tiny_model(tmp_path / "m", layers=4, tie=True)
     single = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 4]}]}

@@ -1,0 +1,131 @@
+"""The device benchmarks' CPU side: bench_kernels writes a profile the planner reads,
+compare_cost_model puts the planner's predictions next to it, gpu_check.sh is valid bash.
+
+    bench_kernels.main(["--out", dir])          # CPU: tiny shape, writes dir/cpu.json
+    compare_cost_model.main([dir + "/cpu.json"]) # prints predicted vs measured, median and worst error
+"""
+import json
+import re
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path.insert(0, str(TOOLS))
+
+import bench_kernels  # noqa: E402
+import compare_cost_model as ccm  # noqa: E402
+from bench_rollout import model_config  # noqa: E402
+
+from hexrl.plan.catalogue import CATALOGUE, GPU, gpu, read_profile  # noqa: E402
+
+PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
+                "train_mfu"}
+
+
+@pytest.fixture(scope="module")
+def cpu_profile(tmp_path_factory):
+    """One quick CPU run of bench_kernels (torch sampling path: the interpreter is for kernel tests)."""
+    out = tmp_path_factory.mktemp("profiles")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("TRITON_INTERPRET", raising=False)
+        assert bench_kernels.main(["--quick", "--out", str(out)]) == 0
+    return out / "cpu.json"
+
+
+def test_bench_kernels_writes_a_profile_the_planner_reads(cpu_profile, monkeypatch):
+    profile = json.loads(cpu_profile.read_text())
+    for key in ("gpu", "device_name", "date", "versions", "model", "model_config", "decode", "prefill", "train",
+                "train_s_per_token", "prefill_tokens_per_s", "sampling", "logprob", "optimizer", *PLANNER_KEYS):
+        assert key in profile, key
+    assert profile["gpu"] == "cpu" and profile["errors"] == []
+    assert {"torch", "triton", "flashinfer", "cuda"} <= set(profile["versions"])
+    grid = bench_kernels.GRIDS["cpu"]
+    points = {(r["batch"], r["prompt_len"]) for r in profile["decode"]}
+    assert points == {(b, c) for b in grid.decode_batches for c in grid.decode_contexts}
+    for r in profile["decode"]:  # the timed steps come after the prompt and some decoded tokens
+        assert r["step_s"] > 0 and r["context"] > r["prompt_len"]
+    assert [r["seq_len"] for r in profile["train"]] == [s for s, _ in grid.train]
+    assert len(profile["sampling"]) == 2 * len(grid.sample_batches)
+    # the planner's own reader takes exactly the catalogue keys, and gpu() applies them
+    assert set(read_profile("cpu", cpu_profile.parent)) == PLANNER_KEYS
+    monkeypatch.setenv("HEXRL_PROFILES", str(cpu_profile.parent))
+    planned = gpu("cpu")
+    assert planned.hbm_TBps == pytest.approx(profile["hbm_TBps"]) and planned.train_mfu == pytest.approx(
+        profile["train_mfu"])
+    assert gpu("cpu", use_profiles=False) == CATALOGUE["cpu"]
+
+
+def test_compare_cost_model_prints_errors(cpu_profile, capsys):
+    assert ccm.main([str(cpu_profile)]) == 0
+    text = capsys.readouterr().out
+    assert re.search(r"decode step \+ training step: median error \d+\.\d%, worst \d+\.\d%", text)
+    assert len(re.findall(r"^decode  batch", text, re.M)) == len(json.loads(cpu_profile.read_text())["decode"])
+    assert re.search(r"leave-one-out .* median error \d+\.\d%", text)
+
+
+def test_compare_cost_model_reports_every_problem(tmp_path, capsys):
+    bad = tmp_path / "H100.json"
+    bad.write_text(json.dumps({"gpu": "H100", "decode": [{"batch": 0, "context": 10}], "train": []}))
+    assert ccm.main([str(bad)]) == 2
+    err = capsys.readouterr().err
+    for what in ("'model_config'", "'hbm_TBps'", "'bf16_tflops'", "decode[0]: needs positive numbers for batch, "
+                 "step_s", "train: must be a non-empty list"):
+        assert what in err
+
+
+def test_calibration_recovers_known_efficiencies():
+    """Measurements made by the cost model itself with known keys: the fit finds them again."""
+    cfg = model_config("qwen2.5-1.5b").to_hf()
+    truth = replace(CATALOGUE["H100"], bf16_tflops=780.0, hbm_TBps=2.9, hbm_efficiency=0.7, decode_mfu=0.3,
+                    decode_overhead_s=2.5e-3, prefill_mfu=0.45, train_mfu=0.35)
+    decode = [{"batch": b, "context": c, "step_s": ccm.predict_decode_s(ccm.context_job(cfg, "H100", c), truth, b)}
+              for b in (1, 64, 256) for c in (300.5, 4100.0)]
+    prefill = [{"batch": 8, "prompt_len": 2048,
+                "seconds": ccm.predict_prefill_s(ccm.context_job(cfg, "H100", 2048), truth, 8)}]
+    train = [{"seq_len": 1024, "s_per_token": ccm.predict_train_s_per_token(cfg, truth, 1024, "H100")}]
+    profile = {"gpu": "H100", "model_config": cfg, "hbm_TBps": 2.9, "bf16_tflops": 780.0, "decode": decode,
+               "prefill": prefill, "train": train}
+    keys = ccm.calibrate(profile)
+    assert keys["prefill_mfu"] == pytest.approx(0.45) and keys["train_mfu"] == pytest.approx(0.35)
+    assert keys["hbm_efficiency"] == pytest.approx(0.7, rel=0.04)  # the search grid is 6.7% apart
+    assert keys["decode_overhead_s"] == pytest.approx(2.5e-3, rel=0.1)
+    rows = ccm.compare({**profile, **keys})
+    assert max(abs(r.error()) for r in rows) < 0.03
+    assert max(abs(r.error("catalogue")) for r in rows if r.kind == "decode") > 0.1  # datasheet alone is off
+
+
+def test_an_unknown_gpu_type_uses_its_measured_peaks():
+    profile = {"gpu": "Tesla-T4", "hbm_TBps": 0.3, "bf16_tflops": 60.0, "hbm_GB": 16.0}
+    g = ccm.profile_gpu({**profile, "train_mfu": 0.3})
+    assert isinstance(g, GPU) and (g.bf16_tflops, g.hbm_TBps, g.hbm_GB, g.train_mfu) == (60.0, 0.3, 16.0, 0.3)
+    assert ccm.host_type(profile) == ccm.STAND_IN
+
+
+@pytest.mark.parametrize("name, want", [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA H20", "H20"), ("NVIDIA H800", "H800"),
+    ("NVIDIA A100-SXM4-80GB", "A100-80G"), ("NVIDIA GeForce RTX 4090", "RTX4090"), ("NVIDIA L40S", "L40S"),
+    ("Tesla T4", "Tesla-T4"), ("cpu", "cpu"),
+])
+def test_gpu_type_names(name, want):
+    assert bench_kernels.gpu_type_name(name) == want
+
+
+def test_decode_roofline_by_hand():
+    cfg = model_config("tiny")  # 4 layers, 4 heads of 16, 2 KV heads, tied 256 x 64 embedding
+    weights = cfg.num_params * 4  # fp32, tied: the head is the embedding
+    kv = 2 * 4 * 2 * 16 * 4
+    assert bench_kernels.decode_roofline_s(cfg, 4, 8, 100, bw=1e9, peak=1e18) == pytest.approx(
+        (weights + 8 * 100 * kv) / 1e9)
+
+
+def test_gpu_check_script_is_valid_bash():
+    script = TOOLS / "gpu_check.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    text = script.read_text()
+    for stage in ("pytest -m gpu", "bench_kernels.py", "compare_cost_model.py", "bench_sampling.py",
+                  "bench_rollout.py"):
+        assert stage in text

@@ -1,0 +1,473 @@
+"""Measure this GPU type for the planner: each number next to its own roofline, one profile JSON.
+
+    python tools/bench_kernels.py --out profiles/     # CUDA: Qwen2.5-1.5B shape, bf16 (~2-3 min on an H100)
+    python tools/bench_kernels.py --quick             # CUDA: a smaller grid (~1 min)
+    python tools/bench_kernels.py                     # CPU: tiny shape through the same code, prints only
+
+Measures copy bandwidth and the bf16 matmul peak; the rollout engine's decode step time over a
+grid of batch sizes x context lengths; prefill throughput; the trainer's forward+backward time
+per token (Decoder.stage + logits + token_logprobs, plain autograd, packed sequences); the
+sampling and log-prob kernels. Prints a table (measured, roofline, ratio) and writes
+`<out>/<gpu>.json` with the hardware name, software versions, date, every raw measurement, and
+the catalogue keys the planner reads (hexrl/plan/catalogue.py: measured hbm_TBps, bf16_tflops,
+hbm_GB, and hbm_efficiency / decode_mfu / decode_overhead_s / prefill_mfu / train_mfu fitted
+through the planner's own cost model by tools/compare_cost_model.py). On CPU the profile is
+written only when --out is given; the CPU "bf16" peak is an fp32 matmul (the CPU path runs fp32).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import importlib.metadata
+import json
+import math
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS.parent))
+sys.path.insert(0, str(TOOLS))
+
+from bench_rollout import DTYPES, SHAPES, model_config, random_model  # noqa: E402
+from compare_cost_model import calibrate  # noqa: E402
+
+from hexrl.model import CausalAttention, Decoder, ModelConfig  # noqa: E402
+from hexrl.plan.catalogue import CATALOGUE  # noqa: E402
+from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
+from kernels import sample, token_logprobs  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Grid:
+    """What to measure. Kept small: the whole device check must fit one 10-minute call."""
+
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    decode_warm: int  # decode steps before timing (graph replay, allocator)
+    decode_steps: int  # timed decode steps per point (median)
+    prefill: tuple[tuple[int, int], ...]  # (batch, prompt_len)
+    train: tuple[tuple[int, int], ...]  # (seq_len, sequences packed into one batch)
+    sample_batches: tuple[int, ...]
+    logprob_tokens: tuple[int, ...]
+    copy_bytes: int
+    matmul_n: int
+    batch_tokens: int = 8192  # engine tokens per forward pass (its default)
+
+
+GRIDS = {
+    # 4 x 3 decode points: 1.8M prompt tokens of prefill in all, ~1 min on an H100
+    "cuda": Grid((1, 16, 64, 256), (256, 1024, 4096), 8, 24, ((16, 512), (8, 2048)), ((1024, 8), (4096, 2)),
+                 (1, 64, 256), (256, 8192), 1 << 30, 8192),
+    "cuda-quick": Grid((1, 64), (256, 1024), 4, 12, ((8, 512),), ((1024, 4),), (64,), (1024,), 1 << 28, 4096),
+    "cpu": Grid((1, 4), (16, 48), 2, 4, ((4, 32),), ((32, 2),), (4,), (64,), 1 << 24, 256, 256),
+}
+
+
+# ----------------------------------------------------------------------------- environment
+
+def gpu_type_name(device_name: str) -> str:
+    """Catalogue spelling of a device name ('NVIDIA H100 80GB HBM3' -> 'H100'), else a file-safe name."""
+    low = device_name.lower()
+    if low == "cpu":
+        return "cpu"
+    if re.search(r"a100", low):
+        return "A100-80G" if "80" in low else "A100-40G"
+    if re.search(r"(rtx\s*)?4090", low):
+        return "RTX4090"
+    for name in sorted(CATALOGUE, key=len, reverse=True):  # H200 before H20
+        if re.search(rf"(?<![a-z0-9]){re.escape(name.lower())}(?![a-z0-9])", low):
+            return name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", device_name.replace("NVIDIA ", "")).strip("-") or "gpu"
+
+
+def versions() -> dict:
+    """Software versions the numbers depend on (missing packages are None)."""
+    out = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda}
+    for pkg in ("triton", "flashinfer-python", "transformers"):
+        try:
+            out[pkg.split("-")[0]] = importlib.metadata.version(pkg)  # no import: transformers takes seconds
+        except importlib.metadata.PackageNotFoundError:
+            out[pkg.split("-")[0]] = None
+    try:
+        q = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out["driver"] = subprocess.run(q, capture_output=True, text=True, timeout=20).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["driver"] = None
+    return out
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def free_memory(device: torch.device) -> None:
+    """Give a dropped engine's KV pool and graphs back before the next one allocates."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def timed(fn: Callable[[], object], device: torch.device, warmup: int = 3, reps: int = 10) -> float:
+    """Median seconds of fn() after warm-ups: CUDA events on a GPU, wall clock on CPU."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+# ----------------------------------------------------------------------------- rooflines
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights a token multiplies through: the layers and the output head (not the lookup table)."""
+    return cfg.num_params - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)
+
+
+def attn_flops(cfg: ModelConfig) -> int:
+    """Attention FLOPs per token per context position (QK^T and PV, all layers)."""
+    return 4 * cfg.num_attention_heads * cfg.head_dim * cfg.num_hidden_layers
+
+
+def kv_bytes(cfg: ModelConfig, elem: int) -> int:
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def decode_roofline_s(cfg: ModelConfig, elem: int, batch: int, ctx: float, bw: float, peak: float) -> float:
+    """A decode step reads every weight and every cached k/v once, or is bound by its FLOPs."""
+    nbytes = matmul_params(cfg) * elem + batch * ctx * kv_bytes(cfg, elem)
+    flops = batch * (2 * matmul_params(cfg) + attn_flops(cfg) * ctx)
+    return max(nbytes / bw, flops / peak)
+
+
+def forward_flops_per_token(cfg: ModelConfig, seq_len: float) -> float:
+    """Forward FLOPs of one token of a causal sequence of seq_len tokens (mean context seq_len/2)."""
+    return 2 * matmul_params(cfg) + attn_flops(cfg) * seq_len / 2
+
+
+# ----------------------------------------------------------------------------- engine points
+
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+
+
+def make_engine(model: Decoder, batch: int, seq_tokens: int, grid: Grid, attention: str) -> Engine:
+    """An engine whose CUDA graph covers exactly this batch size (one capture, not ~35). On a GPU
+    the KV pool takes 85% of free memory; on CPU just enough pages for batch x seq_tokens."""
+    pages = None if next(model.parameters()).is_cuda else batch * (seq_tokens // 16 + 2) + 4
+    cfg = EngineConfig(page_size=16, max_running=batch, max_batch_tokens=max(grid.batch_tokens, batch),
+                       gpu_memory_fraction=0.85, graph_batch_sizes=(batch,), max_pages=pages, attention=attention)
+    engine = Engine(model, cfg, eos_ids=[])
+    engine.generate([Request("warm", [5] * 16, max_new_tokens=3, ignore_eos=True, seed=0)])  # JIT, planning
+    return engine
+
+
+def all_decoding(engine: Engine, batch: int) -> bool:
+    running = engine.scheduler.running
+    return not engine.scheduler.waiting and len(running) == batch and all(s.num_uncached == 1 for s in running)
+
+
+def decode_point(model: Decoder, batch: int, context: int, grid: Grid, attention: str = "auto") -> dict:
+    """Median seconds of one decode step with `batch` sequences of about `context` tokens each.
+
+    Engine steps are host-synchronous (sampled tokens go to the CPU), so wall clock is the step time.
+    """
+    # early admissions decode while later ones prefill (the step's token budget is shared)
+    prefill_steps = math.ceil(batch * context / max(1, grid.batch_tokens - batch))
+    budget = prefill_steps + grid.decode_warm + grid.decode_steps + 16
+    engine = make_engine(model, batch, context + budget, grid, attention)
+    try:
+        for i, ids in enumerate(random_prompts(batch, context, model.cfg.vocab_size, seed=context)):
+            engine.add(Request(i, ids, max_new_tokens=budget, temperature=1.0, ignore_eos=True, seed=i))
+        for _ in range(budget):
+            if all_decoding(engine, batch):
+                break
+            engine.step()
+        else:
+            raise RuntimeError(f"decode point batch {batch} context {context}: the batch never reached pure decode")
+        for _ in range(grid.decode_warm):
+            engine.step()
+        times, ctxs = [], []
+        for _ in range(grid.decode_steps):
+            ctxs.append(statistics.fmean(len(s.tokens) for s in engine.scheduler.running))
+            t0 = time.perf_counter()
+            done = engine.step()
+            times.append(time.perf_counter() - t0)
+            if done:
+                raise RuntimeError("a sequence finished while timing (token budget too small)")
+        return {"batch": batch, "prompt_len": context, "context": round(statistics.fmean(ctxs), 1),
+                "step_s": statistics.median(times), "graph_steps": engine.stats.graph_steps,
+                "attention": "torch" if engine.backend is None else "flashinfer"}
+    finally:
+        del engine
+        free_memory(next(model.parameters()).device)
+
+
+def prefill_point(model: Decoder, batch: int, prompt_len: int, grid: Grid, attention: str = "auto",
+                  reps: int = 3) -> dict:
+    """Median seconds to prefill `batch` prompts of `prompt_len` tokens (and sample one token each)."""
+    engine = make_engine(model, batch, prompt_len + 1, grid, attention)
+    try:
+        prompts = random_prompts(batch, prompt_len, model.cfg.vocab_size, seed=prompt_len + 1)
+        times = []
+        for rep in range(reps):  # the engine caches no prefixes: every rep prefills in full
+            reqs = [Request((rep, i), p, max_new_tokens=1, ignore_eos=True, seed=i) for i, p in enumerate(prompts)]
+            t0 = time.perf_counter()
+            engine.generate(reqs)  # ends with the sampled tokens on the host: synchronous
+            times.append(time.perf_counter() - t0)
+        seconds = statistics.median(times)
+        return {"batch": batch, "prompt_len": prompt_len, "seconds": seconds,
+                "tokens_per_s": batch * prompt_len / seconds}
+    finally:
+        del engine
+        free_memory(next(model.parameters()).device)
+
+
+# ----------------------------------------------------------------------------- trainer, kernels
+
+def train_point(model: Decoder, seq_len: int, n_seqs: int) -> dict:
+    """Forward+backward seconds per token of a packed batch: stage -> logits -> token_logprobs -> backward."""
+    device = next(model.parameters()).device
+    n = seq_len * n_seqs
+    g = torch.Generator().manual_seed(seq_len)
+    ids = torch.randint(3, model.cfg.vocab_size, (n,), generator=g).to(device)
+    targets = torch.roll(ids, -1)
+    positions = torch.arange(seq_len).repeat(n_seqs).to(device)
+    attn = CausalAttention([seq_len] * n_seqs)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        logits = model.logits(model.stage(ids, positions, attn))
+        (-token_logprobs(logits, targets, check=False).mean()).backward()
+
+    seconds = timed(step, device, warmup=2, reps=5)
+    model.zero_grad(set_to_none=True)
+    free_memory(device)
+    return {"seq_len": seq_len, "tokens": n, "seconds": seconds, "s_per_token": seconds / n}
+
+
+def optimizer_point(model: Decoder) -> list[dict]:
+    """Seconds of one trainer optimizer step (hexrl.train.optim.AdamW: fused AdamW on float32
+    masters from float32 main_grad, then the copy back into the compute-dtype weights)."""
+    from hexrl.train.optim import AdamW
+
+    device = next(model.parameters()).device
+    params = list(model.parameters())
+    for p in params:
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
+    try:
+        opt = AdamW(params, lr=1e-6)
+        seconds = timed(opt.step, device, warmup=2, reps=5)
+        n = sum(p.numel() for p in opt.params)
+    finally:
+        for p in params:
+            del p.main_grad
+        opt = None
+        free_memory(device)
+    return [{"params": n, "seconds": seconds}]
+
+
+def sampling_points(batches, vocab: int, dtype: torch.dtype, device: torch.device) -> list[dict]:
+    """The fused sampling kernel at T=1 (plain) and T=0.7, top-k 50, top-p 0.9 (filtered)."""
+    rows = []
+    for b in batches:
+        logits = torch.randn(b, vocab, device=device, dtype=dtype) * 3
+        seeds = torch.arange(b, device=device)
+        for case, args in (("plain", (1.0, 0, 1.0)), ("topk-topp", (0.7, 50, 0.9))):
+            s = timed(lambda: sample(logits, *args, seeds, 0, check=False), device)
+            rows.append({"batch": b, "vocab": vocab, "case": case, "seconds": s})
+    return rows
+
+
+def logprob_points(tokens, vocab: int, dtype: torch.dtype, device: torch.device) -> list[dict]:
+    """The one-pass log-prob kernel (forward) over [N, V] logits."""
+    rows = []
+    for n in tokens:
+        logits = torch.randn(n, vocab, device=device, dtype=dtype)
+        targets = torch.randint(0, vocab, (n,), device=device)
+        s = timed(lambda: token_logprobs(logits, targets, check=False), device)
+        rows.append({"tokens": n, "vocab": vocab, "seconds": s})
+        del logits
+    return rows
+
+
+def copy_bandwidth(nbytes: int, device: torch.device) -> float:
+    """Bytes/s of a device-to-device copy, read + write counted."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    s = timed(lambda: dst.copy_(src), device, warmup=3, reps=20)
+    return 2 * nbytes / s
+
+
+def matmul_peak(n: int, dtype: torch.dtype, device: torch.device) -> float:
+    """FLOP/s of an n x n x n matmul on random data."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    s = timed(lambda: a @ b, device, warmup=3, reps=10)
+    return 2 * n ** 3 / s
+
+
+# ----------------------------------------------------------------------------- run
+
+def optional(name: str, fn: Callable[[], list], errors: list[str], log) -> list:
+    """fn() or [] if it raises: a broken kernel costs its own rows, not the whole profile."""
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - recorded in the profile and printed
+        errors.append(f"{name}: {type(e).__name__}: {e}")
+        log(f"{name} FAILED: {type(e).__name__}: {e}")
+        return []
+
+
+def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype, attention: str = "auto",
+            log=print) -> dict:
+    """Every measurement of the profile (raw; no planner keys yet). The decode grid and training
+    are required (the calibration needs them); prefill, sampling and log-prob failures are recorded."""
+    cfg, errors = model.cfg, []
+    bw = copy_bandwidth(grid.copy_bytes, device)
+    peak = matmul_peak(grid.matmul_n, dtype if device.type == "cuda" else torch.float32, device)
+    log(f"copy {bw / 1e9:.0f} GB/s, matmul {peak / 1e12:.2f} TFLOP/s")
+    decode = []
+    for b in grid.decode_batches:
+        for c in grid.decode_contexts:
+            decode.append(decode_point(model, b, c, grid, attention))
+            log(f"decode batch {b} context {c}: {decode[-1]['step_s'] * 1e3:.2f} ms/step "
+                f"({decode[-1]['attention']}, {decode[-1]['graph_steps']} graph steps)")
+    train = [train_point(model, s, n) for s, n in grid.train]
+    log("train: " + ", ".join(f"seq {r['seq_len']} {r['s_per_token'] * 1e6:.3f} us/token" for r in train))
+    optimizer = optional("optimizer", lambda: optimizer_point(model), errors, log)
+    prefill = optional("prefill", lambda: [prefill_point(model, b, p, grid, attention) for b, p in grid.prefill],
+                       errors, log)
+    sampling = optional("sampling", lambda: sampling_points(grid.sample_batches, cfg.vocab_size, dtype, device),
+                        errors, log)
+    logprob = optional("logprob", lambda: logprob_points(grid.logprob_tokens, cfg.vocab_size, dtype, device),
+                       errors, log)
+    return {"copy_Bps": bw, "matmul_flops": peak, "decode": decode, "prefill": prefill, "train": train,
+            "optimizer": optimizer, "sampling": sampling, "logprob": logprob, "errors": errors}
+
+
+def table(m: dict, cfg: ModelConfig, elem: int, datasheet) -> list[tuple[str, str, str, str, float]]:
+    """(what, point, measured, roofline, roofline/measured time or measured/peak rate) rows."""
+    bw, peak = m["copy_Bps"], m["matmul_flops"]
+    sheet_bw = datasheet.hbm_TBps * 1e12 if datasheet else math.nan  # a type the catalogue lacks: no datasheet
+    sheet_peak = datasheet.bf16_tflops * 1e12 if datasheet else math.nan
+    rows = [("copy bandwidth", "", f"{bw / 1e9:.0f} GB/s", f"{sheet_bw / 1e9:.0f} GB/s datasheet", bw / sheet_bw),
+            ("matmul peak", "", f"{peak / 1e12:.1f} TFLOP/s", f"{sheet_peak / 1e12:.0f} TFLOP/s datasheet",
+             peak / sheet_peak)]
+    for r in m["decode"]:
+        roof = decode_roofline_s(cfg, elem, r["batch"], r["context"], bw, peak)
+        rows.append(("decode step", f"b={r['batch']} ctx={r['context']:.0f}", f"{r['step_s'] * 1e3:.3f} ms",
+                     f"{roof * 1e3:.3f} ms", roof / r["step_s"]))
+    for r in m["prefill"]:
+        roof = r["batch"] * r["prompt_len"] * forward_flops_per_token(cfg, r["prompt_len"]) / peak
+        rows.append(("prefill", f"b={r['batch']} len={r['prompt_len']}", f"{r['tokens_per_s']:.0f} tok/s",
+                     f"{r['batch'] * r['prompt_len'] / roof:.0f} tok/s", roof / r["seconds"]))
+    for r in m["train"]:
+        roof = 3 * forward_flops_per_token(cfg, r["seq_len"]) / peak
+        rows.append(("train fwd+bwd", f"seq={r['seq_len']} tok={r['tokens']}", f"{r['s_per_token'] * 1e6:.3f} us/tok",
+                     f"{roof * 1e6:.3f} us/tok", roof / r["s_per_token"]))
+    for r in m["optimizer"]:
+        roof = r["params"] * 32 / bw  # read + write fp32 master, grad, Adam m and v
+        rows.append(("optimizer step", f"{r['params'] / 1e6:.0f}M params", f"{r['seconds'] * 1e3:.2f} ms",
+                     f"{roof * 1e3:.2f} ms", roof / r["seconds"]))
+    for r in m["sampling"]:
+        roof = r["batch"] * r["vocab"] * elem / bw
+        rows.append((f"sample {r['case']}", f"B={r['batch']} V={r['vocab']}", f"{r['seconds'] * 1e6:.1f} us",
+                     f"{roof * 1e6:.1f} us", roof / r["seconds"]))
+    for r in m["logprob"]:
+        roof = r["tokens"] * r["vocab"] * elem / bw
+        rows.append(("token_logprobs", f"N={r['tokens']} V={r['vocab']}", f"{r['seconds'] * 1e6:.1f} us",
+                     f"{roof * 1e6:.1f} us", roof / r["seconds"]))
+    return rows
+
+
+def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelConfig, dtype_name: str,
+                  grid_name: str, total_GB: float | None) -> dict:
+    """The profile: identity, versions, measured peaks (planner keys), raw tables."""
+    profile = {
+        "gpu": gpu, "device_name": device_name, "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+            timespec="seconds"), "versions": versions(), "model": shape, "model_config": cfg.to_hf(),
+        "dtype": dtype_name, "grid": grid_name,
+        # planner keys (hexrl/plan/catalogue.py GPU fields): measured peaks ...
+        "hbm_TBps": m["copy_Bps"] / 1e12, "bf16_tflops": m["matmul_flops"] / 1e12,
+        "decode": m["decode"], "prefill": m["prefill"], "train": m["train"], "optimizer": m["optimizer"],
+        "train_s_per_token": statistics.median(r["s_per_token"] for r in m["train"]),
+        "prefill_tokens_per_s": statistics.median(r["tokens_per_s"] for r in m["prefill"]) if m["prefill"] else None,
+        "sampling": m["sampling"], "logprob": m["logprob"], "errors": m["errors"],
+    }
+    if total_GB:
+        profile["hbm_GB"] = total_GB
+    profile.update(calibrate(profile))  # ... and efficiencies fitted through the planner's cost model
+    return profile
+
+
+def main(argv: list[str] | None = None) -> int:
+    cuda = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", help="directory for <gpu>.json (default on CUDA: profiles/; on CPU: none, print only)")
+    p.add_argument("--quick", action="store_true", help="a smaller grid (on CPU the grid is always tiny)")
+    p.add_argument("--model", choices=sorted(SHAPES), default=None,
+                   help="model shape (default qwen2.5-1.5b on CUDA, tiny on CPU)")
+    p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
+                   help="engine attention backend (auto: FlashInfer when usable)")
+    args = p.parse_args(argv)
+    device = torch.device("cuda" if cuda else "cpu")
+    shape = args.model or ("qwen2.5-1.5b" if cuda else "tiny")
+    grid_name = ("cuda-quick" if args.quick else "cuda") if cuda else "cpu"
+    grid = GRIDS[grid_name]
+    dtype_name = "bfloat16" if cuda else "float32"
+    dtype = DTYPES[dtype_name]
+    device_name = torch.cuda.get_device_name() if cuda else "cpu"
+    gpu = gpu_type_name(device_name)
+    cfg = model_config(shape)
+    print(f"bench_kernels: {device_name} (type {gpu}), shape {shape} ({cfg.num_params / 1e6:.1f}M params, "
+          f"{dtype_name}), grid {grid_name}", flush=True)
+    model = random_model(cfg, dtype, device)
+    m = measure(model, grid, device, dtype, args.attention, log=lambda s: print("  " + s, flush=True))
+    del model
+    free_memory(device)
+    total = torch.cuda.get_device_properties(device).total_memory / 1e9 if cuda else None
+    profile = build_profile(m, gpu, device_name, shape, cfg, dtype_name, grid_name, total)
+    datasheet = CATALOGUE.get(gpu)
+    print(f"\n{'what':<18}{'point':<22}{'measured':>18}{'roofline':>26}{'of roof':>9}")
+    for what, point, meas, roof, ratio in table(m, cfg, dtype.itemsize, datasheet):
+        print(f"{what:<18}{point:<22}{meas:>18}{roof:>26}{ratio:>9.1%}")
+    keys = {k: profile[k] for k in ("hbm_GB", "hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu",
+                                    "decode_overhead_s", "prefill_mfu", "train_mfu") if k in profile}
+    print("planner keys: " + ", ".join(f"{k}={v:.4g}" for k, v in keys.items()))
+    out = args.out or ("profiles" if cuda else None)
+    if out:
+        path = Path(out) / f"{gpu}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(profile, indent=1) + "\n")
+        tmp.replace(path)  # a reader never sees half a profile
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
