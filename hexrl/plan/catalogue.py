@@ -1,0 +1,114 @@
+"""GPU catalogue: peak numbers per GPU type, overridable by measured profiles.
+
+Numbers are datasheet values (dense bf16 tensor-core TFLOP/s, HBM size and bandwidth,
+one-direction NVLink/PCIe bandwidth per GPU) plus a default rental price. H800 and H20
+follow the AReaL-Hex paper (§3, §4.4): H800 756 TFLOP/s, 2 TB/s HBM (the paper's figure;
+the SXM datasheet says 3.35 TB/s), 200 GB/s NVLink, $5.28/h; H20 148 TFLOP/s, 4 TB/s,
+450 GB/s NVLink, $1.85/h. The efficiency factors are what a good stack reaches in
+practice; `tools/bench_kernels.py` measures them and writes `profiles/<gpu>.json`.
+"""
+
+import json
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class GPU:
+    name: str
+    bf16_tflops: float  # dense peak
+    hbm_GB: float
+    hbm_TBps: float
+    nvlink_GBps: float  # one direction, per GPU, inside a node
+    price: float  # $/h per GPU
+    train_mfu: float = 0.40  # fraction of peak a training matmul mix reaches
+    prefill_mfu: float = 0.50  # prefill / KV recompute
+    decode_mfu: float = 0.50  # compute-bound decode matmuls (large batches)
+    hbm_efficiency: float = 0.75  # fraction of HBM bandwidth decode reaches
+    decode_overhead_s: float = 2e-3  # per decode step: scheduler, launches, sampling
+    mem_util: float = 0.90  # fraction of HBM the engines may use
+
+    @property
+    def flops(self) -> float:
+        return self.bf16_tflops * 1e12
+
+    @property
+    def hbm_bytes(self) -> float:
+        return self.hbm_GB * 1e9
+
+    @property
+    def hbm_Bps(self) -> float:
+        return self.hbm_TBps * 1e12
+
+
+CATALOGUE = {
+    g.name: g
+    for g in [
+        GPU("H100", 989.0, 80.0, 3.35, 450.0, 2.99),
+        GPU("H200", 989.0, 141.0, 4.8, 450.0, 3.79),
+        GPU("H800", 756.0, 80.0, 2.0, 200.0, 5.28),
+        # AReaL-Hex Table 1: per training token an H800 costs 3.12x less than an H20, i.e. it
+        # trains 8.9x faster for 5.1x the peak: H20 training reaches ~57% of H800's MFU
+        GPU("H20", 148.0, 96.0, 4.0, 450.0, 1.85, train_mfu=0.23),
+        GPU("A100-80G", 312.0, 80.0, 2.039, 300.0, 1.79),
+        GPU("L40S", 362.0, 48.0, 0.864, 32.0, 1.03),  # PCIe only
+        GPU("RTX4090", 165.0, 24.0, 1.008, 32.0, 0.39),  # PCIe only; bf16 with fp32 accumulate
+        # one CPU worker process pretending to be a GPU: the CPU demo and tests
+        GPU("cpu", 0.05, 4.0, 0.01, 5.0, 0.0, decode_overhead_s=5e-3),
+    ]
+}
+
+ALIASES = {
+    "a100": "A100-80G",
+    "a100-80g": "A100-80G",
+    "a100-80gb": "A100-80G",
+    "4090": "RTX4090",
+    "rtx4090": "RTX4090",
+    "rtx-4090": "RTX4090",
+    "rtx 4090": "RTX4090",
+    "l40s": "L40S",
+}
+
+
+def canonical_name(name: str) -> str | None:
+    """The catalogue spelling of a GPU type name (case-insensitive), or None if unknown."""
+    if not isinstance(name, str):
+        return None
+    low = name.strip().lower()
+    for known in CATALOGUE:
+        if known.lower() == low:
+            return known
+    return ALIASES.get(low)
+
+
+def profile_dir() -> Path:
+    """Where measured profiles live: $HEXRL_PROFILES, else ./profiles."""
+    return Path(os.environ.get("HEXRL_PROFILES", "profiles"))
+
+
+def read_profile(name: str, directory: Path | None = None) -> dict:
+    """Catalogue fields measured for this GPU type (profiles/<name>.json), or {} if none.
+
+    Keys that are not catalogue fields (e.g. raw benchmark tables) are ignored.
+    """
+    path = (directory or profile_dir()) / f"{name}.json"
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    known = {f.name for f in fields(GPU)} - {"name"}
+    return {k: float(v) for k, v in data.items() if k in known and isinstance(v, (int, float))}
+
+
+def gpu(name: str, price: float | None = None, use_profiles: bool = True) -> GPU:
+    """The catalogue entry for `name`, with measured profile values and a price override applied."""
+    canon = canonical_name(name)
+    if canon is None:
+        raise KeyError(f"unknown GPU type {name!r} (known: {', '.join(CATALOGUE)})")
+    entry = CATALOGUE[canon]
+    if use_profiles:
+        entry = replace(entry, **read_profile(canon))
+    if price is not None:
+        entry = replace(entry, price=float(price))
+    return entry

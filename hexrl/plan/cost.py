@@ -1,0 +1,308 @@
+"""Cost models of one asynchronous RL step: training time per layout, rollout throughput per
+replica configuration, weight-sync time, reward time.
+
+Everything is seconds for one RL step (B prompts x G samples). The numbers come from the GPU
+catalogue (peak FLOP/s, HBM, NVLink) and the cluster's link bandwidths; nothing is fitted
+here, so a measured profile (profiles/<gpu>.json) is the way to make predictions sharper.
+"""
+
+import math
+from dataclasses import dataclass
+
+from hexrl.config import Job
+from hexrl.plan.catalogue import GPU, gpu
+
+BYTES_PER_PARAM_TRAIN = 18  # bf16 weights 2 + fp32 grads 4 + fp32 master 4 + Adam m, v 8
+WORKSPACE_BYTES = 1.5e9  # allocator slack, kernels' scratch, CUDA context
+ALLREDUCE_LATENCY_S = 8e-6  # one small NVLink all-reduce (decode-time TP)
+MAX_DECODE_BATCH = 1024  # engine cap on running sequences per replica
+REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The per-step numbers the cost models need, derived from a job."""
+
+    samples: int  # rollouts per step: B * G
+    group: int
+    prompt_len: int
+    mean_out: float
+    max_out: float
+    max_seq: int  # prompt + max_new_tokens: a micro-batch holds at least one whole sequence
+    ctx_decode: float  # time-averaged context length of a decoding sequence
+    ctx_attn: float  # average causal attention context of a trained token
+    tokens: float  # tokens trained per step (prompt + output)
+    eta: int | None
+    minibatches: int
+    extra_fwd: int  # forward-only passes besides fwd+bwd: proximal log-probs, KL reference
+    reward_s: float  # reward time of one sample on one worker
+
+    @property
+    def gen_tokens(self) -> float:
+        return self.samples * self.mean_out
+
+
+def workload_of(job: Job) -> Workload:
+    rl, wl = job.rl, job.workload
+    d = wl.output
+    mean, second = d.mean(), d.second_moment()
+    seq_mean = wl.prompt_len + mean
+    seq_second = wl.prompt_len ** 2 + 2 * wl.prompt_len * mean + second
+    reward_s = wl.reward_s_per_sample
+    if reward_s is None:
+        reward_s = REWARD_S_PER_SAMPLE[job.reward.name]
+    return Workload(
+        samples=rl.batch_size * rl.group_size, group=rl.group_size, prompt_len=wl.prompt_len,
+        mean_out=mean, max_out=d.max(), max_seq=wl.prompt_len + rl.max_new_tokens,
+        ctx_decode=wl.prompt_len + second / (2 * mean),
+        ctx_attn=seq_second / (2 * seq_mean),
+        tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta, minibatches=rl.ppo_minibatches,
+        extra_fwd=int(rl.decoupled) + int(rl.kl_coef > 0), reward_s=reward_s,
+    )
+
+
+@dataclass(frozen=True)
+class StageCoeffs:
+    """Stage time = per_layer * layers + fixed (seconds per RL step); memory caps the layers."""
+
+    per_layer: float
+    fixed: float
+    max_layers: int
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    """One rollout replica configuration psi = (gpu type, tp) run at decode batch `batch`."""
+
+    gpu_type: str
+    tp: int
+    batch: int
+    step_s: float  # one decode step of the whole batch
+    tokens_per_s: float  # generated tokens/s including prefills
+    recompute_s: float  # KV recompute of the running batch after a weight update
+
+
+class CostModel:
+    """Cost models for one job: model shape, workload, GPU catalogue entries, links."""
+
+    def __init__(self, job: Job, use_profiles: bool = True):
+        self.job, self.m, self.cluster = job, job.model, job.cluster
+        self.w = workload_of(job)
+        self.gpus: dict[str, GPU] = {t: gpu(t, job.prices[t], use_profiles) for t in self.cluster.types()}
+        self.gpn = self.cluster.gpus_per_node
+        self._decode_cache: dict = {}
+        self._stage_cache: dict = {}
+        self.layer_params = self.m.layer_params()  # hot in the searches: compute once
+        q_dim = self.m.num_heads * self.m.head_dim
+        self.layer_fwd_flops = 2 * self.layer_params + 4 * q_dim * self.w.ctx_attn
+
+    # ------------------------------------------------------------------ shapes
+    def tp_options(self, gpu_type: str) -> list[int]:
+        """TP degrees: powers of two that divide GPUs per node and attention heads."""
+        out, t = [], 1
+        while t <= self.gpn:
+            if self.gpn % t == 0 and self.m.num_heads % t == 0:
+                out.append(t)
+            t *= 2
+        return out
+
+    def usable_bytes(self, gpu_type: str) -> float:
+        g = self.gpus[gpu_type]
+        return g.hbm_bytes * g.mem_util - min(WORKSPACE_BYTES, 0.1 * g.hbm_bytes)
+
+    def head_params(self) -> int:
+        return self.m.vocab_size * self.m.hidden_size
+
+    def matmul_params(self) -> int:
+        """Parameters a token multiplies through: decoder layers and the output head (not the lookup)."""
+        return self.m.num_layers * self.layer_params + self.head_params()
+
+    # ------------------------------------------------------------------ training
+    def microbatches(self, dp: int) -> int:
+        """Micro-batches per PPO minibatch per DP replica (each holds up to max_seq tokens)."""
+        w = self.w
+        return max(1, math.ceil(w.tokens / (w.minibatches * dp * w.max_seq)))
+
+    def stage_coeffs(self, gpu_type: str, tp: int, dp: int, pp: int, index: int, dp_nodes: int,
+                     send_GBps: float | None, recompute: bool) -> StageCoeffs:
+        """Time and memory coefficients of pipeline stage `index` (of pp) for one RL step.
+
+        dp_nodes: how many nodes the stage's dp*tp GPUs span (1: DP all-reduce on NVLink).
+        send_GBps: link to the next stage (None for the last stage).
+        """
+        key = (gpu_type, tp, dp, pp, index, dp_nodes, send_GBps, recompute)
+        if key not in self._stage_cache:
+            self._stage_cache[key] = self._stage_coeffs(*key)
+        return self._stage_cache[key]
+
+    def _stage_coeffs(self, gpu_type, tp, dp, pp, index, dp_nodes, send_GBps, recompute) -> StageCoeffs:
+        g, m, w = self.gpus[gpu_type], self.m, self.w
+        h, k = m.hidden_size, w.minibatches
+        mb = self.microbatches(dp)
+        bubble = (mb + pp - 1) / mb
+        tok = w.tokens / dp  # tokens through one replica per step
+        passes = 3 + w.extra_fwd + int(recompute)
+        nvlink = self.cluster.intra_GBps(gpu_type) * 1e9
+        flops = g.flops * g.train_mfu * tp
+        compute = passes * self.layer_fwd_flops * tok / flops
+        tp_comm = 0.0
+        if tp > 1:  # 2 all-reduces of activations per forward-like pass, 4 per backward
+            n_ar = 2 * (passes - 1)
+            tp_comm = n_ar * tok * h * 2 * 2 * (tp - 1) / tp / nvlink
+        grad_bytes = 2.0 / tp  # bf16 gradients per parameter on one GPU
+        dp_per_param = 0.0
+        if dp > 1:
+            dp_per_param = 2 * (dp - 1) / dp * grad_bytes / nvlink
+            if dp_nodes > 1:  # the node's NIC carries a whole copy of the stage's gradients
+                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * 2.0 / (self.cluster.inter_node_GBps * 1e9)
+        opt_per_param = 2 * 16 / tp / g.hbm_Bps  # read + write weights, grads, Adam state
+        per_layer = bubble * (compute + tp_comm) + k * (dp_per_param + opt_per_param) * self.layer_params
+        fixed = 0.0
+        edge_params = 0
+        if index == pp - 1:  # output head (vocab-parallel) and its log-softmax
+            edge_params += self.head_params()
+            fixed += bubble * passes * 2 * self.head_params() * tok / flops
+        if index == 0:
+            edge_params += self.head_params()  # input embedding
+        fixed += k * (dp_per_param + opt_per_param) * edge_params
+        if send_GBps is not None:  # activations forward, gradients back, per replica
+            fixed += bubble * (2 + w.extra_fwd) * tok * h * 2 * dp / max(1, dp_nodes) / (send_GBps * 1e9)
+        return StageCoeffs(per_layer, fixed, self._max_layers(gpu_type, tp, pp, index, mb, recompute, edge_params))
+
+    def _max_layers(self, gpu_type, tp, pp, index, mb, recompute, edge_params) -> int:
+        m, w = self.m, self.w
+        h, tokens = m.hidden_size, w.max_seq
+        inflight = min(mb, pp - index)  # 1F1B keeps pp - index micro-batches alive on stage index
+        bpp = BYTES_PER_PARAM_TRAIN + (2 if self.job.rl.kl_coef > 0 else 0)
+        full_act = tokens * h * (10 + 24 / tp)  # one layer's activations (flash attention)
+        if recompute:
+            act_per_layer, act_fixed = inflight * tokens * h * 2, full_act
+        else:
+            act_per_layer, act_fixed = inflight * full_act, 0.0
+        fixed = edge_params * bpp / tp + act_fixed
+        if index == pp - 1:
+            fixed += tokens * m.vocab_size / tp * 4  # fp32 logits of one micro-batch
+        room = self.usable_bytes(gpu_type) - fixed
+        per_layer = self.layer_params * bpp / tp + act_per_layer
+        return max(0, int(room // per_layer))
+
+    def train_flops(self) -> float:
+        """FLOPs of one step's training without activation recompute (layers and output head)."""
+        per_token = self.m.num_layers * self.layer_fwd_flops + 2 * self.head_params()
+        return (3 + self.w.extra_fwd) * per_token * self.w.tokens
+
+    def decode_rate_bound(self, gpu_type: str) -> float:
+        """An upper bound on one GPU's generated tokens/s (best TP, largest batch, no recompute)."""
+        rates = [pt.tokens_per_s / tp for tp in self.tp_options(gpu_type)
+                 for pt in self.decode_points(gpu_type, tp, False)]
+        return max(rates, default=0.0)
+
+    def train_memory_floor(self) -> float:
+        """Bytes the training set needs at the very least (weights, grads, Adam; no activations)."""
+        return self.m.n_params() * BYTES_PER_PARAM_TRAIN
+
+    # ------------------------------------------------------------------ rollout
+    def kv_bytes_per_token(self, tp: int) -> float:
+        """KV bytes per token on one GPU of a TP group (KV heads are replicated past tp > kv_heads)."""
+        return self.m.kv_bytes_per_token() / min(tp, self.m.num_kv_heads)
+
+    def max_decode_batch(self, gpu_type: str, tp: int) -> int:
+        """Sequences of average length that fit in KV memory; 0 if not even one longest sequence fits."""
+        weights = 2 * self.m.n_params() / tp
+        room = self.usable_bytes(gpu_type) - weights
+        kv = self.kv_bytes_per_token(tp)
+        if room < kv * self.w.max_seq:
+            return 0
+        return int(min(MAX_DECODE_BATCH, room // (kv * self.w.ctx_decode)))
+
+    def decode_point(self, gpu_type: str, tp: int, batch: int) -> DecodePoint:
+        key = (gpu_type, tp, batch)
+        if key not in self._decode_cache:
+            self._decode_cache[key] = self._decode_point(gpu_type, tp, batch)
+        return self._decode_cache[key]
+
+    def decode_coeffs(self, gpu_type: str, tp: int, b: int) -> tuple[float, float]:
+        """(a, c): one decode step of b sequences with total context S takes a + c * S seconds.
+
+        A roofline per kernel family: weight matmuls read the weights once for the whole batch,
+        attention reads every sequence's KV; the two run one after the other.
+        """
+        g, m = self.gpus[gpu_type], self.m
+        n = self.matmul_params()
+        bw, peak = g.hbm_Bps * g.hbm_efficiency, tp * g.flops * g.decode_mfu
+        a = g.decode_overhead_s + max(2 * n / tp / bw, 2 * n * b / peak)
+        if tp > 1:
+            nvlink = self.cluster.intra_GBps(gpu_type) * 1e9
+            a += 2 * m.num_layers * (ALLREDUCE_LATENCY_S + b * m.hidden_size * 2 * 2 * (tp - 1) / tp / nvlink)
+        c = max(self.kv_bytes_per_token(tp) / bw, self.attn_flops_per_pos() / peak)
+        return a, c
+
+    def attn_flops_per_pos(self) -> float:
+        """Attention FLOPs of one token per context position, all layers (scores and values)."""
+        return 4 * self.m.num_heads * self.m.head_dim * self.m.num_layers
+
+    def prefill_s(self, gpu_type: str, tp: int, tokens: float, ctx: float) -> float:
+        """Prefill (or KV recompute) of `tokens` tokens whose average causal context is `ctx`."""
+        g = self.gpus[gpu_type]
+        per_token = 2 * self.matmul_params() + self.attn_flops_per_pos() * ctx
+        return tokens * per_token / (tp * g.flops * g.prefill_mfu)
+
+    def _decode_point(self, gpu_type: str, tp: int, b: int) -> DecodePoint:
+        w = self.w
+        a, c = self.decode_coeffs(gpu_type, tp, b)
+        step = a + c * b * w.ctx_decode
+        prefill = self.prefill_s(gpu_type, tp, w.prompt_len, w.prompt_len / 2)
+        # each step finishes b / mean_out sequences on average; their successors need a prefill
+        rate = b / (step + b / w.mean_out * prefill)
+        recompute = self.prefill_s(gpu_type, tp, b * w.ctx_decode, w.ctx_decode / 2)
+        return DecodePoint(gpu_type, tp, b, step, rate, recompute)
+
+    def decode_points(self, gpu_type: str, tp: int, all_batches: bool) -> list[DecodePoint]:
+        """Operating points of config (type, tp): bmax/8..bmax, or every power of two up to bmax."""
+        bmax = self.max_decode_batch(gpu_type, tp)
+        if bmax < 1:
+            return []
+        sizes = sorted({max(1, bmax >> i) for i in range(4)})  # smaller batches recompute less KV
+        if all_batches:
+            sizes = sorted({1 << i for i in range(int(math.log2(bmax)) + 1)} | {bmax})
+        return [self.decode_point(gpu_type, tp, b) for b in sizes]
+
+    def rollout_tail_s(self, solo_step_s: float, busy_step_s: float) -> float:
+        """Least generation time per step that the long tail and the staleness gate allow.
+
+        Two limits, both spread over the eta + 1 steps the gate lets overlap: the longest of the
+        step's B*G sequences, decoding alone at the end (solo_step_s per token); and Little's
+        law on prompt groups: at most (eta + 1) * B groups are in flight and a group is done
+        when its longest sample is, decoding in a full batch (busy_step_s per token).
+        """
+        w = self.w
+        if w.eta is None:
+            return 0.0
+        d = self.job.workload.output
+        longest = d.expected_max(w.samples) * solo_step_s
+        group = d.expected_max(w.group) * busy_step_s
+        return max(longest, group) / (w.eta + 1)
+
+    # ------------------------------------------------------------------ sync, reward
+    def sync_s(self, stage_bytes: list[tuple[int, float]], rollout_nodes: set[int]) -> float:
+        """Weight broadcast: each stage's leader (on node n) sends its bytes to all rollout nodes.
+
+        stage_bytes: (leader node, bytes) per stage. Leaders sharing a node share its link.
+        """
+        per_node: dict[int, float] = {}
+        for node, nbytes in stage_bytes:
+            bw = min(self.cluster.link_GBps(node, r) for r in rollout_nodes) * 1e9
+            t = self.cluster.nodes[node].gpu_type
+            gather = nbytes / (self.cluster.intra_GBps(t) * 1e9)  # TP shards to the leader
+            per_node[node] = per_node.get(node, 0.0) + nbytes / bw + gather
+        return max(per_node.values(), default=0.0)
+
+    def reward_s(self) -> float:
+        """Reward time not hidden behind decoding: the last group's samples on one worker."""
+        return self.w.reward_s * self.w.group
+
+    def step_s(self, train_s: float, gen_s: float, sync_s: float) -> float:
+        """Step time: async overlaps generation and training; eta=0 runs them back to back."""
+        if self.w.eta == 0:
+            return train_s + gen_s + sync_s
+        return max(train_s, gen_s) + sync_s

@@ -1,0 +1,211 @@
+"""User-fixed layouts: the job's `layout` section names the placement; the planner fills in the
+rest (layer split, shares, predictions) and checks it, reporting every problem at once.
+
+Forms (all fields optional, combined as given):
+  {"train_gpus": N, "train_gpu_type": T, "tp": t, "pp": p, "dp": d, "rollout_tp": r}
+  {"train_ranks": [...], "trainer": {"dp": D, "stages": [{"gpu_type", "tp", "layers"}]},
+   "rollout_replicas": [{"tp", "ranks", "share", "max_batch"}]}
+Training ranks fill the trainer grid stage by stage, dp-major, tp-minor.
+"""
+
+import math
+
+from hexrl.config import ConfigError
+from hexrl.plan.cost import CostModel
+from hexrl.plan.evaluate import Candidate, candidate
+from hexrl.plan.rollout_milp import RolloutPlan, RolloutReplica
+from hexrl.plan.train_search import TrainPlan, cost_layout
+
+
+def fixed_candidate(cm: CostModel, layout: dict) -> Candidate:
+    """The candidate a fixed layout describes; ConfigError lists every problem with it."""
+    p: list[str] = []
+    train = _train_ranks(cm, layout, p)
+    chunks, dp, layers = _trainer(cm, layout, train, p) if train else (None, None, None)
+    rest = sorted(set(range(cm.cluster.world_size)) - set(train or []))
+    reps = _replicas(cm, layout, rest, p) if train else None
+    tplan = _train_plan(cm, chunks, dp, layers, p) if chunks else None
+    rplan = _rollout_plan(cm, layout, reps, p) if reps else None
+    if p or tplan is None or rplan is None:
+        raise ConfigError(p or ["layout: cannot be placed"], "invalid layout")
+    per_node = tuple(sum(1 for r in train if r // cm.gpn == i) for i in range(len(cm.cluster.nodes)))
+    return candidate(cm, per_node, tplan, rplan)
+
+
+def _type(cm: CostModel, rank: int) -> str:
+    return cm.cluster.nodes[rank // cm.gpn].gpu_type
+
+
+def _train_ranks(cm: CostModel, layout: dict, p: list[str]) -> list[int] | None:
+    n = cm.cluster.world_size
+    if "train_ranks" in layout:
+        ranks = list(layout["train_ranks"])
+        bad = [r for r in ranks if r >= n]
+        if bad:
+            p.append(f"layout.train_ranks: ranks {bad} do not exist (the cluster has ranks 0..{n - 1})")
+        if len(set(ranks)) != len(ranks):
+            p.append("layout.train_ranks: a rank is listed twice")
+        ranks = [r for r in dict.fromkeys(ranks) if r < n]
+    else:
+        k = layout.get("train_gpus")
+        if k is None and isinstance(layout.get("trainer"), dict):
+            st = layout["trainer"].get("stages") or []
+            k = layout["trainer"].get("dp", 1) * sum(s.get("tp", 1) for s in st if isinstance(s, dict))
+        if k is None:
+            p.append("layout: give train_ranks, train_gpus or trainer")
+            return None
+        want = layout.get("train_gpu_type")
+        pool = [r for r in range(n) if want is None or _type(cm, r).lower() == str(want).lower()]
+        if k > len(pool):
+            p.append(f"layout.train_gpus: {k} requested but the cluster has {len(pool)} "
+                     f"{want or 'GPUs'}")
+            return None
+        ranks = pool[:k]
+    if not ranks or len(ranks) >= n:
+        p.append(f"layout: {len(ranks)} training ranks leave {n - len(ranks)} for rollout; "
+                 "both roles need at least one")
+        return None
+    return ranks
+
+
+def _trainer(cm: CostModel, layout: dict, train: list[int], p: list[str]):
+    """Stages as (type, tp, slots), the DP degree and the layers (or None to balance)."""
+    t = layout.get("trainer")
+    if isinstance(t, dict):
+        dp = t.get("dp", 1)
+        specs = [s for s in t.get("stages") or [] if isinstance(s, dict)]
+        tps = [s.get("tp", 1) for s in specs]
+        layers = [s.get("layers") for s in specs]
+        types = [s.get("gpu_type") for s in specs]
+        where = "layout.trainer"
+    else:
+        tp, pp = layout.get("tp", 1), layout.get("pp", 1)
+        dp = layout.get("dp", len(train) // (tp * pp) or 1)
+        tps, layers, types, where = [tp] * pp, [None] * pp, [None] * pp, "layout"
+    if not tps:
+        p.append(f"{where}.stages: needs at least one stage")
+        return None, None, None
+    if dp * sum(tps) != len(train):
+        p.append(f"{where}: dp={dp} x tp {tps} needs {dp * sum(tps)} GPUs but {len(train)} training ranks are given")
+        return None, None, None
+    chunks, pos = [], 0
+    for i, tp in enumerate(tps):
+        ranks = train[pos:pos + dp * tp]
+        pos += dp * tp
+        kinds = {_type(cm, r) for r in ranks}
+        if len(kinds) > 1:
+            p.append(f"{where}: stage {i} mixes GPU types {sorted(kinds)}; TP and DP groups use one type")
+            continue
+        kind = kinds.pop()
+        if types[i] is not None and str(types[i]).lower() != kind.lower():
+            p.append(f"{where}.stages[{i}].gpu_type: {types[i]} but its ranks are {kind}")
+        if cm.m.num_heads % tp:
+            p.append(f"{where}: tp={tp} does not divide num_attention_heads {cm.m.num_heads}")
+        for g in range(0, len(ranks), tp):
+            if len({r // cm.gpn for r in ranks[g:g + tp]}) > 1:
+                p.append(f"{where}: stage {i} TP group {ranks[g:g + tp]} spans nodes; TP stays inside a node")
+                break
+        chunks.append((kind, tp, [divmod(r, cm.gpn) for r in ranks]))
+    fixed = _check_layers(cm, layers, where, p)
+    return (chunks if len(chunks) == len(tps) else None), dp, fixed
+
+
+def _check_layers(cm: CostModel, layers, where: str, p: list[str]) -> list[int] | None:
+    if any(l is None for l in layers):
+        return None
+    pos, out = 0, []
+    for i, l in enumerate(layers):
+        if not (isinstance(l, list) and len(l) == 2 and l[0] == pos and l[1] > l[0]):
+            p.append(f"{where}.stages[{i}].layers: {l!r}; stages must cover consecutive layers from {pos}")
+            return None
+        pos = l[1]
+        out.append(l[1] - l[0])
+    if pos != cm.m.num_layers:
+        p.append(f"{where}.stages: layers end at {pos} but the model has {cm.m.num_layers}")
+        return None
+    return out
+
+
+def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
+    """Rollout replicas as (type, tp, ranks, share or None, max_batch or None)."""
+    if "rollout_replicas" in layout:
+        out, seen = [], []
+        for i, r in enumerate(layout["rollout_replicas"]):
+            w = f"layout.rollout_replicas[{i}]"
+            ranks = r.get("ranks") if isinstance(r, dict) else None
+            if not isinstance(ranks, list) or not ranks:
+                p.append(f"{w}.ranks: must be a non-empty list of ranks")
+                continue
+            tp = r.get("tp", len(ranks))
+            if tp != len(ranks):
+                p.append(f"{w}: tp={tp} but {len(ranks)} ranks")
+            if len({x // cm.gpn for x in ranks}) > 1:
+                p.append(f"{w}.ranks: {ranks} span nodes; a replica's TP stays inside a node")
+            seen += ranks
+            out.append((ranks, r.get("share"), r.get("max_batch")))
+        if sorted(seen) != rest:
+            p.append(f"layout.rollout_replicas: replicas cover ranks {sorted(seen)} but the ranks "
+                     f"left after training are {rest}")
+            return None
+    else:
+        tp = layout.get("rollout_tp", 1)
+        out = []
+        for node in sorted({r // cm.gpn for r in rest}):
+            mine = [r for r in rest if r // cm.gpn == node]
+            if len(mine) % tp:
+                p.append(f"layout.rollout_tp: node {cm.cluster.nodes[node].name} has {len(mine)} rollout "
+                         f"GPUs, not a multiple of rollout_tp={tp}")
+                return None
+            out += [(mine[i:i + tp], None, None) for i in range(0, len(mine), tp)]
+    reps = []
+    for i, (ranks, share, max_batch) in enumerate(out):
+        kind, tp = _type(cm, ranks[0]), len(ranks)
+        if cm.m.num_heads % tp:
+            p.append(f"rollout replica {i}: tp={tp} does not divide num_attention_heads {cm.m.num_heads}")
+        elif cm.max_decode_batch(kind, tp) < 1:
+            p.append(f"rollout replica {i}: {tp} x {kind} cannot hold the weights plus the KV cache of "
+                     f"one longest sequence ({cm.w.max_seq} tokens)")
+        reps.append((kind, tp, ranks, share, max_batch))
+    return reps
+
+
+def _train_plan(cm: CostModel, chunks, dp, layers, p: list[str]) -> TrainPlan | None:
+    plan = cost_layout(cm, chunks, dp, False, layers) or cost_layout(cm, chunks, dp, True, layers)
+    if plan is None:
+        need = cm.train_memory_floor() / 1e9
+        p.append(f"layout: the trainer's {sum(dp * tp for _, tp, _ in chunks)} GPUs cannot hold the model "
+                 f"(needs at least {need:.1f} GB for weights, gradients and Adam, plus activations)")
+    return plan
+
+
+def _rollout_plan(cm: CostModel, layout: dict, reps, p: list[str], rounds: int = 8) -> RolloutPlan | None:
+    """Makespan of fixed replicas at their largest (or given) batch; shares as given or by throughput."""
+    if p:
+        return None
+    # running sequences per replica: KV memory, the given max_batch, and the gate's share of
+    # the (eta + 1) * B * G sequences it lets run at once
+    gate = math.inf if cm.w.eta is None else math.ceil((cm.w.eta + 1) * cm.w.samples / len(reps))
+    pts = [cm.decode_point(k, tp, int(min(cm.max_decode_batch(k, tp), mb or math.inf, gate)))
+           for k, tp, _, _, mb in reps]
+    given = [s for _, _, _, s, _ in reps]
+    if any(s is not None for s in given) and any(s is None for s in given):
+        p.append("layout.rollout_replicas: give a share for every replica or for none")
+        return None
+    period = None
+    for _ in range(rounds):  # fixed point: KV recompute once per step of length `period`
+        rates = [pt.tokens_per_s * (1.0 if period is None else max(1e-9, 1 - pt.recompute_s / period))
+                 for pt in pts]
+        shares = [float(s) for s in given] if given[0] is not None else rates
+        total = sum(shares)
+        shares = [s / total for s in shares]
+        theta = max(s * cm.w.gen_tokens / r for s, r in zip(shares, rates) if s > 0)
+        if period is not None and abs(theta - period) <= 1e-3 * period:
+            break
+        period = theta if period is not None else theta + max(pt.recompute_s for pt in pts)
+    replicas = [RolloutReplica(k, tp, pt.batch, ranks[0] // cm.gpn, [r % cm.gpn for r in ranks],
+                               pt.tokens_per_s, s)
+                for (k, tp, ranks, _, _), pt, s in zip(reps, pts, shares)]
+    active = [r for r in replicas if r.share > 0] or replicas
+    solo = min(cm.decode_point(r.gpu_type, r.tp, 1).step_s for r in active)
+    busy = max(cm.decode_point(r.gpu_type, r.tp, r.batch).step_s for r in active)
+    return RolloutPlan(replicas, theta, max(theta, cm.rollout_tail_s(solo, busy)), cm.w.gen_tokens / theta)

@@ -1,0 +1,266 @@
+"""Repartition phase (AReaL-Hex §4.3) and the two-phase iteration (Algorithm 1).
+
+Graph partition: choose the training set D_T maximising
+    (bandwidth of edges inside D_T) / (all edges) + (HBM bandwidth of D_I) / (all HBM bandwidth)
+with D_T's share of FLOP/s in [gamma_L, gamma_H]. Splits are training GPU counts per type
+packed node by node (see placement.py), so the objective has a closed form per split and is
+evaluated for a whole grid of splits at once. gamma is bisected on C_T vs C_I: training faster
+than rollout -> give training less compute. After the bisection, both phases keep alternating
+as a local search around the best split (moves of one type's count, and trades between two
+types) until max(C_T, C_I) has not improved for `patience` rounds. Last, a bound sweep: splits
+are visited in order of a cheap lower bound on their step time until no unvisited split can
+beat the best; on small clusters this proves the plan optimal for the cost model.
+"""
+
+import time
+from dataclasses import dataclass, field
+from itertools import product
+
+import numpy as np
+
+from hexrl.plan.evaluate import Candidate, Evaluator
+from hexrl.plan.placement import train_per_node
+
+GRID_POINTS = 200_000  # splits scored per repartition (vectorised)
+
+
+@dataclass
+class SearchLog:
+    method: str
+    evaluations: int = 0
+    wall_s: float = 0.0
+    gammas: list[float] = field(default_factory=list)
+    history: list[float] = field(default_factory=list)  # best step time after each iteration
+
+
+class GraphScore:
+    """Closed-form graph-partition objective and FLOP share for splits (counts per type)."""
+
+    def __init__(self, ev: Evaluator):
+        cm = ev.cm
+        self.types = cm.cluster.types()
+        self.total = np.array([cm.cluster.count(t) for t in self.types], dtype=float)
+        self.gpn = cm.gpn
+        self.flops = np.array([cm.gpus[t].flops for t in self.types])
+        self.hbm = np.array([cm.gpus[t].hbm_Bps for t in self.types])
+        self.intra = np.array([cm.cluster.intra_GBps(t) for t in self.types])
+        self.link = np.array([[cm.cluster.inter_node_GBps if a == b else cm.cluster.cross_GBps(a, b)
+                               for b in self.types] for a in self.types])
+        self.all_bw = self._edges(self.total[None, :])[0]
+
+    def _edges(self, n: np.ndarray) -> np.ndarray:
+        """Sum of link bandwidths over GPU pairs inside a node-packed set; n: (splits, types)."""
+        q, r = np.floor_divide(n, self.gpn), np.mod(n, self.gpn)
+        sq = q * self.gpn ** 2 + r ** 2  # sum over nodes of (GPUs on node)^2
+        intra = ((q * self.gpn * (self.gpn - 1) + r * (r - 1)) / 2 * self.intra).sum(1)
+        cross = np.einsum("st,tu,su->s", n, self.link, n)
+        same = (sq * np.diag(self.link)).sum(1)
+        return intra + (cross - same) / 2
+
+    def score(self, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(objective, training FLOP share) for splits n (splits, types)."""
+        bw = self._edges(n) / max(self.all_bw, 1e-9)
+        hbm = ((self.total - n) * self.hbm).sum(1) / (self.total * self.hbm).sum()
+        flop = (n * self.flops).sum(1) / (self.total * self.flops).sum()
+        return bw + hbm, flop
+
+
+def lower_bounds(ev: Evaluator, types: list[str], grid: np.ndarray) -> np.ndarray:
+    """A lower bound on the step time of every split in `grid` (splits, types), vectorised.
+
+    Training can go no faster than its FLOPs over the training GPUs' effective FLOP/s, and
+    generation no faster than the rollout GPUs' best per-GPU decode rates; both ignore every
+    communication, bubble and packing loss, so the bound never exceeds the cost model.
+    """
+    cm = ev.cm
+    total = np.array([cm.cluster.count(t) for t in types], dtype=float)
+    train_rate = grid @ np.array([cm.gpus[t].flops * cm.gpus[t].train_mfu for t in types])
+    mem = grid @ np.array([cm.usable_bytes(t) for t in types])
+    dec = (total - grid) @ np.array([cm.decode_rate_bound(t) for t in types])
+    with np.errstate(divide="ignore"):
+        lb_t = np.where((train_rate > 0) & (mem >= cm.train_memory_floor()), cm.train_flops() / train_rate, np.inf)
+        lb_g = np.where(dec > 0, cm.w.gen_tokens / dec, np.inf) + cm.reward_s()
+    return lb_t + lb_g if cm.w.eta == 0 else np.maximum(lb_t, lb_g)
+
+
+def split_grid(totals: list[int], limit: int = GRID_POINTS) -> np.ndarray:
+    """Training-count splits per type on a grid of at most ~limit points (step 1 when small)."""
+    steps = [1] * len(totals)
+    while np.prod([t // s + 1 for t, s in zip(totals, steps)]) > limit:
+        i = int(np.argmax([t // s for t, s in zip(totals, steps)]))
+        steps[i] *= 2
+    axes = [list(range(0, t + 1, s)) + ([t] if t % s else []) for t, s in zip(totals, steps)]
+    return np.array(list(product(*axes)), dtype=float)
+
+
+def _as_counts(types, n) -> dict[str, int]:
+    return {t: int(v) for t, v in zip(types, n)}
+
+
+def repartition(ev: Evaluator, gs: GraphScore, grid, obj, flop, gamma: float, width: float,
+                keep: int = 3, tries: int = 24) -> tuple[Candidate | None, str]:
+    """Among splits whose FLOP share is (nearly) gamma, the `keep` best by the graph objective
+    that fit; returns the fastest of them, or None and which side did not fit."""
+    dist = np.abs(flop - gamma)
+    ok = np.nonzero(dist <= dist.min() + width)[0]
+    order = ok[np.argsort(-obj[ok], kind="stable")]
+    failure, found = "", []
+    for i in order[:tries]:
+        cand = ev.counts(_as_counts(gs.types, grid[i]))
+        if cand is not None:
+            found.append(cand)
+            if len(found) == keep:
+                break
+        else:
+            failure = failure or ev.last_failure
+    if not found:
+        return None, failure
+    return min(found, key=lambda c: c.step_s), ""
+
+
+def neighbours(counts: np.ndarray, totals: np.ndarray, gpn: int, flops: np.ndarray) -> list[np.ndarray]:
+    """Splits one move away: one type's count +-s, or a trade of s GPUs of one type for the
+    same FLOP/s of another (rounded down and up), which keeps the FLOP share gamma in place."""
+    out = []
+    steps = sorted({1, 2, 4, gpn, 2 * gpn})
+    k = len(counts)
+    for i in range(k):
+        for s in steps:
+            for sign in (1, -1):
+                n = counts.copy()
+                n[i] += sign * s
+                out.append(n)
+                for j in range(k):
+                    if j == i:
+                        continue
+                    other = s * flops[i] / flops[j]
+                    for s2 in {int(np.floor(other)), int(np.ceil(other))} - {0}:
+                        m = n.copy()
+                        m[j] -= sign * s2
+                        out.append(m)
+    return [n for n in out if (n >= 0).all() and (n <= totals).all()]
+
+
+def two_phase(ev: Evaluator, patience: int = 1, max_bisect: int = 16) -> tuple[Candidate | None, SearchLog]:
+    """AReaL-Hex Algorithm 1: bisect gamma with graph partitions, then alternate to a fixed point."""
+    t0 = time.perf_counter()
+    log = SearchLog("two-phase")
+    gs = GraphScore(ev)
+    grid = split_grid([int(x) for x in gs.total])
+    obj, flop = gs.score(grid)
+    width = float(gs.flops.max() / (gs.total * gs.flops).sum())  # one GPU's share of FLOP/s
+    best = _initial(ev, gs, log)
+    q, r = 0.0, 1.0
+    for _ in range(max_bisect):
+        gamma = (q + r) / 2
+        log.gammas.append(gamma)
+        cand, failure = repartition(ev, gs, grid, obj, flop, gamma, width)
+        if cand is None:  # nothing fits near gamma: move towards the side that did not fit
+            q, r = (gamma, r) if failure == "train" else (q, gamma)
+        else:
+            best = cand if best is None or cand.step_s < best.step_s else best
+            q, r = (q, gamma) if cand.C_T < cand.C_gen + cand.C_reward else (gamma, r)
+        log.history.append(best.step_s if best else float("inf"))
+        if r - q < width / 4:
+            break
+    best = _refine(ev, gs, best, patience, log)
+    best = _bound_sweep(ev, gs.types, grid, best, log)
+    log.evaluations, log.wall_s = ev.evaluations, time.perf_counter() - t0
+    return best, log
+
+
+def _bound_sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog,
+                 tol: float = 0.005, budget: int = 200) -> Candidate | None:
+    """Check the splits the two phases did not visit, most promising lower bound first, until
+    no split's bound can beat the best by more than `tol` (or the budget is spent: a training
+    search counts 1, a rollout MILP 2)."""
+    lb = lower_bounds(ev, types, grid)
+    spent = 0
+    for i in np.argsort(lb, kind="stable"):
+        if not np.isfinite(lb[i]) or (best is not None and lb[i] >= best.step_s * (1 - tol)) or spent >= budget:
+            break
+        per_node = train_per_node(ev.cm.cluster, _as_counts(types, grid[i]))
+        spent += 1
+        train = ev.train(per_node)
+        if train is None or (best is not None and train.time_s >= best.step_s):
+            continue  # the training side alone already loses
+        spent += 2
+        cand = ev(per_node)
+        if cand is not None and (best is None or cand.step_s < best.step_s):
+            best = cand
+    log.history.append(best.step_s if best else float("inf"))
+    return best
+
+
+def _initial(ev: Evaluator, gs: GraphScore, log: SearchLog) -> Candidate | None:
+    """The initial allocation D_T^0 of Algorithm 1: GPUs ordered by comparative advantage for
+    training (effective FLOP/s over decode rate), a prefix of k of them trains; k is bisected
+    on C_T vs C_I and its neighbours are tried."""
+    cm = ev.cm
+    adv = {t: cm.gpus[t].flops * cm.gpus[t].train_mfu / max(cm.decode_rate_bound(t), 1e-9) for t in gs.types}
+    order = sorted(gs.types, key=lambda t: -adv[t])
+
+    def prefix(k: int) -> Candidate | None:
+        counts = {}
+        for t in order:
+            counts[t] = min(k, cm.cluster.count(t))
+            k -= counts[t]
+        return ev.counts(counts)
+
+    lo, hi, best = 1, cm.cluster.world_size - 1, None
+    while lo <= hi:
+        k = (lo + hi) // 2
+        cand = prefix(k)
+        if cand is None:  # too little memory on one side: move away from it
+            lo, hi = (k + 1, hi) if ev.last_failure == "train" else (lo, k - 1)
+            continue
+        best = cand if best is None or cand.step_s < best.step_s else best
+        lo, hi = (lo, k - 1) if cand.C_T < cand.C_gen + cand.C_reward else (k + 1, hi)
+    for k in (lo - 1, lo, lo + 1):
+        cand = prefix(k) if 0 < k < cm.cluster.world_size else None
+        best = cand if cand and (best is None or cand.step_s < best.step_s) else best
+    log.history.append(best.step_s if best else float("inf"))
+    return best
+
+
+def _refine(ev: Evaluator, gs: GraphScore, best: Candidate | None, patience: int, log: SearchLog):
+    """Alternate search and repartition locally until the best step time is stable."""
+    if best is None:
+        return None
+    stale = 0
+    while stale < patience:
+        counts = np.array([ev.counts_of(best.per_node)[t] for t in gs.types], dtype=int)
+        improved = False
+        for n in neighbours(counts, gs.total.astype(int), gs.gpn, gs.flops):
+            cand = ev.counts(_as_counts(gs.types, n))
+            if cand is not None and cand.step_s < best.step_s * (1 - 1e-9):
+                best, improved = cand, True
+        stale = 0 if improved else stale + 1
+        log.history.append(best.step_s)
+    return best
+
+
+def exhaustive(ev: Evaluator, prune: bool = True) -> tuple[Candidate | None, SearchLog]:
+    """Every split of the GPUs by type counts, each with its best layouts (the quality yardstick).
+
+    prune: skip the rollout MILP of splits whose training alone is slower than the best so far
+    (exact: the answer is the same; prune=False costs every split, for timing comparisons).
+    """
+    t0 = time.perf_counter()
+    log = SearchLog("exhaustive")
+    types = ev.cm.cluster.types()
+    best = None
+    for n in product(*[range(ev.cm.cluster.count(t) + 1) for t in types]):
+        per_node = train_per_node(ev.cm.cluster, _as_counts(types, n))
+        train = ev.train(per_node)
+        if train is None or (prune and best is not None and train.time_s >= best.step_s):
+            continue  # exact pruning: a step never takes less than its training
+        cand = ev(per_node)
+        if cand is not None and (best is None or cand.step_s < best.step_s):
+            best = cand
+    log.evaluations, log.wall_s = n_splits(ev), time.perf_counter() - t0
+    return best, log
+
+
+def n_splits(ev: Evaluator) -> int:
+    return int(np.prod([ev.cm.cluster.count(t) + 1 for t in ev.cm.cluster.types()]))

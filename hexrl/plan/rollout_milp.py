@@ -1,0 +1,190 @@
+"""Search phase, rollout side: the AReaL-Hex MILP over replica configurations, on HiGHS.
+
+Paper (§4.2.2): integer replica counts y_psi, rollouts x_psi per configuration, makespan Theta;
+minimise Theta s.t. sum x_psi = B, x_psi * len <= Theta * y_psi * h_psi, GPU counts.
+
+Linearisation. The product Theta * y_psi is bilinear. We substitute u = 1/Theta and the
+token rate r_psi = x_psi * len * u (a Charnes-Cooper change of variables): the constraints
+become sum r_psi = B * len * u and r_psi <= h_psi * y_psi, both linear, and minimising Theta
+is maximising U = B * len * u, the total token rate. The substitution is exact (u > 0 at any
+feasible point), so no bisection over Theta and no big-M are needed; Theta = B * len / U and
+x_psi = r_psi / len * Theta are read back from the solution.
+
+What makes it more than a knapsack: a configuration psi = (GPU type, TP, decode batch), and
+the running sequences of all replicas together are capped by the staleness gate,
+(eta + 1) * B rollouts; when that cap binds, fewer, fuller replicas beat many half-empty ones.
+TP stays inside a node: per group of like nodes, TP sizes (powers of two) are packed with the
+exact condition for divisible sizes: for every size s, sum_{tp >= s} tp * y_tp <= nodes * s * floor(free / s);
+for s = 1 it is an equality, because every rank of the plan needs a role.
+"""
+
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from hexrl.plan.cost import CostModel, DecodePoint
+from hexrl.plan.placement import FreeClass
+
+
+@dataclass
+class RolloutReplica:
+    gpu_type: str
+    tp: int
+    batch: int
+    node: int
+    locals: list[int]
+    tokens_per_s: float
+    share: float  # fraction of the step's prompts
+
+
+@dataclass
+class RolloutPlan:
+    replicas: list[RolloutReplica]
+    theta_s: float  # makespan of one step's rollouts, KV recompute after the weight update included
+    gen_s: float  # generation part of C_I: the makespan, or the long tail if that is longer
+    tokens_per_s: float  # generated tokens/s of all replicas
+
+
+def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):
+    """One column per (class, tp, operating point); all batch sizes only if the gate can bind."""
+    cap = sum(len(c.nodes) * c.free * max((cm.max_decode_batch(c.gpu_type, tp) / tp
+                                             for tp in cm.tp_options(c.gpu_type)), default=0)
+              for c in classes)
+    all_batches = concurrency < cap
+    cols = []
+    for ci, c in enumerate(classes):
+        for tp in cm.tp_options(c.gpu_type):
+            if tp > c.free:
+                continue
+            for pt in cm.decode_points(c.gpu_type, tp, all_batches):
+                cols.append((ci, pt))
+    return cols, all_batches
+
+
+def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4) -> RolloutPlan | None:
+    """The rollout plan with the shortest makespan on these free GPUs (None if nothing fits).
+
+    After each weight update a replica re-prefills its running batch (KV recompute, R_psi
+    seconds), so over a step of length T it decodes at h_psi * (1 - R_psi / T). T is the
+    makespan itself: a short fixed-point iteration on T, one MILP per round.
+    """
+    w = cm.w
+    concurrency = float("inf") if w.eta is None else (w.eta + 1) * w.samples
+    cols, all_batches = _columns(cm, classes, concurrency)
+    if not cols:
+        return None
+    period, y, sol, theta = None, None, None, None
+    for _ in range(rounds):
+        rates = [pt.tokens_per_s * (1.0 if period is None else max(0.0, 1 - pt.recompute_s / period))
+                 for _, pt in cols]
+        y_new, sol_new = _solve(cm, classes, cols, rates, concurrency if all_batches else None)
+        if y_new is None:
+            break
+        y, sol, theta = y_new, sol_new, w.gen_tokens / sol_new[-1]
+        if period is None:  # the first round ignored recompute: start from makespan + its recompute
+            period = theta + max(cols[j][1].recompute_s for j in range(len(cols)) if y[j] > 0)
+            y = None  # not a valid answer on its own
+            continue
+        if abs(theta - period) <= 1e-2 * period:
+            break
+        period = theta
+    return None if y is None else _assemble(cm, classes, cols, y, sol, theta)
+
+
+def _solve(cm: CostModel, classes, cols, rates, concurrency):
+    """Build and solve the MILP; returns (replica count per column, total token rate U)."""
+    n = len(cols)
+    # columns: y_0..y_{n-1} (integer), r_0..r_{n-1}, U
+    nv = 2 * n + 1
+    cost = np.zeros(nv)
+    cost[-1] = -1.0  # maximise U
+    lower = np.zeros(nv)
+    upper = np.full(nv, highspy.kHighsInf)
+    for j, (ci, pt) in enumerate(cols):
+        c = classes[ci]
+        upper[j] = len(c.nodes) * (c.free // pt.tp)
+    rows, lo, hi = [], [], []
+    rows.append({**{n + j: 1.0 for j in range(n)}, 2 * n: -1.0})  # sum r = U
+    lo.append(0.0), hi.append(0.0)
+    for j in range(n):  # r_psi <= h_psi * y_psi
+        rows.append({n + j: 1.0, j: -rates[j]})
+        lo.append(-highspy.kHighsInf), hi.append(0.0)
+    for ci, c in enumerate(classes):  # TP groups packed into like nodes
+        for s in cm.tp_options(c.gpu_type):
+            if s > c.free:
+                continue
+            row = {j: float(pt.tp) for j, (cj, pt) in enumerate(cols) if cj == ci and pt.tp >= s}
+            if not row:
+                if s == 1:
+                    return None, None  # nothing fits on these GPUs
+                continue
+            cap = float(len(c.nodes) * s * (c.free // s))
+            rows.append(row)  # s == 1: every rollout GPU belongs to some replica
+            lo.append(cap if s == 1 else -highspy.kHighsInf), hi.append(cap)
+    if concurrency is not None:  # running sequences of all replicas <= staleness-gate capacity
+        rows.append({j: float(pt.batch) for j, (_, pt) in enumerate(cols)})
+        lo.append(-highspy.kHighsInf), hi.append(concurrency)
+    h = _highs(cost, lower, upper, rows, lo, hi, n)
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        return None, None
+    sol = np.asarray(h.getSolution().col_value)
+    y = np.rint(sol[:n]).astype(int)
+    if sol[-1] <= 0:
+        return None, None
+    return y, sol
+
+
+def _highs(cost, lower, upper, rows, lo, hi, n_int) -> highspy.Highs:
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(cost), len(rows)
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, lower, upper
+    lp.row_lower_, lp.row_upper_ = np.asarray(lo), np.asarray(hi)
+    cols: list[list[tuple[int, float]]] = [[] for _ in cost]
+    for i, row in enumerate(rows):
+        for j, v in row.items():
+            cols[j].append((i, v))
+    starts, index, value = [0], [], []
+    for col in cols:
+        index += [i for i, _ in col]
+        value += [v for _, v in col]
+        starts.append(len(index))
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_ = np.asarray(starts, dtype=np.int32)
+    lp.a_matrix_.index_ = np.asarray(index, dtype=np.int32)
+    lp.a_matrix_.value_ = np.asarray(value, dtype=float)
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * n_int + \
+        [highspy.HighsVarType.kContinuous] * (len(cost) - n_int)
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("mip_rel_gap", 1e-6)
+    h.passModel(lp)
+    h.run()
+    return h
+
+
+def _assemble(cm: CostModel, classes, cols, y, sol, theta: float) -> RolloutPlan:
+    """Place the solved replica counts on nodes (largest TP first) and give each its share."""
+    n = len(cols)
+    U = float(sol[-1])
+    rate = np.asarray(sol[n:2 * n])
+    replicas = []
+    for ci, c in enumerate(classes):
+        free = {node: list(range(cm.cluster.nodes[node].gpus - c.free, cm.cluster.nodes[node].gpus))
+                for node in c.nodes}
+        mine = sorted((j for j in range(n) if cols[j][0] == ci and y[j] > 0), key=lambda j: -cols[j][1].tp)
+        for j in mine:
+            pt: DecodePoint = cols[j][1]
+            for _ in range(y[j]):
+                node = next(k for k in c.nodes if len(free[k]) >= pt.tp)
+                locs, free[node] = free[node][:pt.tp], free[node][pt.tp:]
+                share = max(0.0, rate[j]) / y[j] / U
+                replicas.append(RolloutReplica(pt.gpu_type, pt.tp, pt.batch, node, locs, pt.tokens_per_s, share))
+    total = sum(r.share for r in replicas)  # replicas the gate leaves idle keep share 0
+    for r in replicas:
+        r.share /= total
+    active = [r for r in replicas if r.share > 0] or replicas
+    solo = min(cm.decode_point(r.gpu_type, r.tp, 1).step_s for r in active)
+    busy = max(cm.decode_point(r.gpu_type, r.tp, r.batch).step_s for r in active)
+    gen = max(theta, cm.rollout_tail_s(solo, busy))
+    return RolloutPlan(replicas, theta, gen, U)

@@ -1,0 +1,314 @@
+"""Discrete-event simulation of a plan: the asynchronous pipeline over many RL steps.
+
+Rollout replicas decode sequences of sampled lengths with continuous batching; a decode step
+of b sequences with total context S takes a_b + c * S seconds (the planner's cost model), so
+between two events (a sequence finishing, a weight update) a replica's steps are summed in
+closed form. The controller hands out prompt groups while the staleness gate allows,
+capacity = (eta + v + 1) * B - (accepted + running), to the least-loaded replica by share.
+The trainer takes B finished groups per step (time: the plan's C_T scaled by the batch's
+tokens), then publishes weights: every replica stops at its next step boundary, joins the
+broadcast (C_sync), recomputes the KV of its running sequences, and decodes on.
+"""
+
+import heapq
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hexrl.config import Plan
+from hexrl.plan.cost import CostModel
+from hexrl.plan.layout import fixed_candidate
+
+
+def layout_of(plan: Plan) -> dict:
+    """The plan as a fixed layout (to cost exactly this placement)."""
+    t = plan.trainer
+    train = [plan.trainer_rank(d, s, k) for s in range(t.pp) for d in range(t.dp) for k in range(t.stages[s].tp)]
+    reps = [{"tp": r.tp, "ranks": r.ranks, "share": r.share, **({"max_batch": r.max_batch} if r.max_batch else {})}
+            for r in plan.replicas]
+    return {"train_ranks": train, "trainer": {"dp": t.dp, "stages": [s.to_dict() for s in t.stages]},
+            "rollout_replicas": reps}
+
+
+class Replica:
+    """One rollout replica: running sequences as arrays, a queue, and the decode step in flight."""
+
+    def __init__(self, idx: int, gpu_type: str, tp: int, max_batch: int, share: float, cm: CostModel):
+        self.idx, self.gpu_type, self.tp, self.max_batch, self.share, self.cm = idx, gpu_type, tp, max_batch, share, cm
+        self.rem = np.zeros(0, dtype=np.int64)  # tokens still to generate
+        self.ctx = np.zeros(0, dtype=np.int64)  # prompt + generated so far
+        self.ver = np.zeros(0, dtype=np.int64)  # weight version of the oldest token
+        self.grp = np.zeros(0, dtype=np.int64)
+        self.queue: deque = deque()  # (group, length)
+        self.outstanding = 0  # queued + running sequences
+        self.chunk = None  # (compute_start, k steps, a, c, S0, b)
+        self.chunk_id = 0
+        self.busy = 0.0  # seconds decoding, prefilling or recomputing
+        self.paused = False
+        self._coeffs: dict[int, tuple[float, float]] = {}
+
+    def coeffs(self, b: int) -> tuple[float, float]:
+        if b not in self._coeffs:
+            self._coeffs[b] = self.cm.decode_coeffs(self.gpu_type, self.tp, b)
+        return self._coeffs[b]
+
+    @staticmethod
+    def elapsed(j, a, c, s0, b):
+        """Seconds of j decode steps starting from total context s0."""
+        return j * a + c * (j * s0 + b * j * (j - 1) / 2)
+
+
+@dataclass
+class SimResult:
+    steps: int
+    window_s: float  # simulated time over the measured steps (after warm-up)
+    step_time_s: float
+    tokens_per_s: float  # trained tokens (prompt + output) per second
+    gen_tokens_per_s: float
+    trainer_busy: float  # fraction of the window training
+    sync_fraction: float  # fraction of the window in weight broadcasts
+    rollout_busy: float  # GPU-weighted fraction of the window the rollout GPUs compute
+    idle: dict  # GPU-weighted idle fraction per role
+    staleness: dict  # staleness (versions) -> trajectories trained on
+    violations: int  # trajectories staler than eta (must be 0)
+    predicted_step_s: float
+    gantt: list = field(default_factory=list)  # (lane, kind, t0, t1) of the first steps
+
+
+class Simulation:
+    def __init__(self, plan: Plan, seed: int = 0, use_profiles: bool = True):
+        self.plan, self.job = plan, plan.job
+        self.cm = cm = CostModel(plan.job, use_profiles)
+        self.cand = fixed_candidate(cm, layout_of(plan))
+        self.rng = np.random.default_rng(seed)
+        self.B, self.G, self.eta = self.job.rl.batch_size, self.job.rl.group_size, self.job.rl.eta
+        self.prompt = cm.w.prompt_len
+        self.replicas = []
+        for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
+            self.replicas.append(Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm))
+        self.events: list = []
+        self.order = 0
+        self.trained = 0  # finished training steps = the gate's version
+        self.live = 0  # weight version the replicas decode with
+        self.issued = 0
+        self.groups: dict[int, dict] = {}
+        self.buffer: deque = deque()  # finished groups, oldest first
+        self.trainer_busy_until = 0.0
+        self.training = False
+        self.syncing = False
+        self.step_ends: list[float] = []
+        self.step_tokens: list[float] = []
+        self.train_time = self.sync_time = 0.0
+        self.staleness: dict[int, int] = {}
+        self.violations = 0
+        self.gantt: list = []
+        self.gantt_until = math.inf
+
+    # ------------------------------------------------------------------ bookkeeping
+    def push(self, t: float, kind: str, *payload):
+        heapq.heappush(self.events, (t, self.order, kind, payload))
+        self.order += 1
+
+    def mark(self, lane: str, kind: str, t0: float, t1: float):
+        if t0 < self.gantt_until and t1 > t0:
+            self.gantt.append((lane, kind, t0, t1))
+
+    # ------------------------------------------------------------------ controller
+    def capacity(self) -> float:
+        if self.eta is None:
+            return math.inf
+        return (self.eta + self.trained + 1) * self.B - self.issued
+
+    def dispatch(self, t: float):
+        """Hand out prompt groups while the gate allows and some replica has room."""
+        while self.capacity() > 0:
+            open_ = [r for r in self.replicas if r.share > 0 and r.outstanding + self.G <= 2 * r.max_batch + self.G]
+            if not open_:
+                return
+            r = min(open_, key=lambda x: x.outstanding / x.share)
+            gid = self.issued
+            self.issued += 1
+            lengths = self.job.workload.output.sample(self.rng, self.G)
+            self.groups[gid] = {"left": self.G, "tokens": 0, "ver": []}
+            r.queue.extend((gid, int(n)) for n in lengths)
+            r.outstanding += self.G
+            if r.chunk is None and not r.paused:
+                self.start(r, t)
+
+    # ------------------------------------------------------------------ rollout
+    def start(self, r: Replica, t: float):
+        """Admit queued sequences (their prefill first), then run steps until one finishes."""
+        room = r.max_batch - len(r.rem)
+        new = [r.queue.popleft() for _ in range(min(room, len(r.queue)))]
+        pre = 0.0
+        if new:
+            pre = self.cm.prefill_s(r.gpu_type, r.tp, len(new) * self.prompt, self.prompt / 2)
+            r.rem = np.concatenate([r.rem, [n for _, n in new]])
+            r.ctx = np.concatenate([r.ctx, np.full(len(new), self.prompt)])
+            r.ver = np.concatenate([r.ver, np.full(len(new), self.live)])
+            r.grp = np.concatenate([r.grp, [g for g, _ in new]])
+        b = len(r.rem)
+        if b == 0:
+            r.chunk = None
+            return
+        k = int(r.rem.min())
+        a, c = r.coeffs(b)
+        s0 = float(r.ctx.sum())
+        dur = Replica.elapsed(k, a, c, s0, b)
+        r.chunk = (t + pre, k, a, c, s0, b)
+        r.chunk_id += 1
+        r.busy += pre
+        self.mark(f"R{r.idx}", "prefill", t, t + pre)
+        self.push(t + pre + dur, "chunk", r, r.chunk_id)
+
+    def advance(self, r: Replica, t_end: float, j: int):
+        """Apply j decode steps of the chunk in flight, ending at t_end; handle finished sequences."""
+        cs = r.chunk[0]
+        r.busy += t_end - cs
+        self.mark(f"R{r.idx}", "decode", cs, t_end)
+        r.rem = r.rem - j
+        r.ctx = r.ctx + j
+        r.chunk = None
+        done = r.rem <= 0
+        if done.any():
+            for g, n, v in zip(r.grp[done], r.ctx[done], r.ver[done]):
+                grp = self.groups[int(g)]
+                grp["left"] -= 1
+                grp["tokens"] += int(n)
+                grp["ver"].append(int(v))
+                if grp["left"] == 0:
+                    self.push(t_end + self.cm.w.reward_s, "accept", int(g))
+            keep = ~done
+            r.rem, r.ctx, r.ver, r.grp = r.rem[keep], r.ctx[keep], r.ver[keep], r.grp[keep]
+            r.outstanding -= int(done.sum())
+
+    def on_chunk(self, t: float, r: Replica, chunk_id: int):
+        if chunk_id != r.chunk_id or r.chunk is None:
+            return  # cut short by a weight update
+        self.advance(r, t, r.chunk[1])
+        self.dispatch(t)  # may already have restarted r with newly handed-out prompts
+        if r.chunk is None and not r.paused:
+            self.start(r, t)
+
+    def interrupt(self, r: Replica, t: float) -> float:
+        """Stop at the first step boundary at or after t; returns that time."""
+        if r.chunk is None:
+            return t
+        cs, k, a, c, s0, b = r.chunk
+        if t <= cs:  # still prefilling: the prefill completes, no decode step is taken
+            self.advance(r, cs, 0)
+            return cs
+        # smallest j with elapsed(j) >= t - cs: the root of c*b/2 j^2 + (a + c*s0 - c*b/2) j = t - cs
+        qa, qb = c * b / 2, a + c * s0 - c * b / 2
+        x = t - cs
+        j = x / qb if qa == 0 else (-qb + math.sqrt(qb * qb + 4 * qa * x)) / (2 * qa)
+        j = min(k, max(1, math.ceil(j - 1e-9)))
+        end = cs + Replica.elapsed(j, a, c, s0, b)
+        r.chunk_id += 1
+        self.advance(r, end, j)
+        return end
+
+    # ------------------------------------------------------------------ trainer
+    def try_train(self, t: float):
+        if self.training or self.syncing or len(self.buffer) < self.B:
+            return
+        batch = [self.buffer.popleft() for _ in range(self.B)]
+        tokens = 0
+        for g in batch:
+            grp = self.groups.pop(g)
+            tokens += grp["tokens"]
+            for v in grp["ver"]:
+                s = self.trained - v
+                self.staleness[s] = self.staleness.get(s, 0) + 1
+                if self.eta is not None and s > self.eta:
+                    self.violations += 1
+        dur = self.cand.C_T * tokens / self.cm.w.tokens
+        self.training = True
+        self.train_time += dur
+        self.step_tokens.append(tokens)
+        self.mark("trainer", "train", t, t + dur)
+        self.push(t + dur, "trained")
+
+    def on_trained(self, t: float):
+        self.training = False
+        self.trained += 1
+        self.step_ends.append(t)
+        self.syncing = True
+        start = t
+        for r in self.replicas:
+            r.paused = True
+            start = max(start, self.interrupt(r, t))
+        end = start + self.cand.C_sync
+        self.sync_time += end - t
+        self.mark("trainer", "sync", t, end)
+        for r in self.replicas:
+            self.mark(f"R{r.idx}", "sync", start, end)
+        self.push(end, "synced")
+
+    def on_synced(self, t: float):
+        self.syncing = False
+        self.live = self.trained
+        for r in self.replicas:  # paused until its recompute is done
+            resume = t
+            if len(r.rem):  # KV recompute of every running sequence with the new weights
+                ctx = float(r.ctx.sum())
+                rec = self.cm.prefill_s(r.gpu_type, r.tp, ctx, ctx / len(r.rem) / 2)
+                r.busy += rec
+                self.mark(f"R{r.idx}", "recompute", t, t + rec)
+                resume = t + rec
+            self.push(resume, "resume", r)
+        self.dispatch(t)
+        self.try_train(t)
+
+    def on_resume(self, t: float, r: Replica):
+        r.paused = False
+        if r.chunk is None:
+            self.start(r, t)
+
+    # ------------------------------------------------------------------ loop
+    def run(self, steps: int = 12, warmup: int = 2, gantt_steps: int = 3) -> SimResult:
+        handlers = {
+            "chunk": self.on_chunk,
+            "accept": lambda t, g: (self.buffer.append(g), self.try_train(t)),
+            "trained": self.on_trained,
+            "synced": self.on_synced,
+            "resume": self.on_resume,
+        }
+        self.dispatch(0.0)
+        while self.events and len(self.step_ends) < steps:
+            t, _, kind, payload = heapq.heappop(self.events)
+            handlers[kind](t, *payload)
+            if len(self.step_ends) == gantt_steps and self.gantt_until == math.inf:
+                self.gantt_until = t
+        return self.result(warmup)
+
+    def result(self, warmup: int) -> SimResult:
+        n = len(self.step_ends)
+        if n <= warmup:
+            raise RuntimeError(f"simulation finished only {n} steps; nothing left after {warmup} warm-up steps")
+        t0, t1 = self.step_ends[warmup - 1] if warmup else 0.0, self.step_ends[-1]
+        window = t1 - t0
+        tokens = sum(self.step_tokens[warmup:n])
+        gen = tokens - (n - warmup) * self.B * self.G * self.prompt
+        # busy time is accumulated over the whole run: scale by the window's share of it
+        span = t1
+        roll_gpus = sum(r.tp for r in self.replicas)
+        roll_busy = sum(r.busy * r.tp for r in self.replicas) / roll_gpus / span
+        train_busy = self.train_time / span
+        sync = self.sync_time / span
+        return SimResult(
+            steps=n, window_s=window, step_time_s=window / (n - warmup), tokens_per_s=tokens / window,
+            gen_tokens_per_s=gen / window, trainer_busy=train_busy, sync_fraction=sync,
+            rollout_busy=roll_busy,
+            idle={"train": max(0.0, 1 - train_busy - sync), "rollout": max(0.0, 1 - roll_busy - sync)},
+            staleness=dict(sorted(self.staleness.items())), violations=self.violations,
+            predicted_step_s=self.cand.step_s, gantt=self.gantt,
+        )
+
+
+def simulate(plan: Plan, steps: int = 12, warmup: int = 2, seed: int = 0, gantt_steps: int = 3,
+             use_profiles: bool = True) -> SimResult:
+    """Run the plan for `steps` RL steps; measure after `warmup` steps."""
+    return Simulation(plan, seed, use_profiles).run(steps, warmup, gantt_steps)

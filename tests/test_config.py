@@ -1,0 +1,196 @@
+"""Job and plan schema: loading, defaults, and validation that reports every problem at once."""
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hexrl.config import (PRESETS, ConfigError, ModelSpec, load_job, load_plan, long_tail,
+                          validate_plan_against_world)
+from hexrl.plan.planner import plan_job
+
+CONFIGS = Path(__file__).resolve().parent.parent / "tools" / "configs"
+
+
+def small_job(**over) -> dict:
+    job = {
+        "model": {"preset": "tiny"},
+        "data": {"synthetic": {"task": "arithmetic", "n": 64}},
+        "rl": {"batch_size": 4, "group_size": 2, "max_new_tokens": 32},
+        "cluster": {"nodes": [{"name": "a", "gpu_type": "cpu", "gpus": 2},
+                              {"name": "b", "gpu_type": "cpu", "gpus": 2}]},
+    }
+    job.update(over)
+    return job
+
+
+def demo_job() -> dict:
+    """tools/configs/cpu_demo.json with the tiny preset in place of the demo's warm-started checkpoint."""
+    job = json.loads((CONFIGS / "cpu_demo.json").read_text())
+    return {**job, "model": {"preset": "tiny"}}
+
+
+def test_cpu_demo_reads_its_checkpoint_relative_to_the_job_file(tmp_path):
+    (tmp_path / "tools" / "configs").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "model").mkdir(parents=True)
+    (tmp_path / "runs" / "demo" / "model" / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    path = tmp_path / "tools" / "configs" / "cpu_demo.json"
+    path.write_text((CONFIGS / "cpu_demo.json").read_text())
+    job = load_job(path)
+    assert job.model.path == str(tmp_path / "runs" / "demo" / "model")
+    assert job.model.num_layers == PRESETS["tiny"]["num_hidden_layers"]
+
+
+def test_cpu_demo_loads_with_defaults():
+    job = load_job(demo_job())
+    assert job.model.preset == "tiny" and job.model.num_layers == 4
+    assert job.cluster.world_size == 3 and job.cluster.gpus_per_node == 3
+    assert job.reward.name == "exact"  # given; synthetic data would default to it as well
+    assert job.rl.clip_low == 0.2 and job.rl.behav_cap == 5.0 and job.rl.kl_coef == 0.0
+    assert job.rl.filter_equal_groups is True
+    assert job.prices == {"cpu": 0.0}
+    assert job.layout == {"train_gpus": 2, "tp": 1, "pp": 1, "rollout_tp": 1}
+
+
+def test_paper_configs_load():
+    for name in ["1.5b", "7b", "14b"]:
+        for kind, types in [("h800", {"H800"}), ("h20", {"H20"}), ("hetero", {"H800", "H20"})]:
+            job = load_job(CONFIGS / f"paper_{name}_{kind}.json", check_paths=False)
+            assert set(job.cluster.types()) == types
+            assert job.cluster.inter_node_GBps == 5.0 and job.cluster.cross_GBps("H800", "H20") == 1.5
+
+
+@pytest.mark.parametrize("name", ["r1-distill-qwen-7b", "qwen2.5-1.5b", "r1-distill-qwen-14b"])
+def test_param_count_matches_transformers(name):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    skip = {"architectures", "model_type", "torch_dtype"}
+    cfg = transformers.Qwen2Config(**{k: v for k, v in PRESETS[name].items() if k not in skip})
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(cfg)
+    assert ModelSpec(PRESETS[name]).n_params() == sum(p.numel() for p in model.parameters())
+
+
+def test_param_count_by_hand():
+    tiny = ModelSpec(PRESETS["tiny"])  # h 64, 4 layers, 4 heads / 2 KV heads of 16, MLP 128, vocab 64, tied
+    layer = 64 * 64 * 2 + 64 * 32 * 2 + (64 + 32 + 32) + 3 * 64 * 128 + 2 * 64
+    assert tiny.n_params() == 4 * layer + 64 * 64 + 64
+    llama = ModelSpec({**PRESETS["tiny"], "model_type": "llama", "attention_bias": True})
+    assert llama.layer_params() == layer + 64  # q/k/v and o biases
+
+
+def test_defaults_and_eta_null_means_unbounded():
+    job = load_job(small_job())
+    assert job.rl.eta == 4 and job.rl.decoupled and job.rl.top_k == 0
+    assert job.workload.output.mean() == pytest.approx(16, rel=0.01)  # default mean: max_new/2
+    d = small_job()
+    d["rl"] = {**d["rl"], "eta": None, "top_k": -1}
+    job = load_job(d)
+    assert job.rl.eta is None and job.rl.top_k == 0
+
+
+def test_every_problem_reported_at_once():
+    bad = small_job()
+    bad["cluster"] = {"nodes": [{"name": "a", "gpu_type": "H900", "gpus": 8},
+                                {"name": "b", "gpu_type": "H20", "gpus": 4},
+                                {"name": "c", "gpus": 8}],
+                      "inter_node_GBps": -5, "cross_type_GBps": {"H20/XYZ": 1.0}}
+    bad["rl"] = {"batch_size": 0, "lr": "fast", "clip_hi": 0.3}
+    bad["prices"] = {"H20": -1}
+    del bad["data"]
+    with pytest.raises(ConfigError) as e:
+        load_job(bad)
+    msg = str(e.value)
+    expected = [
+        "cluster.nodes[0].gpu_type: unknown GPU type 'H900' (known: H100",
+        "cluster.nodes[2].gpu_type: missing",
+        "cluster.nodes: all nodes must have the same number of GPUs",
+        "cluster.inter_node_GBps: must be > 0",
+        "cluster.cross_type_GBps['H20/XYZ']",
+        "rl.batch_size: must be >= 1",
+        "rl.lr: must be a number",
+        "rl.clip_hi: unknown field",
+        "prices.H20: must be a number >= 0",
+        "data: missing",
+    ]
+    for part in expected:
+        assert part in msg, part
+    assert len(e.value.problems) == len(expected)
+
+
+def test_model_path_reads_config_json(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "config.json").write_text(json.dumps(PRESETS["tiny"]))
+    (tmp_path / "job.json").write_text(json.dumps(small_job(model={"path": "ckpt"})))
+    job = load_job(tmp_path / "job.json")  # relative to the job file
+    assert job.model.path == str(tmp_path / "ckpt") and job.model.hidden_size == 64
+    with pytest.raises(ConfigError, match=r"model.path: no config.json"):
+        load_job(small_job(model={"path": str(tmp_path)}))
+    with pytest.raises(ConfigError, match=r"model.config.num_hidden_layers: missing"):
+        load_job(small_job(model={"config": {"hidden_size": 8, "intermediate_size": 8,
+                                             "num_attention_heads": 2, "vocab_size": 10}}))
+
+
+def test_data_path_checked_unless_planning(tmp_path):
+    job = small_job(data={"path": str(tmp_path / "nope.jsonl"), "kind": "math"})
+    with pytest.raises(ConfigError, match="data.path: file not found"):
+        load_job(job)
+    assert load_job(job, check_paths=False).data.kind == "math"
+
+
+def test_output_length_forms():
+    rl = {"batch_size": 4, "group_size": 2, "max_new_tokens": 100}
+    hist = load_job(small_job(rl=rl, workload={"output_len": {"histogram": {"edges": [0, 10, 100],
+                                                                        "counts": [3, 1]}}}))
+    assert hist.workload.output.mean() == pytest.approx(0.75 * 5 + 0.25 * 55)
+    samples = load_job(small_job(rl=rl, workload={"samples": [10, 20, 20, 50]}))  # flat form also accepted
+    assert samples.workload.output.mean() == pytest.approx(25) and samples.workload.output.max() == 50
+    with pytest.raises(ConfigError, match=r"longest output 120 > rl.max_new_tokens 100"):
+        load_job(small_job(rl=rl, workload={"output_len": {"samples": [120]}}))
+    with pytest.raises(ConfigError, match=r"len\(edges\) == len\(counts\) \+ 1"):
+        load_job(small_job(rl=rl, workload={"output_len": {"histogram": {"edges": [0, 1], "counts": [1, 2]}}}))
+
+
+def test_long_tail_matches_requested_mean_and_sampling():
+    d = long_tail(1000, 8000)
+    assert d.mean() == pytest.approx(1000, rel=1e-3) and d.max() <= 8000
+    draws = d.sample(np.random.default_rng(0), 200_000)
+    assert draws.mean() == pytest.approx(1000, rel=0.02)
+    # E[max of n] against a simulation of the same distribution
+    sims = d.sample(np.random.default_rng(1), 64 * 2000).reshape(2000, 64).max(1)
+    assert d.expected_max(64) == pytest.approx(sims.mean(), rel=0.05)
+
+
+def test_plan_round_trip_and_world_checks(tmp_path):
+    job = load_job(demo_job())
+    plan = plan_job(job)
+    plan.save(tmp_path / "plan.json")
+    again = load_plan(tmp_path / "plan.json")
+    assert [r.to_dict() for r in again.ranks] == [r.to_dict() for r in plan.ranks]
+    assert again.trainer.to_dict() == plan.trainer.to_dict()
+    validate_plan_against_world(again, 3, 3)
+    with pytest.raises(ConfigError) as e:
+        validate_plan_against_world(again, 4, 2)
+    assert "WORLD_SIZE=4 but the plan has 3 ranks" in str(e.value)
+    assert "LOCAL_WORLD_SIZE=2" in str(e.value)
+
+
+def test_broken_plans_name_every_problem():
+    plan = plan_job(load_job(demo_job())).to_dict()
+    bad = copy.deepcopy(plan)
+    bad["ranks"][2]["role"] = "critic"
+    with pytest.raises(ConfigError) as e:
+        load_plan(bad)
+    msg = str(e.value)
+    assert "ranks[2].role: unknown role 'critic'" in msg
+    bad = copy.deepcopy(plan)
+    bad["ranks"][1]["rank"] = 0  # rank 0 twice, rank 1 missing
+    bad["rollout"]["replicas"][0]["ranks"] = [0]  # a trainer rank inside a replica
+    with pytest.raises(ConfigError) as e:
+        load_plan(bad)
+    msg = str(e.value)
+    assert "rank 0 listed twice" in msg and "missing global ranks 1" in msg
+    assert "rank 0 must be role 'rollout'" in msg
+    assert "rollout ranks 2 belong to no replica" in msg

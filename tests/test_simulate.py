@@ -1,0 +1,101 @@
+"""The discrete-event simulator: a hand-computed synchronous step, the staleness gate, agreement
+with the planner's prediction, and the CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hexrl.config import load_job
+from hexrl.plan.cost import CostModel
+from hexrl.plan.planner import plan_job
+from hexrl.plan.simulate import Simulation, simulate
+from hexrl.simulate import main
+
+def demo_job() -> dict:
+    """tools/configs/cpu_demo.json with the tiny preset in place of the demo's warm-started checkpoint."""
+    return {**json.loads((CONFIGS / "cpu_demo.json").read_text()), "model": {"preset": "tiny"}}
+
+
+CONFIGS = Path(__file__).resolve().parent.parent / "tools" / "configs"
+
+
+def two_gpu_job(**rl) -> dict:
+    """One H100 trains, one generates; every output is exactly 10 tokens long."""
+    return {
+        "model": {"preset": "tiny"}, "data": {"synthetic": {}},
+        "rl": {"batch_size": 1, "group_size": 2, "max_new_tokens": 10, **rl},
+        "workload": {"prompt_len": 16, "output_len": {"samples": [10]}},
+        "cluster": {"nodes": [{"gpu_type": "H100", "gpus": 2}]},
+        "layout": {"train_gpus": 1},
+    }
+
+
+def hetero_job(eta) -> dict:
+    nodes = [{"name": f"{t.lower()}-{i}", "gpu_type": t, "gpus": 4} for t in ("H800", "H20") for i in range(2)]
+    return {
+        "model": {"preset": "r1-distill-qwen-1.5b"}, "data": {"synthetic": {}},
+        "rl": {"batch_size": 64, "group_size": 8, "max_new_tokens": 4096, "eta": eta, "ppo_minibatches": 2},
+        "workload": {"prompt_len": 256, "output_len": {"mean": 1500, "max": 4096}},
+        "cluster": {"nodes": nodes, "inter_node_GBps": 5, "cross_type_GBps": 1.5},
+    }
+
+
+def test_synchronous_step_matches_hand_computation():
+    plan = plan_job(load_job(two_gpu_job(eta=0)), use_profiles=False)
+    sim = Simulation(plan, use_profiles=False)
+    res = sim.run(steps=5, warmup=1)
+    cm = CostModel(plan.job, use_profiles=False)
+    # one group of 2 x 10 tokens: prefill both prompts, 10 decode steps at batch 2 from context 32
+    a, c = cm.decode_coeffs("H100", 1, 2)
+    decode = 10 * a + c * (10 * 32 + 2 * 45)
+    prefill = cm.prefill_s("H100", 1, 2 * 16, 8)
+    expect = prefill + decode + cm.w.reward_s + sim.cand.C_T + sim.cand.C_sync
+    assert res.step_time_s == pytest.approx(expect, rel=1e-9)
+    assert res.staleness == {0: 10} and res.violations == 0
+    assert res.tokens_per_s == pytest.approx(2 * 26 / expect, rel=1e-9)
+
+
+def test_gate_keeps_synchronous_runs_fresh_and_async_runs_overlapping():
+    sync = simulate(plan_job(load_job(hetero_job(0)), use_profiles=False), steps=6, use_profiles=False)
+    assert set(sync.staleness) == {0} and sync.violations == 0
+    free = simulate(plan_job(load_job(hetero_job(None)), use_profiles=False), steps=6, use_profiles=False)
+    assert max(free.staleness) >= 2  # unbounded staleness: old trajectories do get trained on
+    assert free.tokens_per_s > 1.5 * sync.tokens_per_s  # overlap pays
+    for res in (sync, free):
+        assert 0 <= res.idle["train"] <= 1 and 0 <= res.idle["rollout"] <= 1
+
+
+@pytest.mark.parametrize("eta", [2, None])
+def test_simulation_agrees_with_the_planner(eta):
+    plan = plan_job(load_job(hetero_job(eta)), use_profiles=False)
+    res = simulate(plan, steps=8, use_profiles=False)
+    assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=0.15)
+
+
+def test_gantt_lanes_do_not_overlap():
+    res = simulate(plan_job(load_job(hetero_job(2)), use_profiles=False), steps=5, gantt_steps=2,
+                   use_profiles=False)
+    lanes: dict = {}
+    for lane, kind, t0, t1 in res.gantt:
+        lanes.setdefault(lane, []).append((t0, t1))
+    assert "trainer" in lanes and len(lanes) > 2
+    for spans in lanes.values():
+        spans.sort()
+        assert all(b0 >= a1 - 1e-9 for (_, a1), (b0, _) in zip(spans, spans[1:]))
+
+
+def test_cli(tmp_path, capsys):
+    plan = plan_job(load_job(demo_job()))
+    plan.save(tmp_path / "plan.json")
+    out = tmp_path / "sim.json"
+    assert main([str(tmp_path / "plan.json"), "--steps", "6", "--json", str(out),
+                 "--gantt", str(tmp_path / "g.png")]) == 0
+    text = capsys.readouterr().out
+    assert "tokens/s" in text and "staleness" in text
+    assert json.loads(out.read_text())["steps"] == 6
+    bad = plan.to_dict()
+    bad["ranks"][0]["role"] = "critic"
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    assert main([str(tmp_path / "bad.json")]) == 2
+    assert "unknown role 'critic'" in capsys.readouterr().err
