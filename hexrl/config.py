@@ -897,7 +897,7 @@ def _read_ranks(r: _Reader, raw) -> list[RankInfo]:
     if not isinstance(raw, list) or not raw:
         r.bad("ranks", "must be a non-empty list with one object per global rank")
         return []
-    out = []
+    out, seen = [], {}
     for i, x in enumerate(raw):
         w = f"ranks[{i}]"
         x = r.section(x, w, {"rank", "node", "local_rank", "gpu_type", "role", "dp", "pp", "tp", "replica"})
@@ -905,6 +905,10 @@ def _read_ranks(r: _Reader, raw) -> list[RankInfo]:
             continue
         ints = {k: r.num(x, k, w, None, integer=True, lo=0, required=k in ("rank", "node", "local_rank", "tp"))
                 for k in ("rank", "node", "local_rank", "dp", "pp", "tp", "replica")}
+        if ints["rank"] in seen:
+            r.bad(f"{w}.rank", f"rank {ints['rank']} listed twice (also ranks[{seen[ints['rank']]}])")
+            continue
+        seen.setdefault(ints["rank"], i)
         role = x.get("role")
         if role not in ROLES:
             r.bad(f"{w}.role", f"unknown role {role!r} (known: {', '.join(ROLES)})")
@@ -993,11 +997,8 @@ def check_plan(plan: Plan) -> list[str]:
 def _check_rank_table(plan: Plan, p: list[str]):
     c = plan.job.cluster
     n = c.world_size
-    seen: dict[int, int] = {}
+    seen: dict[int, int] = {}  # duplicates were reported while reading the ranks
     for i, x in enumerate(plan.ranks):
-        if x.rank in seen:
-            p.append(f"ranks[{i}].rank: rank {x.rank} listed twice (also ranks[{seen[x.rank]}])")
-            continue
         seen[x.rank] = i
         if not 0 <= x.rank < n:
             p.append(f"ranks[{i}].rank: {x.rank} outside 0..{n - 1} (cluster has {n} GPUs)")
@@ -1078,8 +1079,10 @@ def _short(xs: list, n: int = 8) -> str:
     return ", ".join(map(str, xs[:n])) + (f", ... ({len(xs)} in all)" if len(xs) > n else "")
 
 
-def load_plan(path_or_dict, check_paths: bool = True) -> Plan:
-    """Read and validate a plan (job fields + ranks, trainer, rollout, predicted); ConfigError lists all problems."""
+def load_plan(path_or_dict, check_paths: bool = True, world: tuple[int, int] | None = None) -> Plan:
+    """Read and validate a plan (job fields + ranks, trainer, rollout, predicted); ConfigError lists all problems.
+
+    world: (WORLD_SIZE, LOCAL_WORLD_SIZE) of the torchrun job, checked in the same pass."""
     d, base = _read_source(path_or_dict, "plan")
     r = _Reader()
     job = _parse_job(r, {k: v for k, v in d.items() if k not in _PLAN_KEYS}, base, check_paths)
@@ -1090,25 +1093,32 @@ def load_plan(path_or_dict, check_paths: bool = True) -> Plan:
     if not isinstance(predicted, dict):
         r.bad("predicted", "must be an object")
         predicted = {}
-    if r.problems or job is None or trainer is None:
-        raise ConfigError(r.problems or ["trainer: missing"], "invalid plan")
-    plan = Plan(job, ranks, trainer, replicas, predicted)
-    problems = check_plan(plan)
-    if problems:
-        raise ConfigError(problems, "invalid plan")
+    n_ranks = len(d["ranks"]) if isinstance(d.get("ranks"), list) else 0
+    problems = list(r.problems)
+    if world is not None and job is not None:
+        problems += _world_problems(n_ranks, job.cluster, *world)
+    if job is not None and trainer is not None:  # also with bad rank entries: report the rest too
+        plan = Plan(job, ranks, trainer, replicas, predicted)
+        problems += check_plan(plan)
+    if problems or job is None or trainer is None:
+        raise ConfigError(problems or ["trainer: missing"], "invalid plan")
     return plan
 
 
-def validate_plan_against_world(plan: Plan, world_size: int, local_world_size: int) -> None:
-    """Check the plan fits the torchrun world this process lives in; ConfigError lists every problem."""
-    p = check_plan(plan)
-    c = plan.job.cluster
-    if world_size != plan.world_size:
-        p.append(f"WORLD_SIZE={world_size} but the plan has {plan.world_size} ranks "
+def _world_problems(n_ranks: int, c: "ClusterSpec", world_size: int, local_world_size: int) -> list[str]:
+    p = []
+    if world_size != n_ranks:
+        p.append(f"WORLD_SIZE={world_size} but the plan has {n_ranks} ranks "
                  f"({len(c.nodes)} nodes x {c.gpus_per_node}); launch with "
                  f"torchrun --nnodes {len(c.nodes)} --nproc_per_node {c.gpus_per_node}")
     if local_world_size != c.gpus_per_node:
         p.append(f"LOCAL_WORLD_SIZE={local_world_size} but every plan node has {c.gpus_per_node} GPUs; "
                  f"launch with --nproc_per_node {c.gpus_per_node}")
+    return p
+
+
+def validate_plan_against_world(plan: Plan, world_size: int, local_world_size: int) -> None:
+    """Check the plan fits the torchrun world this process lives in; ConfigError lists every problem."""
+    p = check_plan(plan) + _world_problems(plan.world_size, plan.job.cluster, world_size, local_world_size)
     if p:
         raise ConfigError(p, "plan does not match this torchrun world")

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hexrl.config import ConfigError, Plan, load_plan, validate_plan_against_world
+from hexrl.config import ConfigError, Plan, load_plan
 from hexrl.watchdog import Watchdog, describe_exception
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # long steps are fine; dead peers are the watchdog's job
@@ -100,8 +100,7 @@ def world_from_env() -> tuple[int, int, int, int]:
 def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None) -> Plan:
     """The plan, validated against this world before any collective; exits 2 with every problem."""
     try:
-        plan = load_plan(path)
-        validate_plan_against_world(plan, world, local_world)
+        plan = load_plan(path, world=(world, local_world))
     except (ConfigError, FileNotFoundError, ValueError) as e:
         if rank == 0:
             print(f"hexrl.main: {e}", file=sys.stderr, flush=True)

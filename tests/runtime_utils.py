@@ -1,0 +1,79 @@
+"""Helpers for tests that launch the whole job with torchrun on this machine."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from make_tiny_model import make_tiny_model  # noqa: E402
+
+
+def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2, **rl) -> Path:
+    """A tiny CPU job (2 trainer ranks + 1 rollout rank by default), planned into plan.json."""
+    model = tmp / "model"
+    if not model.exists():
+        make_tiny_model(model, tokenizer="char")
+    job = {
+        "name": "test", "model": {"path": str(model)},
+        "data": {"synthetic": {"task": "arithmetic", "n": 100, "seed": 0, "digits": [1, 1], "ops": "+"}},
+        "reward": {"name": "exact", "timeout_s": 5},
+        "rl": {"batch_size": 2, "group_size": 2, "eta": eta, "lr": 1e-3, "max_new_tokens": 3, "steps": steps,
+               "seed": 0, "filter_equal_groups": False, **rl},
+        "cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": nproc}]},
+        "layout": {"train_gpus": train_gpus, "dp": train_gpus},
+    }
+    (tmp / "job.json").write_text(json.dumps(job))
+    subprocess.run([sys.executable, "-m", "hexrl.plan", str(tmp / "job.json"), "-o", str(tmp / "plan.json")],
+                   check=True, capture_output=True)
+    return tmp / "plan.json"
+
+
+def torchrun(plan: Path, run_dir: Path, *args: str, nproc: int = 3) -> subprocess.Popen:
+    """Start `torchrun --standalone -m hexrl.main` in its own process group."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "hexrl.main", str(plan), "--run-dir", str(run_dir), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+
+
+def wait_for(cond, timeout_s: float, proc: subprocess.Popen | None = None) -> bool:
+    end = time.time() + timeout_s
+    while time.time() < end:
+        if cond():
+            return True
+        if proc is not None and proc.poll() is not None:
+            return cond()
+        time.sleep(0.2)
+    return False
+
+
+def worker_pids(proc: subprocess.Popen) -> dict[int, int]:
+    """RANK -> pid of torchrun's worker processes (read from /proc)."""
+    out = {}
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            stat = (pid_dir / "stat").read_text()
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            env = (pid_dir / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == proc.pid:
+            for kv in env:
+                if kv.startswith(b"RANK="):
+                    out[int(kv[5:])] = int(pid_dir.name)
+    return out

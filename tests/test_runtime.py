@@ -1,0 +1,106 @@
+"""The whole job under torchrun on CPU: 2 trainer ranks + 1 rollout rank on a tiny model."""
+import json
+import os
+import signal
+import time
+
+import msgpack
+import pytest
+import zmq
+
+from hexrl.comm import SCHEMA_VERSION
+from runtime_utils import metrics, torchrun, wait_for, worker_pids, write_job
+
+REQUIRED = ("step", "version", "reward_mean", "trajectories_accepted", "trajectories_filtered",
+            "trajectories_dropped", "max_staleness", "rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s")
+
+
+def finish(proc, timeout_s=240):
+    out, _ = proc.communicate(timeout=timeout_s)
+    return proc.returncode, out
+
+
+def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
+    plan = write_job(tmp_path, steps=3, eta=1)
+    proc = torchrun(plan, tmp_path / "run")
+    # a foreign and a corrupted message to the controller must be rejected and counted
+    assert wait_for(lambda: (tmp_path / "run" / "controller_endpoint").exists(), 120, proc)
+    endpoint = (tmp_path / "run" / "controller_endpoint").read_text().strip()
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send(b"\xc1 not msgpack")
+    sock.send(msgpack.packb({"v": SCHEMA_VERSION, "type": "trajectory", "group_id": "x"}))
+    sock.send(msgpack.packb({"hello": "world"}))
+    code, out = finish(proc)
+    sock.close()
+    assert code == 0, out
+    rows = metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for r in rows:
+        assert all(k in r for k in REQUIRED), r
+        assert r["max_staleness"] <= 1  # eta
+        # every trajectory produced is trained, filtered or dropped (or still pending)
+        assert r["trajectories_produced"] == (r["trajectories_trained"] + r["trajectories_filtered"] +
+                                              r["trajectories_dropped"] + r["trajectories_pending"])
+    assert rows[-1]["version"] == 3 and rows[-1]["trajectories_trained"] == 3 * 2 * 2
+    assert rows[-1]["rejected_messages"] + rows[-1].get("unknown_peer", 0) >= 1
+    ids = [i for r in rows for i in r["problem_ids"]]
+    assert len(ids) == len(set(ids)), "a prompt was trained twice"
+    from hexrl.model import load_pretrained
+
+    assert load_pretrained(tmp_path / "run" / "final").cfg.num_hidden_layers == 4
+
+
+def test_kill_9_then_resume_continues_from_the_last_checkpoint(tmp_path):
+    plan = write_job(tmp_path, steps=6, eta=2, checkpoint_every=1)
+    run = tmp_path / "run"
+    proc = torchrun(plan, run)
+    assert wait_for(lambda: len(metrics(run)) >= 2, 180, proc)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    done = max(r["step"] for r in metrics(run))
+    latest = (run / "checkpoints" / "latest").read_text().strip()
+    saved = json.loads((run / "checkpoints" / latest / "meta.json").read_text())
+    assert saved["extra"]["step"] >= 1
+    code, out = finish(torchrun(plan, run, "--resume", str(run / "checkpoints")))
+    assert code == 0, out
+    rows = metrics(run)
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(steps) and steps[-1] == 6 and len(steps) == len(set(steps)), steps
+    resumed = [r for r in rows if r["step"] > saved["extra"]["step"]]
+    assert resumed[0]["version"] == saved["version"] + 1  # the version continued, not restarted
+    ids = [i for r in rows for i in r["problem_ids"]]
+    assert len(ids) == len(set(ids)), "a prompt was trained twice across the resume"
+    assert done >= 2
+
+
+def test_killing_one_rank_ends_every_rank_with_its_name(tmp_path):
+    plan = write_job(tmp_path, steps=1000, eta=1)
+    run = tmp_path / "run"
+    proc = torchrun(plan, run)
+    assert wait_for(lambda: len(metrics(run)) >= 1, 180, proc)
+    pids = worker_pids(proc)
+    assert sorted(pids) == [0, 1, 2]
+    os.kill(pids[2], signal.SIGKILL)  # the rollout rank
+    t0 = time.time()
+    code, out = finish(proc, timeout_s=60)
+    assert time.time() - t0 < 60
+    assert code != 0
+    assert "rank      : 2" in out or "rank 2" in out, out[-3000:]
+    for pid in pids.values():
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+def test_invalid_plan_is_refused_before_any_collective(tmp_path):
+    plan_path = write_job(tmp_path, steps=1)
+    plan = json.loads(plan_path.read_text())
+    plan["ranks"][2]["role"] = "critic"
+    plan["ranks"][1]["rank"] = 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(plan))
+    code, out = finish(torchrun(bad, tmp_path / "run", nproc=2), timeout_s=60)
+    assert code != 0
+    assert "WORLD_SIZE=2 but the plan has 3 ranks" in out
+    assert "unknown role 'critic'" in out and "rank 0 listed twice" in out
+    assert "metrics.jsonl" not in os.listdir(tmp_path / "run") if (tmp_path / "run").exists() else True
