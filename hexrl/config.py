@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hexrl.data import load_dataset
 from hexrl.plan.catalogue import CATALOGUE, canonical_name
 
 
@@ -282,7 +283,13 @@ def _read_data(r: _Reader, d, base: Path, check_paths: bool) -> DataSpec:
         task = r.choice(s, "task", "data.synthetic", ("arithmetic",), "arithmetic")
         n = r.num(s, "n", "data.synthetic", 1000, integer=True, lo=1)
         seed = r.num(s, "seed", "data.synthetic", 0, integer=True)
-        return DataSpec(synthetic={**s, "task": task, "n": n, "seed": seed})
+        r.num(s, "n_heldout", "data.synthetic", 0, integer=True, lo=0)
+        spec = {**s, "task": task, "n": n, "seed": seed}
+        try:  # generating is cheap and catches impossible requests before any process starts
+            load_dataset(synthetic=spec)
+        except (TypeError, ValueError) as e:
+            r.bad("data.synthetic", str(e))
+        return DataSpec(synthetic=spec)
     if "path" not in d:
         if d:
             r.bad("data", "give path (JSONL) or synthetic")
@@ -331,6 +338,7 @@ class RLSpec:
     steps: int = 10
     seed: int = 0
     checkpoint_every: int = 0  # 0 = only at the end
+    eval_every: int = 0  # greedy held-out accuracy every K steps (and at 0 and the end); 0 = off
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -359,6 +367,7 @@ def _read_rl(r: _Reader, d) -> RLSpec:
     x.steps = r.num(d, "steps", w, x.steps, integer=True, lo=1)
     x.seed = r.num(d, "seed", w, x.seed, integer=True)
     x.checkpoint_every = r.num(d, "checkpoint_every", w, 0, integer=True, lo=0)
+    x.eval_every = r.num(d, "eval_every", w, 0, integer=True, lo=0)
     if x.ppo_minibatches > x.batch_size:
         r.bad("rl.ppo_minibatches", f"{x.ppo_minibatches} > batch_size {x.batch_size}")
     if x.group_size == 1 and x.filter_equal_groups:

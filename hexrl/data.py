@@ -245,3 +245,21 @@ def make_arithmetic_split(n_train: int, n_heldout: int, seed: int = 0, **kwargs)
     """Disjoint train and held-out arithmetic sets (all prompts distinct); kwargs go to make_arithmetic."""
     problems = make_arithmetic(n_train + n_heldout, seed=seed, **kwargs)
     return problems[:n_train], problems[n_train:]
+
+
+def load_dataset(synthetic: dict | None = None, path: str | None = None,
+                 kind: str = "math") -> tuple[list[Problem], list[Problem]]:
+    """(train, held-out) problems of a job's `data` section.
+
+    Synthetic: `{"task": "arithmetic", "n": N, "seed": S, "n_heldout": H, digits/ops/negatives}`
+    gives N training and H disjoint held-out problems. JSONL: all lines train, none held out.
+    """
+    if synthetic is not None:
+        opts = {k: v for k, v in synthetic.items() if k not in ("task", "n", "seed", "n_heldout")}
+        if "digits" in opts:
+            opts["digits"] = tuple(opts["digits"])
+        n, seed, held = synthetic.get("n", 1000), synthetic.get("seed", 0), synthetic.get("n_heldout", 0)
+        if held:
+            return make_arithmetic_split(n, held, seed=seed, **opts)
+        return make_arithmetic(n, seed=seed, **opts), []
+    return load_jsonl(path, kind=kind).problems, []

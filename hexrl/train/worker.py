@@ -8,6 +8,7 @@ told to join. Metrics go to `run_dir/metrics.jsonl`, checkpoints to `run_dir/che
 """
 from __future__ import annotations
 
+import json
 import time
 
 import msgpack
@@ -18,24 +19,15 @@ from hexrl.comm import RouterChannel, msg_to_trajectory, publish_endpoint, traje
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
-from hexrl.data import load_jsonl, make_arithmetic
+from hexrl.data import load_dataset
+from hexrl.evaluate import greedy_accuracy
+from hexrl.model import load_pretrained
 from hexrl.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
 from hexrl.weights import broadcast_stage, stage_specs
 
 from .checkpoint import resolve
 from .trainer import TrainConfig, Trainer
-
-
-def load_problems(data) -> list:
-    """The job's training problems (synthetic ones generated from their spec)."""
-    if data.synthetic is not None:
-        opts = {k: v for k, v in data.synthetic.items() if k not in ("task", "n_heldout")}
-        if "digits" in opts:
-            opts["digits"] = tuple(opts["digits"])
-        return make_arithmetic(**opts)
-    result = load_jsonl(data.path, kind=data.kind)
-    return result.problems
 
 
 def train_config(rl) -> TrainConfig:
@@ -52,7 +44,8 @@ def start_controller(ctx, tokenizer) -> Controller:
     address = job.cluster.nodes[ctx.info.node].address
     endpoint = router.bind("0.0.0.0" if address not in ("127.0.0.1", "localhost") else address, advertise=address)
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
-    cursor = DatasetCursor(load_problems(job.data), seed=job.rl.seed)
+    train, _ = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
+    cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
                             replicas, router)
     publish_endpoint(ctx.store, "controller", endpoint)
@@ -72,6 +65,38 @@ def share_batch(batch: list[Trajectory] | None, group, src: int) -> list[Traject
     if group is not None:
         dist.broadcast(buf, src=src, group=group)
     return batch if batch is not None else [msg_to_trajectory(m) for m in msgpack.unpackb(buf.numpy().tobytes())]
+
+
+class HeldoutEval:
+    """Greedy held-out accuracy every `every` steps (and at 0 and the end), written to eval.jsonl.
+
+    All trainer ranks export the model (collective); the controller rank scores it. Time spent
+    here is kept out of `wall_s`, so runs with and without evaluation compare fairly.
+    """
+
+    def __init__(self, ctx, heldout: list, tokenizer, every: int, steps: int, max_new_tokens: int):
+        self.ctx, self.heldout, self.tokenizer = ctx, heldout, tokenizer
+        self.every, self.steps, self.max_new_tokens = every, steps, max_new_tokens
+        self.start, self.seconds = time.perf_counter(), 0.0
+
+    def wall(self) -> float:
+        """Seconds since the start of the run, evaluation excluded."""
+        return time.perf_counter() - self.start - self.seconds
+
+    def maybe(self, trainer: Trainer, step: int) -> float | None:
+        if not (self.every and self.heldout and (step % self.every == 0 or step == self.steps)):
+            return None
+        t0 = time.perf_counter()
+        path = self.ctx.run_dir / "eval_model"
+        trainer.export_hf(path)
+        acc = None
+        if self.tokenizer is not None:
+            acc, _ = greedy_accuracy(load_pretrained(path), self.tokenizer, self.heldout, self.max_new_tokens)
+            with open(self.ctx.run_dir / "eval.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "version": trainer.version, "heldout_accuracy": acc,
+                                    "wall_s": self.wall(), "n": len(self.heldout)}) + "\n")
+        self.seconds += time.perf_counter() - t0
+        return acc
 
 
 def sync_weights(ctx, trainer: Trainer, dtype: torch.dtype) -> float:
@@ -103,6 +128,11 @@ def run_trainer(ctx, grid) -> None:
             controller.load_state(extra["controller"])
         metrics = MetricsWriter(ctx.run_dir, resume_step=start_step if ctx.resume is not None else None)
         controller.start()
+    _, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
+    evaluator = HeldoutEval(ctx, heldout, load_tokenizer(job.model.path) if is_controller else None,
+                            job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
+    if start_step == 0:
+        evaluator.maybe(trainer, 0)
     rollout_dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
@@ -110,7 +140,7 @@ def run_trainer(ctx, grid) -> None:
         sync_weights(ctx, trainer, rollout_dtype)
     try:
         for step in range(start_step, job.rl.steps):
-            run_step(ctx, trainer, controller, metrics, step, rollout_dtype)
+            run_step(ctx, trainer, controller, metrics, evaluator, step, rollout_dtype)
         trainer.export_hf(ctx.run_dir / "final")
     finally:
         if controller is not None:
@@ -119,7 +149,8 @@ def run_trainer(ctx, grid) -> None:
             metrics.close()
 
 
-def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, step: int, dtype) -> None:
+def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, evaluator: HeldoutEval,
+             step: int, dtype) -> None:
     job, t0 = ctx.plan.job, time.perf_counter()
     tokens_before = controller.counters()["completion_tokens"] if controller else 0
     groups = controller.next_batch() if controller else None
@@ -135,6 +166,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, step
         if controller:
             controller.publish_version(trainer.version)
         sync_s = sync_weights(ctx, trainer, dtype)
+    accuracy = evaluator.maybe(trainer, step + 1)
     every = job.rl.checkpoint_every
     if last or (every and (step + 1) % every == 0):
         extra = {"step": step + 1, "controller": controller.state() if controller else None}
@@ -158,4 +190,5 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, step
             "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"],
             "grad_norm": out["grad_norm"], "kl": out["kl"], "entropy": out["entropy"],
             "problem_ids": sorted({t.problem_id for t in batch}, key=str),
+            "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),
         })
