@@ -62,13 +62,13 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tmp_path):
     done = max(r["step"] for r in metrics(run))
     latest = (run / "checkpoints" / "latest").read_text().strip()
     saved = json.loads((run / "checkpoints" / latest / "meta.json").read_text())
-    assert saved["extra"]["step"] >= 1
+    assert saved["version"] >= 1  # one step per version: the checkpoint of step `version`
     code, out = finish(torchrun(plan, run, "--resume", str(run / "checkpoints")))
     assert code == 0, out
     rows = metrics(run)
     steps = [r["step"] for r in rows]
     assert steps == sorted(steps) and steps[-1] == 6 and len(steps) == len(set(steps)), steps
-    resumed = [r for r in rows if r["step"] > saved["extra"]["step"]]
+    resumed = [r for r in rows if r["step"] > saved["version"]]
     assert resumed[0]["version"] == saved["version"] + 1  # the version continued, not restarted
     ids = [i for r in rows for i in r["problem_ids"]]
     assert len(ids) == len(set(ids)), "a prompt was trained twice across the resume"
