@@ -1,0 +1,80 @@
+"""Plot a run directory: reward and held-out accuracy vs step and vs wall-clock.
+
+    python tools/plot_run.py RUN_DIR [RUN_DIR ...] [--out DIR]
+
+Reads `metrics.jsonl` (and `eval.jsonl` when the run evaluated) and writes `learning.png`
+into each run directory (or one comparison figure into --out when several runs are given).
+Needs matplotlib (`pip install -e .[plot]`).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:  # a line torn by a crash
+            pass
+    return rows
+
+
+def curves(run: Path) -> dict[str, tuple[list, list]]:
+    """Named (x, y) series of one run."""
+    m, e = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "eval.jsonl")
+    return {
+        "reward vs step": ([r["step"] for r in m], [r["reward_mean"] for r in m]),
+        "reward vs wall-clock (s)": ([r.get("wall_s", 0) for r in m], [r["reward_mean"] for r in m]),
+        "held-out accuracy vs step": ([r["step"] for r in e], [r["heldout_accuracy"] for r in e]),
+        "held-out accuracy vs wall-clock (s)": ([r["wall_s"] for r in e], [r["heldout_accuracy"] for r in e]),
+    }
+
+
+def plot(runs: list[Path], out: Path) -> Path:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("plot_run: matplotlib is not installed; `pip install -e .[plot]`")
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    for run in runs:
+        for ax, (title, (x, y)) in zip(axes.flat, curves(run).items()):
+            ax.plot(x, y, marker=".", label=run.name)
+            ax.set_title(title)
+            ax.grid(alpha=0.3)
+    if len(runs) > 1:
+        axes.flat[0].legend(fontsize=8)
+    fig.tight_layout()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "learning.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", type=Path)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    missing = [str(r) for r in a.runs if not (r / "metrics.jsonl").exists()]
+    if missing:
+        sys.exit(f"plot_run: no metrics.jsonl in {', '.join(missing)}")
+    if a.out is None and len(a.runs) > 1:
+        for run in a.runs:
+            print(f"wrote {plot([run], run)}")
+    else:
+        print(f"wrote {plot(a.runs, a.out or a.runs[0])}")
+
+
+if __name__ == "__main__":
+    main()
