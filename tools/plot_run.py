@@ -13,6 +13,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from hexrl.plan.draw import pyplot  # noqa: E402
+
 
 def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
@@ -38,13 +41,9 @@ def curves(run: Path) -> dict[str, tuple[list, list]]:
 
 
 def plot(runs: list[Path], out: Path) -> Path:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        sys.exit("plot_run: matplotlib is not installed; `pip install -e .[plot]`")
+    plt = pyplot("plot_run", str(out))
+    if plt is None:
+        sys.exit(1)
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for run in runs:
         for ax, (title, (x, y)) in zip(axes.flat, curves(run).items()):

@@ -5,15 +5,23 @@ import sys
 from hexrl.config import Plan
 
 
-def draw_plan(plan: Plan, path: str) -> bool:
-    """Write a PNG of the assignment; False (with a message on stderr) if matplotlib is missing."""
+def pyplot(what: str, path: str):
+    """matplotlib.pyplot on the file-only backend, or None (saying so on stderr) when not installed."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print(f"--draw: matplotlib is not installed, so no picture was written to {path} "
+        print(f"{what}: matplotlib is not installed, so nothing was written to {path} "
               "(pip install matplotlib, or `pip install -e .[plot]`)", file=sys.stderr)
+        return None
+    return plt
+
+
+def draw_plan(plan: Plan, path: str) -> bool:
+    """Write a PNG of the assignment; False (with a message on stderr) if matplotlib is missing."""
+    plt = pyplot("--draw", path)
+    if plt is None:
         return False
     c = plan.job.cluster
     fig, ax = plt.subplots(figsize=(1.2 + 0.9 * c.gpus_per_node, 0.6 + 0.6 * len(c.nodes)))
@@ -51,13 +59,8 @@ GANTT_COLORS = {"train": "tab:blue", "sync": "tab:red", "decode": "tab:orange", 
 
 def draw_gantt(gantt: list, path: str, title: str = "") -> bool:
     """Write a Gantt chart of (lane, kind, t0, t1) intervals; False if matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--gantt: matplotlib is not installed, so no chart was written to {path} "
-              "(pip install matplotlib)", file=sys.stderr)
+    plt = pyplot("--gantt", path)
+    if plt is None:
         return False
     lanes = list(dict.fromkeys(lane for lane, *_ in gantt))
     fig, ax = plt.subplots(figsize=(11, 0.8 + 0.28 * len(lanes)))
