@@ -37,14 +37,13 @@ def train_config(rl) -> TrainConfig:
                        filter_equal_groups=rl.filter_equal_groups)
 
 
-def start_controller(ctx, tokenizer) -> Controller:
+def start_controller(ctx, tokenizer, train: list) -> Controller:
     """Bind the controller's socket on this node's address and publish it through the store."""
     plan, job = ctx.plan, ctx.plan.job
     router = RouterChannel()
     address = job.cluster.nodes[ctx.info.node].address
     endpoint = router.bind("0.0.0.0" if address not in ("127.0.0.1", "localhost") else address, advertise=address)
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
-    train, _ = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
     cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
                             replicas, router)
@@ -118,19 +117,19 @@ def run_trainer(ctx, grid) -> None:
     trainer = Trainer(job.model.path, ctx.layout, train_config(job.rl), grid=grid, device=ctx.device)
     is_controller = ctx.rank == ctx.controller_rank
     controller = metrics = None
+    tokenizer = load_tokenizer(job.model.path) if is_controller else None
+    train, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
     start_step = 0
     if ctx.resume is not None:
         extra = trainer.load(ctx.resume)
         start_step = extra.get("step", trainer.version)
     if is_controller:
-        controller = start_controller(ctx, load_tokenizer(job.model.path))
+        controller = start_controller(ctx, tokenizer, train)
         if ctx.resume is not None:
             controller.load_state(extra["controller"])
         metrics = MetricsWriter(ctx.run_dir, resume_step=start_step if ctx.resume is not None else None)
         controller.start()
-    _, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
-    evaluator = HeldoutEval(ctx, heldout, load_tokenizer(job.model.path) if is_controller else None,
-                            job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
+    evaluator = HeldoutEval(ctx, heldout, tokenizer, job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
     if start_step == 0:
         evaluator.maybe(trainer, 0)
     rollout_dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
