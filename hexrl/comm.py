@@ -23,6 +23,7 @@ from datetime import timedelta
 import msgpack
 import numpy as np
 import torch
+import torch.distributed as dist
 import zmq
 
 from hexrl.trajectory import Trajectory
@@ -419,3 +420,16 @@ def lookup_endpoint(store, name: str, timeout_s: float = 60.0) -> str:
     except RuntimeError as e:  # DistStoreError is a RuntimeError
         raise TimeoutError(f"no endpoint {name!r} published within {timeout_s}s ({e})") from None
     return store.get(key).decode()
+
+
+def broadcast_bytes(payload: bytes | None, src: int, group, device="cpu") -> bytes:
+    """Raw bytes from global rank `src` (which passes them; others pass None) to every rank of a
+    torch.distributed group: the length, then the payload. Callers put msgpack in it, never pickle."""
+    size = torch.tensor([len(payload or b"")], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if payload:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return payload if payload is not None else buf.cpu().numpy().tobytes()

@@ -7,6 +7,7 @@ import msgpack
 import torch
 import torch.distributed as dist
 
+from hexrl.comm import broadcast_bytes
 from hexrl.model import TPGroup
 
 from .sequence import Request
@@ -24,13 +25,8 @@ def broadcast_from_leader(event: tuple[str, object] | None, tp: TPGroup) -> tupl
     """
     group, src = _group(tp), dist.get_global_rank(_group(tp), 0)
     device = "cuda" if dist.get_backend(group) == "nccl" else "cpu"
-    payload = _encode(event) if event is not None else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64, device=device)
-    dist.broadcast(size, src=src, group=group)
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device) if event is not None else \
-        torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    dist.broadcast(buf, src=src, group=group)
-    return event if event is not None else _decode(buf.cpu().numpy().tobytes())
+    raw = broadcast_bytes(_encode(event) if event is not None else None, src, group, device)
+    return event if event is not None else _decode(raw)
 
 
 def _encode(event: tuple[str, object]) -> bytes:

@@ -13,9 +13,8 @@ import time
 
 import msgpack
 import torch
-import torch.distributed as dist
 
-from hexrl.comm import RouterChannel, msg_to_trajectory, publish_endpoint, trajectory_to_msg
+from hexrl.comm import RouterChannel, broadcast_bytes, msg_to_trajectory, publish_endpoint, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
@@ -55,15 +54,11 @@ def start_controller(ctx, tokenizer, train: list) -> Controller:
 
 def share_batch(batch: list[Trajectory] | None, group, src: int) -> list[Trajectory]:
     """Broadcast the step's trajectories from the controller rank to every trainer rank."""
-    payload = msgpack.packb([trajectory_to_msg(t) for t in batch]) if batch is not None else b""
-    size = torch.tensor([len(payload)], dtype=torch.int64)
-    if group is not None:
-        dist.broadcast(size, src=src, group=group)
-    buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if batch is not None else \
-        torch.empty(int(size.item()), dtype=torch.uint8)
-    if group is not None:
-        dist.broadcast(buf, src=src, group=group)
-    return batch if batch is not None else [msg_to_trajectory(m) for m in msgpack.unpackb(buf.numpy().tobytes())]
+    if group is None:  # a single trainer rank
+        return batch
+    payload = msgpack.packb([trajectory_to_msg(t) for t in batch]) if batch is not None else None
+    raw = broadcast_bytes(payload, src, group)
+    return batch if batch is not None else [msg_to_trajectory(m) for m in msgpack.unpackb(raw)]
 
 
 class HeldoutEval:
