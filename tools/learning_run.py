@@ -1,6 +1,6 @@
 """The learning experiment: warm start, then asynchronous GRPO with hexrl, evaluated on held-out problems.
 
-    python tools/learning_run.py OUT                 # eta=4 decoupled vs eta=0 (synchronous)
+    python tools/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0 (synchronous)
     python tools/learning_run.py OUT --ablation      # eta in {0,1,4,8,inf} x {naive PPO, decoupled}
     python tools/learning_run.py OUT --steps 20      # shorter budget
 
@@ -25,20 +25,17 @@ ROOT = Path(__file__).resolve().parents[1]
 ETAS = {"0": 0, "1": 1, "4": 4, "8": 8, "inf": None}
 
 
-def warm_start(out: Path, steps: int) -> dict:
+def warm_start(out: Path) -> dict:
     model = out / "model"
     if not (model / "warm_start.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "tools" / "warm_start.py"), str(model), "--steps", str(steps)],
-                       check=True)
+        subprocess.run([sys.executable, str(ROOT / "tools" / "warm_start.py"), str(model)], check=True)
     return json.loads((model / "warm_start.json").read_text())
 
 
 def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a) -> dict:
-    task = ws["task"]
     return {
         "name": name, "model": {"path": str(out / "model")},
-        "data": {"synthetic": {"task": "arithmetic", "n": task["n_train"], "n_heldout": task["n_heldout"],
-                               "seed": task["seed"], "digits": list(task["digits"]), "ops": task["ops"]}},
+        "data": {"synthetic": ws["data_synthetic"]},  # the warm start's train / held-out split
         "reward": {"name": "exact", "timeout_s": 5},
         "rl": {"batch_size": a.batch, "group_size": a.group, "eta": eta, "lr": a.lr, "decoupled": decoupled,
                "max_new_tokens": ws["max_new_tokens"], "temperature": 1.0, "steps": a.steps, "seed": a.seed,
@@ -89,19 +86,19 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--ablation", action="store_true")
-    p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--batch", type=int, default=32, help="prompt groups per step")
+    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--batch", type=int, default=64, help="prompt groups per step")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--eval-every", type=int, default=10)
+    p.add_argument("--eval-every", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--warm-steps", type=int, default=300)
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
-    ws = warm_start(a.out, a.warm_steps)
+    ws = warm_start(a.out)
     print(f"warm start: {ws['steps']} SFT steps, held-out accuracy {ws['heldout_accuracy']:.3f}, "
           f"{ws['wall_seconds']:.0f} s")
-    configs = [(e, d) for e in ETAS for d in (False, True)] if a.ablation else [("4", True), ("0", True)]
+    main_runs = [("4", True), ("4", False), ("0", True)]
+    configs = [(e, d) for e in ETAS for d in (False, True)] if a.ablation else main_runs
     rows = []
     for eta, decoupled in configs:
         name = f"eta{eta}-{'decoupled' if decoupled else 'naive'}"
