@@ -13,14 +13,16 @@ sys.path.insert(0, str(ROOT / "tools"))
 from make_tiny_model import make_tiny_model  # noqa: E402
 
 
-def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2, **rl) -> Path:
+def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2,
+              heldout: int = 0, **rl) -> Path:
     """A tiny CPU job (2 trainer ranks + 1 rollout rank by default), planned into plan.json."""
     model = tmp / "model"
     if not model.exists():
         make_tiny_model(model, tokenizer="char")
     job = {
         "name": "test", "model": {"path": str(model)},
-        "data": {"synthetic": {"task": "arithmetic", "n": 100, "seed": 0, "digits": [1, 1], "ops": "+"}},
+        "data": {"synthetic": {"task": "arithmetic", "n": 100 - heldout, "n_heldout": heldout, "seed": 0,
+                               "digits": [1, 1], "ops": "+"}},
         "reward": {"name": "exact", "timeout_s": 5},
         "rl": {"batch_size": 2, "group_size": 2, "eta": eta, "lr": 1e-3, "max_new_tokens": 3, "steps": steps,
                "seed": 0, "filter_equal_groups": False, **rl},

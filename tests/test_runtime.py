@@ -21,7 +21,7 @@ def finish(proc, timeout_s=240):
 
 
 def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
-    plan = write_job(tmp_path, steps=3, eta=1)
+    plan = write_job(tmp_path, steps=3, eta=1, heldout=20, eval_every=2)
     proc = torchrun(plan, tmp_path / "run")
     # a foreign and a corrupted message to the controller must be rejected and counted
     assert wait_for(lambda: (tmp_path / "run" / "controller_endpoint").exists(), 120, proc)
@@ -50,6 +50,9 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     from hexrl.model import load_pretrained
 
     assert load_pretrained(tmp_path / "run" / "final").cfg.num_hidden_layers == 4
+    evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in evals] == [0, 2, 3] and all(e["n"] == 20 for e in evals)
+    assert [r["heldout_accuracy"] is not None for r in rows] == [False, True, True]
 
 
 def test_kill_9_then_resume_continues_from_the_last_checkpoint(tmp_path):
