@@ -1,7 +1,7 @@
 """Supervised warm start of a tiny model on synthetic arithmetic, before RL.
 
-    python tools/warm_start.py OUT_DIR                     # defaults: 2-digit addition, ~30% held-out
-    python tools/warm_start.py OUT_DIR --rl-check 150      # then a quick single-process GRPO check
+    python tools/warm_start.py OUT_DIR                  # 2-digit addition; stops at dev accuracy >= 0.4
+    python tools/warm_start.py OUT_DIR --rl-check 200   # then a quick single-process GRPO check
 
 Creates a random tiny Qwen2-shaped model and trains it with cross-entropy on the answer tokens
 plus eos (prompt masked). The budget is deliberately SHORT: training stops at the first
@@ -201,7 +201,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out")
     p.add_argument("--steps", type=int, default=1500, help="max SFT steps")
-    p.add_argument("--target-acc", type=float, default=0.3, help="stop once dev accuracy reaches this; 0 = off")
+    p.add_argument("--target-acc", type=float, default=0.4, help="stop once dev accuracy reaches this; 0 = off")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--eval-every", type=int, default=25)
@@ -260,8 +260,10 @@ def main(argv=None) -> dict:
     Path(a.out, "warm_start.json").write_text(json.dumps(info, indent=2))
     print(f"warm start: {res['steps']} steps in {wall:.1f}s, heldout_acc {res['heldout_accuracy']:.3f}; wrote {a.out}")
     if a.rl_check:
-        info["rl_check"] = rl_check(model, tok, train, heldout, a.rl_check, a.rl_prompts, a.rl_n, a.rl_lr,
-                                    a.seed, a.eval_every, task.max_new_tokens)
+        curve = rl_check(model, tok, train, heldout, a.rl_check, a.rl_prompts, a.rl_n, a.rl_lr, a.seed,
+                         a.eval_every, task.max_new_tokens)
+        info["rl_check"] = {"prompts_per_step": a.rl_prompts, "n": a.rl_n, "lr": a.rl_lr, "curve": curve}
+        Path(a.out, "rl_check.json").write_text(json.dumps(info["rl_check"], indent=2))  # model not saved
     return info
 
 
