@@ -323,7 +323,10 @@ class RLSpec:
     batch_size: int = 8  # prompts (groups) per training step
     group_size: int = 4  # samples per prompt
     eta: int | None = 4  # staleness bound; None = unbounded; 0 = synchronous
-    ppo_minibatches: int = 1
+    max_running: int | None = None  # groups generating at once; default (eta + 1)·batch_size, 8·batch_size if eta is None
+    # Optimizer steps per training step. The decoupled objective's clip is relative to the proximal
+    # policy, so with 1 it never engages (see README "Learning"); default min(4, batch_size).
+    ppo_minibatches: int = 4
     lr: float = 1e-6
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -351,7 +354,9 @@ def _read_rl(r: _Reader, d) -> RLSpec:
     x.batch_size = r.num(d, "batch_size", w, x.batch_size, integer=True, lo=1)
     x.group_size = r.num(d, "group_size", w, x.group_size, integer=True, lo=1)
     x.eta = r.num(d, "eta", w, x.eta, integer=True, lo=0, none_ok=True)
-    x.ppo_minibatches = r.num(d, "ppo_minibatches", w, 1, integer=True, lo=1)
+    default_running = (x.eta + 1 if x.eta is not None else 8) * x.batch_size  # eta bounded: never binds
+    x.max_running = r.num(d, "max_running", w, default_running, integer=True, lo=1)
+    x.ppo_minibatches = r.num(d, "ppo_minibatches", w, min(x.ppo_minibatches, x.batch_size), integer=True, lo=1)
     x.lr = float(r.num(d, "lr", w, x.lr, lo=0, lo_open=True))
     x.max_new_tokens = r.num(d, "max_new_tokens", w, x.max_new_tokens, integer=True, lo=1)
     x.temperature = float(r.num(d, "temperature", w, x.temperature, lo=0))

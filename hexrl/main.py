@@ -110,6 +110,15 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     return plan
 
 
+def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
+    """Refuse to start a fresh run on top of an old one (metrics would interleave); exits 2."""
+    if resume is None and (run_dir / "metrics.jsonl").exists():
+        if rank == 0:
+            print(f"hexrl.main: {run_dir} already holds a run (metrics.jsonl); continue it with "
+                  f"--resume {run_dir / 'checkpoints'}, or pass another --run-dir", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
 def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
@@ -124,6 +133,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
     plan = load_checked_plan(args.plan, rank, world, local_world, args.steps)
+    check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
     device = init_distributed(rank, world, local_rank)
     store = dist.distributed_c10d._get_default_store()  # the job-wide store torchrun set up
     describe = {r.rank: f"{r.role} on node {r.node}, local rank {r.local_rank}" for r in plan.ranks}

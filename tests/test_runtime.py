@@ -107,3 +107,15 @@ def test_invalid_plan_is_refused_before_any_collective(tmp_path):
     assert "WORLD_SIZE=2 but the plan has 3 ranks" in out
     assert "unknown role 'critic'" in out and "rank 0 listed twice" in out
     assert "metrics.jsonl" not in os.listdir(tmp_path / "run") if (tmp_path / "run").exists() else True
+
+
+def test_a_fresh_run_refuses_a_run_dir_that_holds_a_run(tmp_path, capsys):
+    from hexrl.main import check_run_dir
+
+    check_run_dir(tmp_path, resume=None, rank=0)  # empty: fine
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    with pytest.raises(SystemExit) as e:
+        check_run_dir(tmp_path, resume=None, rank=0)
+    assert e.value.code == 2 and "--resume" in capsys.readouterr().err
+    check_run_dir(tmp_path, resume=str(tmp_path / "checkpoints"), rank=0)  # continuing it: fine
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'  # nothing touched

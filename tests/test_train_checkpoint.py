@@ -1,10 +1,12 @@
 """Checkpoints survive crashes mid-write and resume bit-identically; HF export; bf16 master weights."""
 import json
+import random
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -43,16 +45,24 @@ def weights(trainer):
 def test_resume_is_bit_identical(tmp_path, model_path):
     a = Trainer(model_path, SINGLE, TrainConfig(**CFG))
     a.step(make_batch(0))
-    a.save(tmp_path / "ck", extra={"epoch": 3, "cursor": (1, 2)})  # types round-trip (pickled)
+    a.save(tmp_path / "ck", extra={"epoch": 3, "cursor": [1, 2]})  # stored as JSON
     after_save = a.step(make_batch(1))
     b = Trainer(model_path, SINGLE, TrainConfig(**CFG))
-    assert b.load(tmp_path / "ck") == {"epoch": 3, "cursor": (1, 2)} and b.version == 1
+    assert b.load(tmp_path / "ck") == {"epoch": 3, "cursor": [1, 2]} and b.version == 1
     assert b.step(make_batch(1)) == after_save  # every metric, exactly
     for k, v in weights(a).items():
         assert torch.equal(v, weights(b)[k]), k
     two_stages = Layout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 1, "layers": [1, 2]}]})
     with pytest.raises(ValueError, match="resume needs the same layout"):
         ckpt.load(tmp_path / "ck", Grid(two_stages, rank=0, stage=0, dp_rank=0, tp_rank=0))
+
+
+def test_rng_state_round_trips_through_a_weights_only_load(tmp_path):
+    random.seed(1), np.random.seed(2), torch.manual_seed(3), np.random.standard_normal()  # numpy caches a gauss
+    torch.save(ckpt.rng_state(), tmp_path / "rng.pt")
+    first = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    ckpt.set_rng_state(torch.load(tmp_path / "rng.pt", weights_only=True))
+    assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == first
 
 
 def test_exception_between_files_keeps_previous_checkpoint(tmp_path, model_path, monkeypatch):

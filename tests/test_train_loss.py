@@ -67,3 +67,19 @@ def test_k3_kl_to_reference():
     torch.testing.assert_close(t.loss, 0.1 * t.kl)  # A = 0: only the penalty remains
     t.loss.sum().backward()
     torch.testing.assert_close(theta.grad, torch.tensor([0.1 * (1 - math.exp(d)), 0.0]))  # d k3/dθ = 1 − e^(r−θ)
+
+
+def test_first_minibatch_of_a_step_is_never_clipped_by_the_decoupled_objective():
+    # On the first mini-batch θ = p, so ratio = 1 however stale the data: the decoupled objective is
+    # then a w-weighted policy gradient with no trust region, which is why rl.ppo_minibatches
+    # defaults to 4 (README "Learning"). Naive PPO clips the same stale tokens against b instead.
+    theta = torch.tensor([0.0, 0.0, 0.0, 0.0], requires_grad=True)
+    prox = theta.detach().clone()
+    behav = torch.tensor([LN(0.5), LN(2.0), LN(0.5), LN(2.0)])  # stale: w = exp(p − b) = 2, 0.5, 2, 0.5
+    adv = torch.tensor([1.0, 1.0, -1.0, -1.0])
+    dec = ppo_terms(theta, prox, behav, adv, behav_cap=5.0)
+    naive = ppo_terms(theta, None, behav, adv, decoupled=False)
+    assert not dec.clipped.any()
+    assert naive.clipped.tolist() == [True, False, False, True]  # r = 2 with A > 0, r = 0.5 with A < 0
+    grad = torch.autograd.grad(dec.loss.sum(), theta)[0]
+    torch.testing.assert_close(grad, -adv * dec.w)  # every token moves, each by w·A

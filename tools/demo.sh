@@ -11,6 +11,9 @@ if [ ! -f "$RUN/model/config.json" ]; then
   echo "== warm start: short supervised phase on the synthetic task"
   python3 tools/warm_start.py "$RUN/model"
 fi
+if [[ " $* " != *" --resume "* ]]; then  # a fresh demo run each time (the warm start is kept)
+  rm -rf "$RUN/metrics.jsonl" "$RUN/eval.jsonl" "$RUN/checkpoints" "$RUN/final" "$RUN/eval_model"
+fi
 echo "== plan"
 python3 -m hexrl.plan tools/configs/cpu_demo.json -o "$RUN/plan.json"
 echo "== run: torchrun, 3 processes (2 trainer, 1 rollout)"

@@ -2,7 +2,7 @@
 
     python tools/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0 (synchronous)
     python tools/learning_run.py OUT --ablation      # eta in {0,1,4,8,inf} x {naive PPO, decoupled}
-    python tools/learning_run.py OUT --steps 20      # shorter budget
+    python tools/learning_run.py OUT --steps 100     # shorter budget
 
 Phase 1 (reported separately): `tools/warm_start.py` trains a tiny char-level model on
 arithmetic with cross-entropy for a short budget, into OUT/model. Phase 2: each configuration
@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+from plot_run import plot  # noqa: E402
+
 ETAS = {"0": 0, "1": 1, "4": 4, "8": 8, "inf": None}
 
 
@@ -38,6 +42,7 @@ def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a) -> dict:
         "data": {"synthetic": ws["data_synthetic"]},  # the warm start's train / held-out split
         "reward": {"name": "exact", "timeout_s": 5},
         "rl": {"batch_size": a.batch, "group_size": a.group, "eta": eta, "lr": a.lr, "decoupled": decoupled,
+               "ppo_minibatches": a.minibatches, "behav_cap": a.behav_cap,
                "max_new_tokens": ws["max_new_tokens"], "temperature": 1.0, "steps": a.steps, "seed": a.seed,
                "eval_every": a.eval_every},
         "cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 3}]},
@@ -46,10 +51,11 @@ def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a) -> dict:
     }
 
 
-def run_config(out: Path, job: dict) -> dict:
+def run_config(out: Path, job: dict, target: float) -> dict:
     run = Path(job["out_dir"])
     if not (run / "final" / "config.json").exists():
-        run.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(run, ignore_errors=True)  # a run that did not finish: start it again from scratch
+        run.mkdir(parents=True)
         (run / "job.json").write_text(json.dumps(job, indent=1))
         subprocess.run([sys.executable, "-m", "hexrl.plan", str(run / "job.json"), "-o", str(run / "plan.json")],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
@@ -59,26 +65,32 @@ def run_config(out: Path, job: dict) -> dict:
                         "-m", "hexrl.main", str(run / "plan.json"), "--run-dir", str(run)],
                        check=True, cwd=ROOT, env=env)
         print(f"  {job['name']}: {time.time() - t0:.0f} s")
-    return summarize(run)
+    return summarize(run, target)
 
 
-def summarize(run: Path) -> dict:
+def summarize(run: Path, target: float = 0.8) -> dict:
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     wall = metrics[-1]["wall_s"]
+    hit = next((e for e in evals if e["heldout_accuracy"] >= target), None)  # first evaluation at the target
     return {"name": run.name, "start_acc": evals[0]["heldout_accuracy"], "final_acc": evals[-1]["heldout_accuracy"],
-            "best_acc": max(e["heldout_accuracy"] for e in evals), "wall_s": wall,
+            "best_acc": max(e["heldout_accuracy"] for e in evals), "wall_s": wall, "target": target,
+            "target_step": hit and hit["step"], "target_wall_s": hit and hit["wall_s"],
             "traj_per_s": metrics[-1]["trajectories_trained"] / wall,
+            "generated_per_s": metrics[-1]["trajectories_produced"] / wall,
             "max_staleness": max(m["max_staleness"] for m in metrics),
             "reward_first": metrics[0]["reward_mean"], "reward_last": metrics[-1]["reward_mean"]}
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| config | held-out acc (start -> final, best) | trajectories/s | wall s | max staleness |",
-             "|---|---|---|---|---|"]
+    target = rows[0]["target"] if rows else 0.8
+    lines = [f"| config | held-out acc (start -> final, best) | trained traj/s | generated traj/s | wall s "
+             f"| step, wall s to {target:.0%} | max staleness |", "|---|---|---|---|---|---|---|"]
     for r in rows:
+        hit = f"{r['target_step']}, {r['target_wall_s']:.0f}" if r["target_step"] is not None else "not reached"
         lines.append(f"| {r['name']} | {r['start_acc']:.3f} -> {r['final_acc']:.3f} ({r['best_acc']:.3f}) | "
-                     f"{r['traj_per_s']:.1f} | {r['wall_s']:.0f} | {r['max_staleness']} |")
+                     f"{r['traj_per_s']:.0f} | {r['generated_per_s']:.0f} | {r['wall_s']:.0f} | {hit} | "
+                     f"{r['max_staleness']} |")
     return "\n".join(lines)
 
 
@@ -86,12 +98,16 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
     p.add_argument("--ablation", action="store_true")
-    p.add_argument("--steps", type=int, default=120)
+    p.add_argument("--steps", type=int, default=300)
     p.add_argument("--batch", type=int, default=64, help="prompt groups per step")
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--eval-every", type=int, default=20)
+    p.add_argument("--lr", type=float, default=2.5e-4)
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps) per step")
+    p.add_argument("--behav-cap", type=float, default=5.0, help="mask tokens with exp(p - b) above this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--target", type=float, default=0.8, help="report the step and wall time to this accuracy")
+    p.add_argument("--only", nargs="+", metavar="ETA:OBJ", help="run only these, e.g. 4:decoupled 0:naive")
     a = p.parse_args(argv)
     a.out.mkdir(parents=True, exist_ok=True)
     ws = warm_start(a.out)
@@ -99,10 +115,12 @@ def main(argv=None) -> None:
           f"{ws['wall_seconds']:.0f} s")
     main_runs = [("4", True), ("4", False), ("0", True)]
     configs = [(e, d) for e in ETAS for d in (False, True)] if a.ablation else main_runs
+    if a.only:
+        configs = [(x.split(":")[0], x.split(":")[1] == "decoupled") for x in a.only]
     rows = []
     for eta, decoupled in configs:
         name = f"eta{eta}-{'decoupled' if decoupled else 'naive'}"
-        rows.append(run_config(a.out, job_for(a.out, ws, name, ETAS[eta], decoupled, a)))
+        rows.append(run_config(a.out, job_for(a.out, ws, name, ETAS[eta], decoupled, a), a.target))
     text = table(rows)
     by = {r["name"]: r for r in rows}
     if "eta4-decoupled" in by and "eta0-decoupled" in by:
@@ -112,6 +130,9 @@ def main(argv=None) -> None:
     print(text)
     (a.out / "summary.md").write_text(f"warm start: {json.dumps(ws)}\n\n{text}\n")
     (a.out / "summary.json").write_text(json.dumps(rows, indent=1))
+    runs = [a.out / r["name"] for r in rows]
+    if all(plot([run], run) for run in runs) and plot(runs, a.out):  # PNGs need matplotlib (optional)
+        print(f"plots: {a.out}/learning.png and learning.png in each run directory")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,11 @@ def curves(run: Path) -> dict[str, tuple[list, list]]:
     }
 
 
-def plot(runs: list[Path], out: Path) -> Path:
+def plot(runs: list[Path], out: Path) -> Path | None:
+    """Write out/learning.png (one line per run); None if matplotlib is missing."""
     plt = pyplot("plot_run", str(out))
     if plt is None:
-        sys.exit(1)
+        return None
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     for run in runs:
         for ax, (title, (x, y)) in zip(axes.flat, curves(run).items()):
@@ -68,11 +69,12 @@ def main(argv=None) -> None:
     missing = [str(r) for r in a.runs if not (r / "metrics.jsonl").exists()]
     if missing:
         sys.exit(f"plot_run: no metrics.jsonl in {', '.join(missing)}")
-    if a.out is None and len(a.runs) > 1:
-        for run in a.runs:
-            print(f"wrote {plot([run], run)}")
-    else:
-        print(f"wrote {plot(a.runs, a.out or a.runs[0])}")
+    groups = [([run], run) for run in a.runs] if a.out is None and len(a.runs) > 1 else [(a.runs, a.out or a.runs[0])]
+    for runs, out in groups:
+        path = plot(runs, out)
+        if path is None:
+            sys.exit(1)
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

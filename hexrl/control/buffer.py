@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from hexrl.control.gate import StalenessGate
 from hexrl.trajectory import Trajectory
@@ -34,8 +35,10 @@ class Group:
     def rewards(self) -> list[float]:
         return [t.reward for t in self.trajectories]
 
-    @property
+    @cached_property
     def oldest_version(self) -> int:
+        """Weight version of the group's oldest token; read only once complete (then cached, since
+        the buffer sorts thousands of ready groups by it when eta is large)."""
         return min(t.oldest_version for t in self.trajectories)
 
 
@@ -50,6 +53,7 @@ class ReplayBuffer:
         self.open: dict[int, Group] = {}  # handed out, not all samples back
         self.ready: list[Group] = []  # complete and kept, not yet trained
         self.closed: dict[int, str] = {}  # group_id -> reason, for groups abandoned while open
+        self.handed_out: set[int] = set()  # every group id ever expected (ids are never reused)
         self.produced = self.accepted = self.trained = 0  # trajectories
         self.filtered: Counter[str] = Counter()  # reason -> trajectories
         self.dropped: Counter[str] = Counter()  # reason -> trajectories
@@ -59,8 +63,9 @@ class ReplayBuffer:
         """Register a prompt group that was just handed out (n samples will come back)."""
         if not isinstance(n, int) or n < 1:
             raise ValueError(f"group {group_id}: n must be a positive int, got {n!r}")
-        if group_id in self.open or group_id in self.closed or any(g.group_id == group_id for g in self.ready):
+        if group_id in self.handed_out:  # a set: with eta large, `ready` holds tens of thousands of groups
             raise ValueError(f"group {group_id} was already handed out")
+        self.handed_out.add(group_id)
         self.open[group_id] = Group(group_id, n, problem_id)
 
     def add(self, traj: Trajectory) -> str:
@@ -104,7 +109,7 @@ class ReplayBuffer:
         With a gate and `trainer_version`, ready groups more than eta versions old are dropped
         as "stale" first (and counted by the gate), never returned.
         """
-        if self.gate is not None and trainer_version is not None:
+        if self.gate is not None and self.gate.eta is not None and trainer_version is not None:
             for g in [g for g in self.ready if self.gate.is_too_stale(g.oldest_version, trainer_version)]:
                 self._drop_ready(g, "stale")
         if len(self.ready) < batch_size:

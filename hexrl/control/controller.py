@@ -43,7 +43,7 @@ class Controller:
         self.rl, self.cursor, self.encode_prompt, self.router = rl, cursor, encode_prompt, router
         self.replicas = {r.id: r for r in replicas}
         self.by_name = {r.name: r.id for r in replicas}
-        self.gate = StalenessGate(rl.batch_size, rl.eta)
+        self.gate = StalenessGate(rl.batch_size, rl.eta, rl.max_running)
         self.buffer = ReplayBuffer(self.gate, rl.filter_equal_groups)
         self.dispatcher = Dispatcher({r.id: r.share for r in replicas})
         self.heartbeats = Heartbeats(heartbeat_timeout_s)

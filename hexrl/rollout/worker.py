@@ -22,6 +22,7 @@ from .engine import Engine
 from .sequence import Finished, Request
 
 HEARTBEAT_S = 1.0
+MAX_MESSAGES_PER_POLL = 256
 
 
 @dataclass
@@ -80,9 +81,12 @@ class RolloutLeader:
         self.channel.send(message("error", rank=self.rank, cause=cause), timeout_s=2)
 
     def _poll(self) -> bool:
-        """Handle every waiting message; False once told to stop."""
-        msg = self.channel.recv(0 if self.engine.has_work() else 0.05)
-        while msg is not None:
+        """Handle waiting messages (at most MAX_MESSAGES_PER_POLL, so a flood of prompts cannot
+        starve decoding and heartbeats); False once told to stop."""
+        for i in range(MAX_MESSAGES_PER_POLL):
+            msg = self.channel.recv(0.05 if i == 0 and not self.engine.has_work() else 0)
+            if msg is None:
+                break
             kind = msg["type"]
             if kind == "stop":
                 return False
@@ -90,7 +94,6 @@ class RolloutLeader:
                 self._add_group(msg)
             elif kind == "weights":
                 self.engine.update_weights(self.receive_weights(msg["version"]), msg["version"])
-            msg = self.channel.recv(0)
         return True
 
     def _add_group(self, msg: dict) -> None:

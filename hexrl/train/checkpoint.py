@@ -2,13 +2,14 @@
 
 Layout on disk (a shared filesystem for multi-node runs):
     ROOT/step00000012/meta.json              version, layout, config (JSON, for people)
-    ROOT/step00000012/extra.pt               the caller's extra dict (pickled: any types round-trip)
+    ROOT/step00000012/extra.json             the caller's extra dict (JSON: data position, controller)
     ROOT/step00000012/model-s{S}-tp{T}.pt     weights + optimizer of (stage S, TP rank T), DP replica 0
     ROOT/step00000012/rng-s{S}-dp{D}-tp{T}.pt RNG states of every rank
     ROOT/latest                               name of the newest complete checkpoint, written last
 Ranks write into ROOT/.tmp-step00000012; when every rank reports success the leader renames
 it into place and only then rewrites `latest`. A crash at any point before that leaves the
 previous checkpoint (and `latest`) untouched; stale temp directories are removed next time.
+Every .pt file holds only tensors and plain containers, so loading uses `weights_only=True`.
 """
 from __future__ import annotations
 
@@ -45,7 +46,13 @@ def shard_dims(model: torch.nn.Module) -> dict[str, int | None]:
 
 
 def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator's state as tensors and plain values (loadable with weights_only=True)."""
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, mt, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"kind": kind, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "python": {"version": version, "mt": torch.tensor(mt, dtype=torch.int64), "gauss_next": gauss_next}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -53,8 +60,9 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n, py = state["numpy"], state["python"]
+    np.random.set_state((n["kind"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    random.setstate((py["version"], tuple(py["mt"].tolist()), py["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -79,7 +87,7 @@ def _agree(ok: bool, grid: Grid, device) -> bool:
 def save(root: str | os.PathLike, version: int, grid: Grid, shard: dict | None, meta: dict,
          extra: dict | None = None, device="cpu", keep: int = 2) -> Path:
     """Write this rank's `shard` (DP replica 0 only; None elsewhere) and RNG state, plus `meta`
-    (JSON) and `extra` from the leader; returns the committed directory. Collective over the
+    and `extra` (both JSON) from the leader; returns the committed directory. Collective over the
     trainer ranks. Keeps the newest `keep` checkpoints."""
     root = Path(root)
     name = f"step{version:08d}"
@@ -98,7 +106,7 @@ def save(root: str | os.PathLike, version: int, grid: Grid, shard: dict | None, 
         _write(rng_state(), tmp / f"rng-s{s}-dp{d}-tp{t}.pt")
 
     def commit():
-        _write(extra or {}, tmp / "extra.pt")
+        (tmp / "extra.json").write_text(json.dumps(extra or {}))
         (tmp / "meta.json").write_text(json.dumps({"version": version, "layout": grid.layout.to_dict(), **meta},
                                                   indent=1))
         if final.exists():  # re-saving the same version
@@ -151,9 +159,9 @@ def load(path: str | os.PathLike, grid: Grid, device="cpu") -> tuple[dict, dict,
     if (want["dp"], want["stages"]) != (have["dp"], have["stages"]):
         raise ValueError(f"{path}: saved with layout {have}, this trainer has {want}; resume needs the same layout")
     s, d, t = grid.coord
-    shard = torch.load(path / f"model-s{s}-tp{t}.pt", map_location=device, weights_only=False)
-    rng = torch.load(path / f"rng-s{s}-dp{d}-tp{t}.pt", weights_only=False)
-    return shard, rng, meta, torch.load(path / "extra.pt", weights_only=False)
+    shard = torch.load(path / f"model-s{s}-tp{t}.pt", map_location=device, weights_only=True)
+    rng = torch.load(path / f"rng-s{s}-dp{d}-tp{t}.pt", weights_only=True)
+    return shard, rng, meta, json.loads((path / "extra.json").read_text())
 
 
 def gather_stage(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:

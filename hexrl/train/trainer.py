@@ -273,7 +273,7 @@ class Trainer:
     # ------------------------------------------------------------------ state
 
     def save(self, root: str | os.PathLike, extra: dict | None = None) -> Path:
-        """Checkpoint the full training state under `root` (collective); `extra` (any picklable dict,
+        """Checkpoint the full training state under `root` (collective); `extra` (a JSON-able dict,
         e.g. the data position) comes back from load()."""
         shard = None
         if self.grid.dp_rank == 0:

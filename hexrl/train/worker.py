@@ -181,7 +181,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
             "rollout_tokens_per_s": (c["completion_tokens"] - tokens_before) / elapsed,
             "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
-            "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"],
+            "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"], "mean_w": out["mean_w"],
             "grad_norm": out["grad_norm"], "kl": out["kl"], "entropy": out["entropy"],
             "problem_ids": sorted({t.problem_id for t in batch}, key=str),
             "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),
