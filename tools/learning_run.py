@@ -1,15 +1,18 @@
 """The learning experiment: warm start, then asynchronous GRPO with hexrl, evaluated on held-out problems.
 
-    python tools/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0 (synchronous)
-    python tools/learning_run.py OUT --ablation      # eta in {0,1,4,8,inf} x {naive PPO, decoupled}
+    python tools/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0: ~18 min on 2 CPU cores
+    python tools/learning_run.py OUT --ablation      # eta in {0,1,4,8,inf} x {naive PPO, decoupled}: ~45 min
     python tools/learning_run.py OUT --steps 100     # shorter budget
+    python tools/learning_run.py OUT --only 1:naive 4:decoupled
 
 Phase 1 (reported separately): `tools/warm_start.py` trains a tiny char-level model on
 arithmetic with cross-entropy for a short budget, into OUT/model. Phase 2: each configuration
 is planned (`python -m hexrl.plan`) and run with torchrun (2 trainer ranks + 1 rollout rank),
 evaluated with greedy decoding on the warm start's held-out set every `--eval-every` steps.
-Same seeds and step budget for every configuration; a table of final held-out accuracy and
-throughput is printed and written to OUT/summary.md.
+Same seeds and step budget for every configuration; a table of final held-out accuracy, steps
+and wall time to `--target` accuracy and throughput is printed and written to OUT/summary.md
+(and summary.json); with matplotlib, learning.png goes into each run directory and OUT.
+Finished configurations are reused, so a re-run only adds what is missing.
 """
 from __future__ import annotations
 
