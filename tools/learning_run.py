@@ -112,14 +112,18 @@ def main(argv=None) -> None:
     p.add_argument("--target", type=float, default=0.8, help="report the step and wall time to this accuracy")
     p.add_argument("--only", nargs="+", metavar="ETA:OBJ", help="run only these, e.g. 4:decoupled 0:naive")
     a = p.parse_args(argv)
+    main_runs = [("4", True), ("4", False), ("0", True)]
+    configs = [(e, d) for e in ETAS for d in (False, True)] if a.ablation else main_runs
+    if a.only:
+        bad = [x for x in a.only if x.count(":") != 1 or x.split(":")[0] not in ETAS
+               or x.split(":")[1] not in ("naive", "decoupled")]
+        if bad:
+            p.error(f"--only: {bad}: each must be ETA:OBJ with ETA in {list(ETAS)} and OBJ naive or decoupled")
+        configs = [(x.split(":")[0], x.split(":")[1] == "decoupled") for x in a.only]
     a.out.mkdir(parents=True, exist_ok=True)
     ws = warm_start(a.out)
     print(f"warm start: {ws['steps']} SFT steps, held-out accuracy {ws['heldout_accuracy']:.3f}, "
           f"{ws['wall_seconds']:.0f} s")
-    main_runs = [("4", True), ("4", False), ("0", True)]
-    configs = [(e, d) for e in ETAS for d in (False, True)] if a.ablation else main_runs
-    if a.only:
-        configs = [(x.split(":")[0], x.split(":")[1] == "decoupled") for x in a.only]
     rows = []
     for eta, decoupled in configs:
         name = f"eta{eta}-{'decoupled' if decoupled else 'naive'}"
