@@ -241,3 +241,30 @@ def test_bad_requests_and_configs_are_reported_at_once(ckpts):
         sd = dict(engine.model.state_dict(), foo=torch.zeros(1))
         sd.pop("model.norm.weight")
         engine.update_weights(sd, 1)
+
+
+def test_a_flood_of_prompts_cannot_starve_the_rollout_loop():
+    """The leader handles at most MAX_MESSAGES_PER_POLL messages per loop turn, so decoding and
+    heartbeats go on however fast the controller sends."""
+    from collections import deque
+    from types import SimpleNamespace
+
+    from hexrl.rollout import worker
+
+    class Channel:
+        def __init__(self, msgs):
+            self.queue = deque(msgs)
+
+        def recv(self, timeout_s):
+            return self.queue.popleft() if self.queue else None
+
+    added = []
+    leader = object.__new__(worker.RolloutLeader)  # only what _poll touches
+    leader.engine = SimpleNamespace(has_work=lambda: bool(added), add=added.append)
+    leader.groups = {}
+    sampling = {"max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    flood = [{"type": "prompt", "group_id": g, "n": 1, "prompt_ids": [1, 5], "sampling": sampling}
+             for g in range(worker.MAX_MESSAGES_PER_POLL + 10)]
+    leader.channel = Channel(flood + [{"type": "stop"}])
+    assert leader._poll() is True and len(added) == worker.MAX_MESSAGES_PER_POLL
+    assert leader._poll() is False and len(added) == worker.MAX_MESSAGES_PER_POLL + 10  # nothing lost
