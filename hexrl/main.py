@@ -164,6 +164,9 @@ def main(argv=None) -> None:
               file=sys.stderr, flush=True)
         watchdog.report_failure(cause)
         os._exit(1)  # skip destructors that could block in a collective
+    # Every rank done with its collectives before any tears gloo down (else it can SIGABRT); a CPU
+    # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL.
+    dist.all_reduce(torch.zeros(1))
     watchdog.finish()
     dist.destroy_process_group()
 

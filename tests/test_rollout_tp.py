@@ -62,6 +62,7 @@ def worker(rank: int, port: int, path_a: str, path_b: str, out: str) -> None:
         Path(out).write_text(json.dumps(outs))
     else:
         engine.follow(on_update=lambda version: new)
+    dist.barrier()  # both ranks done with collectives before teardown (gloo can abort otherwise)
     dist.destroy_process_group()
 
 
