@@ -323,7 +323,7 @@ class RLSpec:
     batch_size: int = 8  # prompts (groups) per training step
     group_size: int = 4  # samples per prompt
     eta: int | None = 4  # staleness bound; None = unbounded; 0 = synchronous
-    max_running: int | None = None  # groups generating at once; default (eta + 1)·batch_size, 8·batch_size if eta is None
+    max_running: int | None = None  # groups generating at once; _read_rl fills (eta+1)·B, or 8·B if eta is None
     # Optimizer steps per training step. The decoupled objective's clip is relative to the proximal
     # policy, so with 1 it never engages (see README "Learning"); default min(4, batch_size).
     ppo_minibatches: int = 4

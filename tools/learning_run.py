@@ -115,11 +115,12 @@ def main(argv=None) -> None:
     main_runs = [("4", True), ("4", False), ("0", True)]
     configs = [(e, d) for e in ETAS for d in (False, True)] if a.ablation else main_runs
     if a.only:
-        bad = [x for x in a.only if x.count(":") != 1 or x.split(":")[0] not in ETAS
-               or x.split(":")[1] not in ("naive", "decoupled")]
+        pairs = [x.split(":") for x in a.only]
+        bad = [x for x, pair in zip(a.only, pairs)
+               if len(pair) != 2 or pair[0] not in ETAS or pair[1] not in ("naive", "decoupled")]
         if bad:
             p.error(f"--only: {bad}: each must be ETA:OBJ with ETA in {list(ETAS)} and OBJ naive or decoupled")
-        configs = [(x.split(":")[0], x.split(":")[1] == "decoupled") for x in a.only]
+        configs = [(eta, obj == "decoupled") for eta, obj in pairs]
     a.out.mkdir(parents=True, exist_ok=True)
     ws = warm_start(a.out)
     print(f"warm start: {ws['steps']} SFT steps, held-out accuracy {ws['heldout_accuracy']:.3f}, "

@@ -109,7 +109,7 @@ class ReplayBuffer:
         With a gate and `trainer_version`, ready groups more than eta versions old are dropped
         as "stale" first (and counted by the gate), never returned.
         """
-        if self.gate is not None and self.gate.eta is not None and trainer_version is not None:
+        if self.gate is not None and trainer_version is not None:
             for g in [g for g in self.ready if self.gate.is_too_stale(g.oldest_version, trainer_version)]:
                 self._drop_ready(g, "stale")
         if len(self.ready) < batch_size:
