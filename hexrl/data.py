@@ -263,3 +263,14 @@ def load_dataset(synthetic: dict | None = None, path: str | None = None,
             return make_arithmetic_split(n, held, seed=seed, **opts)
         return make_arithmetic(n, seed=seed, **opts), []
     return load_jsonl(path, kind=kind).problems, []
+
+
+def dataset_problems(synthetic: dict | None) -> list[str]:
+    """Why a job's synthetic data section cannot be generated (cheap: run before any process starts)."""
+    if synthetic is None:
+        return []
+    try:
+        load_dataset(synthetic=synthetic)
+    except (TypeError, ValueError) as e:
+        return [f"data.synthetic: {e}"]
+    return []

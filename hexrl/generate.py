@@ -38,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from hexrl.model import load_pretrained
+    from hexrl.model.checkpoint import load_pretrained
     from hexrl.rollout import Engine, EngineConfig, Request
     from hexrl.tokenizer import load_tokenizer
 

@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hexrl.config import ConfigError, Plan, load_plan
+from hexrl.data import dataset_problems
+from hexrl.schema import ConfigError, Plan, TrainerLayout, load_plan
 from hexrl.watchdog import Watchdog, describe_exception
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # long steps are fine; dead peers are the watchdog's job
@@ -37,7 +38,7 @@ class RankContext:
     run_dir: Path
     resume: Path | None
     store: object
-    layout: dict  # the trainer layout with explicit ranks (hexrl.train.grid.Layout format)
+    layout: TrainerLayout  # the plan's trainer grid, every slot's global rank filled in
     sync_groups: list  # per pipeline stage: (src rank, group) for the weight broadcast
     replica_group: object  # this rollout rank's TP group (None for TP 1 or trainer ranks)
     watchdog: Watchdog
@@ -48,30 +49,20 @@ class RankContext:
 
     @property
     def controller_rank(self) -> int:
-        return self.layout["ranks"][0]  # trainer slot (stage 0, dp 0, tp 0) hosts the controller
+        return self.layout.rank(0, 0, 0)  # trainer slot (stage 0, dp 0, tp 0) hosts the controller
 
 
-def trainer_layout(plan: Plan) -> dict:
-    """The plan's trainer layout with the global rank of every slot (stage, then dp, then tp)."""
-    slot = {(r.pp, r.dp, r.tp): r.rank for r in plan.ranks if r.role == "train"}
-    ranks = [slot[(s, d, t)] for s, st in enumerate(plan.trainer.stages)
-             for d in range(plan.trainer.dp) for t in range(st.tp)]
-    return {"dp": plan.trainer.dp, "ranks": ranks,
-            "stages": [{"tp": st.tp, "layers": list(st.layers)} for st in plan.trainer.stages]}
-
-
-def build_groups(plan: Plan, layout: dict) -> tuple[list, dict]:
+def build_groups(plan: Plan) -> tuple[list, dict]:
     """Weight-sync groups (stage source + every rollout rank) and rollout replica TP groups.
 
     Every rank calls new_group for every group in the same order (torch requires it); only
     members get a communicator.
     """
     rollout = plan.rollout_ranks()
-    sync, offset = [], 0
-    for st in plan.trainer.stages:
-        src = layout["ranks"][offset]
+    sync = []
+    for stage in range(plan.trainer.pp):
+        src = plan.trainer.rank(stage, 0, 0)
         sync.append((src, dist.new_group(sorted([src, *rollout]))))
-        offset += plan.trainer.dp * st.tp
     replica_groups = {}
     for rep in plan.replicas:
         if rep.tp > 1:
@@ -101,6 +92,8 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     """The plan, validated against this world before any collective; exits 2 with every problem."""
     try:
         plan = load_plan(path, world=(world, local_world))
+        if problems := dataset_problems(plan.job.data.synthetic):
+            raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         if rank == 0:
             print(f"hexrl.main: {e}", file=sys.stderr, flush=True)
@@ -140,15 +133,14 @@ def main(argv=None) -> None:
     watchdog = Watchdog(store, rank, world, describe).start()
     role = plan.ranks[rank].role
     try:
-        layout = trainer_layout(plan)
-        from hexrl.train.grid import Layout, build_grid
+        from hexrl.train.grid import build_grid
 
-        grid = build_grid(Layout.from_dict(layout), tied_embeddings=plan.job.model.tied)
-        sync, replica_groups = build_groups(plan, layout)
+        grid = build_grid(plan.trainer, tied_embeddings=plan.job.model.config.tie_word_embeddings)
+        sync, replica_groups = build_groups(plan)
         info = plan.ranks[rank]
         run_dir = Path(args.run_dir or plan.job.out_dir)
         ctx = RankContext(plan, rank, local_rank, device, run_dir, Path(args.resume) if args.resume else None,
-                          store, layout, sync, replica_groups.get(info.replica) if role == "rollout" else None,
+                          store, plan.trainer, sync, replica_groups.get(info.replica) if role == "rollout" else None,
                           watchdog)
         if role == "train":
             from hexrl.train.worker import run_trainer

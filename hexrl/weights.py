@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .model import Decoder, ModelConfig
+from hexrl.model.config import ModelConfig
+from hexrl.model.decoder import Decoder
 from .model.parallel import TPGroup, shard_dim_of
 
 BUCKET_BYTES = 64 << 20  # big enough to amortise per-call latency, small enough to stage on host

@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from hexrl.model.tiny import make_tiny_model
 
 
 def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2,

@@ -20,7 +20,7 @@ import bench_kernels  # noqa: E402
 import compare_cost_model as ccm  # noqa: E402
 from bench_rollout import model_config  # noqa: E402
 
-from hexrl.plan.catalogue import CATALOGUE, GPU, gpu, read_profile  # noqa: E402
+from hexrl.gpus import CATALOGUE, GPU, gpu, read_profile  # noqa: E402
 
 PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
                 "train_mfu"}

@@ -11,8 +11,7 @@ import torch
 from hexrl.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from hexrl.model.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

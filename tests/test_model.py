@@ -1,16 +1,17 @@
 """Our decoder and checkpoint I/O against Hugging Face `transformers` as the reference."""
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hexrl.model import CheckpointError, Decoder, ModelConfig, TPGroup, load_pretrained, save_pretrained
+from hexrl.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
+from hexrl.model.config import ModelConfig
+from hexrl.model.decoder import Decoder
+from hexrl.model.parallel import TPGroup
 from hexrl.model.attention import CausalAttention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_model import make_tiny_model, tiny_config  # noqa: E402
+from hexrl.model.tiny import make_tiny_model, tiny_config
 
 transformers = pytest.importorskip("transformers")
 

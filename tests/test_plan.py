@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hexrl.config import ConfigError, load_job, load_plan
+from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.plan.__main__ import main
 from hexrl.plan.planner import plan_job
 

@@ -7,9 +7,9 @@ import random
 import numpy as np
 import pytest
 
-from hexrl.config import load_job
+from hexrl.schema import load_job
 from hexrl.plan.cost import CostModel, StageCoeffs
-from hexrl.plan.evaluate import Evaluator
+from hexrl.plan.candidate import Evaluator
 from hexrl.plan.partition import lower_bounds, split_grid
 from hexrl.plan.placement import FreeClass, free_classes, train_per_node
 from hexrl.plan.rollout_milp import _columns, _solve
@@ -43,7 +43,7 @@ def test_kv_capacity_fits_memory():
     cm = CostModel(job(nodes("H800")), use_profiles=False)
     for tp in cm.tp_options("H800"):
         b = cm.max_decode_batch("H800", tp)
-        per_gpu = 2 * cm.m.n_params() / tp + b * cm.w.ctx_decode * cm.kv_bytes_per_token(tp)
+        per_gpu = 2 * cm.m.num_params / tp + b * cm.w.ctx_decode * cm.kv_bytes_per_token(tp)
         assert 0 < b and per_gpu <= cm.usable_bytes("H800")
     assert cm.tp_options("H800") == [1, 2, 4]  # 12 heads: 8 does not divide
 
@@ -112,7 +112,7 @@ def test_memory_caps_hold_for_the_chosen_layout():
     cm = CostModel(job(nodes("L40S", "L40S"), model="r1-distill-qwen-7b"), use_profiles=False)
     cand = Evaluator(cm)(train_per_node(cm.cluster, {"L40S": 8}))
     assert cand is not None
-    L = cm.m.num_layers
+    L = cm.m.num_hidden_layers
     for i, s in enumerate(cand.train.stages):  # weights + grads + Adam of the stage fit one GPU
         edge = cm.head_params() * ((i == 0) + (i == cand.train.pp - 1))
         assert (s.layers * cm.layer_params + edge) * 18 / s.tp < cm.usable_bytes("L40S")

@@ -5,9 +5,9 @@ import random
 
 import pytest
 
-from hexrl.config import load_job
+from hexrl.schema import load_job
 from hexrl.plan.cost import CostModel
-from hexrl.plan.evaluate import Evaluator
+from hexrl.plan.candidate import Evaluator
 from hexrl.plan.partition import exhaustive, n_splits, two_phase
 
 TYPES = ["H100", "H200", "H800", "H20", "A100-80G", "L40S", "RTX4090"]

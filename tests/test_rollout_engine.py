@@ -1,17 +1,15 @@
 """The rollout engine against Hugging Face `generate` (greedy), and its batching invariants:
 admissions mid-batch, chunked prefill, preemption under KV pressure, interrupts by weight updates."""
-import sys
 from functools import lru_cache
 from pathlib import Path
 
 import pytest
 import torch
 
-from hexrl.model import load_pretrained, save_pretrained
+from hexrl.model.checkpoint import load_pretrained, save_pretrained
 from hexrl.rollout import Engine, EngineConfig, Request
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from hexrl.model.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 256

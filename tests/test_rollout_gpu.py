@@ -2,20 +2,18 @@
 
 Run on a device with `python -m pytest -m gpu tests/test_rollout_gpu.py`.
 """
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from hexrl.model import load_pretrained, save_pretrained
+from hexrl.model.checkpoint import load_pretrained, save_pretrained
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.attention import build_meta
 from hexrl.rollout.pages import PagePool
 from hexrl.rollout.torch_paged import TorchPagedAttention
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from hexrl.model.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

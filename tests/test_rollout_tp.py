@@ -3,18 +3,17 @@ through an interrupt with new weights as well."""
 import json
 import os
 import socket
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hexrl.model import TPGroup, load_pretrained, save_pretrained
+from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.parallel import TPGroup
 from hexrl.rollout import Engine, EngineConfig, Request
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from hexrl.model.tiny import make_tiny_model
 
 CONFIG = dict(page_size=4, max_pages=48, max_running=3, max_batch_tokens=24)
 SWITCH_AT = 4  # update weights before this step

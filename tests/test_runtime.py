@@ -47,7 +47,7 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     assert rows[-1]["rejected_messages"] + rows[-1].get("unknown_peer", 0) >= 1
     ids = [i for r in rows for i in r["problem_ids"]]
     assert len(ids) == len(set(ids)), "a prompt was trained twice"
-    from hexrl.model import load_pretrained
+    from hexrl.model.checkpoint import load_pretrained
 
     assert load_pretrained(tmp_path / "run" / "final").cfg.num_hidden_layers == 4
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from hexrl.config import load_job
+from hexrl.schema import load_job
 from hexrl.plan.cost import CostModel
 from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import Simulation, simulate
-from hexrl.simulate import main
+from hexrl.plan.__main__ import main
 
 def demo_job() -> dict:
     """tools/configs/cpu_demo.json with the tiny preset in place of the demo's warm-started checkpoint."""
@@ -89,7 +89,7 @@ def test_cli(tmp_path, capsys):
     plan = plan_job(load_job(demo_job()))
     plan.save(tmp_path / "plan.json")
     out = tmp_path / "sim.json"
-    assert main([str(tmp_path / "plan.json"), "--steps", "6", "--json", str(out),
+    assert main(["simulate", str(tmp_path / "plan.json"), "--steps", "6", "--json", str(out),
                  "--gantt", str(tmp_path / "g.png")]) == 0
     text = capsys.readouterr().out
     assert "tokens/s" in text and "staleness" in text
@@ -97,5 +97,5 @@ def test_cli(tmp_path, capsys):
     bad = plan.to_dict()
     bad["ranks"][0]["role"] = "critic"
     (tmp_path / "bad.json").write_text(json.dumps(bad))
-    assert main([str(tmp_path / "bad.json")]) == 2
+    assert main(["simulate", str(tmp_path / "bad.json")]) == 2
     assert "unknown role 'critic'" in capsys.readouterr().err

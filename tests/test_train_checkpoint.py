@@ -10,15 +10,15 @@ import numpy as np
 import pytest
 import torch
 
-from hexrl.model import load_pretrained
-from hexrl.train import Grid, Layout, TrainConfig, Trainer
+from hexrl.model.checkpoint import load_pretrained
+from hexrl.schema import TrainerLayout
+from hexrl.train import Grid, TrainConfig, Trainer
 from hexrl.train import checkpoint as ckpt
 from hexrl.train.optim import AdamW
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
 sys.path.insert(0, str(ROOT / "tests"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from hexrl.model.tiny import make_tiny_model
 from test_train_parallel import make_batch  # noqa: E402
 
 SINGLE = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}
@@ -52,7 +52,7 @@ def test_resume_is_bit_identical(tmp_path, model_path):
     assert b.step(make_batch(1)) == after_save  # every metric, exactly
     for k, v in weights(a).items():
         assert torch.equal(v, weights(b)[k]), k
-    two_stages = Layout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 1, "layers": [1, 2]}]})
+    two_stages = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 1, "layers": [1, 2]}]})
     with pytest.raises(ValueError, match="resume needs the same layout"):
         ckpt.load(tmp_path / "ck", Grid(two_stages, rank=0, stage=0, dp_rank=0, tp_rank=0))
 
@@ -98,7 +98,8 @@ import os, signal, sys
 sys.path.insert(0, {tests!r})
 import torch
 torch.set_num_threads(1)
-from hexrl.train import Grid, Layout, TrainConfig, Trainer
+from hexrl.schema import TrainerLayout
+from hexrl.train import Grid, TrainConfig, Trainer
 from hexrl.train import checkpoint as ckpt
 from test_train_parallel import make_batch
 t = Trainer({model!r}, {layout!r}, TrainConfig(**{cfg!r}))

@@ -1,20 +1,17 @@
 """Vocab-parallel log-probs and bucketed DP gradient all-reduce in a 2-process gloo world."""
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from dist_utils import run_world
-from hexrl.model import TPGroup
+from hexrl.model.parallel import TPGroup
 from hexrl.train import TrainConfig, Trainer
 from hexrl.train.data_parallel import GradBuckets
 from hexrl.train.vocab_parallel import vocab_parallel_logprobs
 from hexrl.trajectory import Trajectory
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from hexrl.model.tiny import make_tiny_model
 
 # Two PPO mini-batches of one sequence each: with DP 2 one rank has no micro-batch at all.
 IDLE_RANK_BATCH = [Trajectory(0, [1, 2, 3], [4, 5, 6, 7], [-4.0] * 4, [0] * 4, reward=1.0),

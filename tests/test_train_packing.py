@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from hexrl.train.grid import Layout
+from hexrl.schema import TrainerLayout
 from hexrl.train.packing import build_micro_batch, check_trajectories, input_length, plan_step
 from hexrl.trajectory import Trajectory
 
@@ -67,7 +67,7 @@ def test_bad_trajectories_reported_together():
 
 
 def test_layout_ranks_and_mixed_tp_peers():
-    layout = Layout.from_dict({"dp": 2, "stages": [{"tp": 2, "layers": [0, 3]}, {"tp": 1, "layers": [3, 4]},
+    layout = TrainerLayout.from_dict({"dp": 2, "stages": [{"tp": 2, "layers": [0, 3]}, {"tp": 1, "layers": [3, 4]},
                                                    {"tp": 4, "layers": [4, 6]}]}, num_layers=6)
     assert layout.world_size == 2 * (2 + 1 + 4)
     assert [layout.rank(0, 1, t) for t in range(2)] == [2, 3] and layout.rank(1, 1, 0) == 5 and layout.rank(2, 0, 3) == 9
@@ -85,19 +85,19 @@ def test_layout_ranks_and_mixed_tp_peers():
             assert layout.act_source(*layout.coord(r)) == layout.rank(s, d, t)
         for r in layout.grad_targets(s, d, t):
             assert layout.grad_source(*layout.coord(r)) == layout.rank(s, d, t)
-    explicit = Layout.from_dict({"dp": 1, "stages": [{"tp": 2, "layers": [0, 2]}], "ranks": [7, 3]})
+    explicit = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 2, "layers": [0, 2]}], "ranks": [7, 3]})
     assert explicit.rank(0, 0, 1) == 3 and explicit.coord(7) == (0, 0, 0) and explicit.coord(0) is None
 
 
 def test_layout_problems_listed_at_once():
     with pytest.raises(ValueError) as e:
-        Layout.from_dict({"dp": 0, "stages": [{"tp": 0, "layers": [0, 2]}, {"tp": 1, "layers": "x"}]})
+        TrainerLayout.from_dict({"dp": 0, "stages": [{"tp": 0, "layers": [0, 2]}, {"tp": 1, "layers": "x"}]})
     msg = str(e.value)
     assert "layout.dp" in msg and "layout.stages[0].tp" in msg and "layout.stages[1].layers" in msg
     with pytest.raises(ValueError, match=r"stages\[1\].layers: \[3, 4\) must start at 2(.|\n)*model has 5 layers"):
-        Layout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}, {"tp": 1, "layers": [3, 4]}]}, num_layers=5)
+        TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}, {"tp": 1, "layers": [3, 4]}]}, num_layers=5)
     with pytest.raises(ValueError, match="2 ranks given, the grid has 3 slots"):
-        Layout.from_dict({"dp": 1, "stages": [{"tp": 3, "layers": [0, 1]}], "ranks": [0, 1]})
+        TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 3, "layers": [0, 1]}], "ranks": [0, 1]})
 
 
 def test_packing_tensors_are_int64_and_float32():

@@ -6,21 +6,19 @@ torch.nn.utils.clip_grad_norm_ and torch.optim.AdamW. Tolerances (float32): loss
 log-probs 2e-5 absolute, weights 2e-5 absolute after two AdamW steps at lr 1e-3.
 """
 import random
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_utils import run_world
-from hexrl.model import load_pretrained
+from hexrl.model.checkpoint import load_pretrained
 from hexrl.train import TrainConfig, Trainer
 from hexrl.train.loss import equal_reward_groups, group_advantages, ppo_terms
 from hexrl.train.packing import plan_step
 from hexrl.trajectory import Trajectory
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_model import make_tiny_model  # noqa: E402
+from hexrl.model.tiny import make_tiny_model
 
 CONFIG = dict(lr=1e-3, warmup_steps=4, grad_clip=0.5, clip_low=0.1, clip_high=0.15, behav_cap=5.0,
               ppo_minibatches=2, micro_batch_tokens=24, bucket_mb=0.05)

@@ -1,4 +1,4 @@
-"""Held-out greedy evaluation (hexrl.evaluate) and the supervised warm start (tools/warm_start.py)."""
+"""Held-out greedy evaluation (hexrl.heldout) and the supervised warm start (tools/warm_start.py)."""
 import json
 import sys
 from pathlib import Path
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from hexrl.data import make_arithmetic
-from hexrl.evaluate import greedy_accuracy, prompt_ids
-from hexrl.model import load_pretrained
+from hexrl.heldout import greedy_accuracy, prompt_ids
+from hexrl.model.checkpoint import load_pretrained
 from hexrl.rewards import exact_match_reward
 from hexrl.tokenizer import CharTokenizer, load_tokenizer
 

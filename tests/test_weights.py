@@ -1,16 +1,15 @@
 """Weight sync: a trainer stage broadcasts full tensors; a TP=2 rollout replica keeps its slices."""
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from dist_utils import run_world
-from hexrl.model import Decoder, ModelConfig, TPGroup
+from hexrl.model.config import ModelConfig
+from hexrl.model.decoder import Decoder
+from hexrl.model.parallel import TPGroup
 from hexrl.weights import broadcast_stage, load_into, stage_specs
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-from make_tiny_model import tiny_config  # noqa: E402
+from hexrl.model.tiny import tiny_config
 
 CFG = ModelConfig.from_hf(tiny_config(tie=False))
 IDS = torch.tensor([5, 9, 2, 33, 7])

@@ -41,8 +41,10 @@ sys.path.insert(0, str(TOOLS))
 from bench_rollout import DTYPES, SHAPES, model_config, random_model  # noqa: E402
 from compare_cost_model import calibrate  # noqa: E402
 
-from hexrl.model import CausalAttention, Decoder, ModelConfig  # noqa: E402
-from hexrl.plan.catalogue import CATALOGUE  # noqa: E402
+from hexrl.model.attention import CausalAttention  # noqa: E402
+from hexrl.model.config import ModelConfig  # noqa: E402
+from hexrl.model.decoder import Decoder  # noqa: E402
+from hexrl.gpus import CATALOGUE  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
 from kernels import sample, token_logprobs  # noqa: E402
 

@@ -26,8 +26,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hexrl.config import Job, load_job  # noqa: E402
-from hexrl.plan.catalogue import CATALOGUE, GPU, canonical_name, read_profile  # noqa: E402
+from hexrl.schema import Job, load_job  # noqa: E402
+from hexrl.gpus import CATALOGUE, GPU, canonical_name, read_profile  # noqa: E402
 from hexrl.plan.cost import CostModel  # noqa: E402
 
 TARGET = 0.15  # issue 8: the median relative error should be within 15%
@@ -151,7 +151,7 @@ def predict_train_step_s(model_config: dict, g: GPU, seq_len: int, n_seqs: int, 
     job = probe_job(model_config, host, max(1, seq_len - 1), 1.0, batch_size=1, group_size=n_seqs)
     cm = cost_model(job, g)
     sc = cm.stage_coeffs(host, 1, 1, 1, 0, 1, None, False)
-    return sc.per_layer * cm.m.num_layers + sc.fixed, int(round(cm.w.tokens))
+    return sc.per_layer * cm.m.num_hidden_layers + sc.fixed, int(round(cm.w.tokens))
 
 
 def predict_train_s_per_token(model_config: dict, g: GPU, seq_len: int, host: str) -> float:

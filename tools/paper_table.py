@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hexrl.config import load_job  # noqa: E402
+from hexrl.schema import load_job  # noqa: E402
 from hexrl.plan.planner import plan_job  # noqa: E402
 from hexrl.plan.simulate import simulate  # noqa: E402
 

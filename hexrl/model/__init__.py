@@ -1,11 +1,5 @@
-"""The decoder model (Qwen2 / Llama family) and its Hugging Face checkpoint I/O."""
-from .attention import AttentionBackend, CausalAttention
-from .checkpoint import CheckpointError, load_pretrained, save_pretrained, save_state_dict
-from .config import ModelConfig
-from .decoder import Decoder
-from .parallel import TPGroup
+"""The decoder model (Qwen2 / Llama family) and its Hugging Face checkpoint I/O.
 
-__all__ = [
-    "AttentionBackend", "CausalAttention", "CheckpointError", "Decoder", "ModelConfig", "TPGroup",
-    "load_pretrained", "save_pretrained", "save_state_dict",
-]
+Import from the submodules (`hexrl.model.decoder`, `.checkpoint`, ...): this package imports
+nothing itself, so `hexrl.model.config` (the HF config parser) loads without torch.
+"""

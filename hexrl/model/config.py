@@ -1,4 +1,8 @@
-"""Model configuration: the subset of a Hugging Face `config.json` our decoder needs."""
+"""Model configuration: the one parser of a Hugging Face `config.json` (importable without torch).
+
+The planner (through hexrl.schema) and the model both read a checkpoint's shape from here, so a
+model the decoder cannot build is refused when the job is planned, not under torchrun.
+"""
 from __future__ import annotations
 
 import json
@@ -7,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -33,24 +38,46 @@ class ModelConfig:
     bos_token_id: int | None = None
     hf: dict = field(default_factory=dict, repr=False)  # the original dict, written back on save
 
+    @staticmethod
+    def problems(d: dict) -> list[str]:
+        """Every reason `d` (a parsed HF config.json) cannot be built, each naming its field."""
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
+        out = []
+        if arch not in SUPPORTED_ARCHITECTURES:
+            out.append(f"architectures: unsupported architecture {arch!r} "
+                       f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+        for key in _REQUIRED:
+            v = d.get(key)
+            if v is None:
+                out.append(f"{key}: missing")
+            elif not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                out.append(f"{key}: expected a positive integer, got {v!r}")
+        for key in ("num_key_value_heads", "head_dim"):
+            v = d.get(key)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
+                out.append(f"{key}: expected a positive integer, got {v!r}")
+        if out:
+            return out
+        heads = d["num_attention_heads"]
+        kv = d.get("num_key_value_heads") or heads
+        if heads % kv:
+            out.append(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
+        if "head_dim" not in d and d["hidden_size"] % heads:
+            out.append(f"hidden_size: {d['hidden_size']} not divisible by num_attention_heads {heads}")
+        return out
+
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         """Build from a parsed HF config.json, raising ValueError listing every problem."""
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
-        problems = []
-        if arch not in SUPPORTED_ARCHITECTURES:
-            problems.append(f"unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-            if not isinstance(d.get(key), int) or d[key] <= 0:
-                problems.append(f"config.{key}: expected a positive integer, got {d.get(key)!r}")
+        problems = cls.problems(d)
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
+        archs = d.get("architectures") or []
+        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
         heads = d["num_attention_heads"]
         kv_heads = d.get("num_key_value_heads") or heads
         head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        if heads % kv_heads:
-            raise ValueError(f"config.num_key_value_heads={kv_heads} must divide num_attention_heads={heads}")
         rope = d.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
         theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
         scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
@@ -99,14 +126,25 @@ class ModelConfig:
                 d[key] = getattr(self, key)
         return d
 
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer: attention, SwiGLU MLP, two norms, and the family's biases."""
+        h, i = self.hidden_size, self.intermediate_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        n = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
+        return n + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0) + (2 * i + h if self.mlp_bias else 0)
+
+    def embed_params(self) -> int:
+        """Input embedding plus (if untied) the output head, plus the final norm."""
+        return self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2) + self.hidden_size
+
     @property
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
-        h, i, v, L = self.hidden_size, self.intermediate_size, self.vocab_size, self.num_hidden_layers
-        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
-        attn = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.qkv_bias else 0)
-        layer = attn + 3 * h * i + 2 * h
-        return L * layer + v * h * (1 if self.tie_word_embeddings else 2) + h
+        return self.num_hidden_layers * self.layer_params() + self.embed_params()
+
+    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
+        """K and V cache bytes for one token over all layers (whole model, not per TP rank)."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
 
 
 def _model_type(arch: str) -> str:

@@ -1,13 +1,22 @@
-"""python -m hexrl.plan JOB.json -o PLAN.json [--baseline exhaustive|homogeneous|uniform] [--draw plan.png]
+"""The planner's command line.
 
-Exit code 0 with the plan written, 2 with every problem of an invalid or infeasible job on stderr.
+    python -m hexrl.plan JOB.json -o PLAN.json [--baseline exhaustive|homogeneous|uniform] [--draw plan.png]
+    python -m hexrl.plan simulate PLAN.json [--steps 12] [--warmup 2] [--gantt gantt.png] [--json out.json]
+
+The first plans a job; the second runs the plan through the discrete-event simulator
+(tokens/s, idle fractions, staleness histogram, a Gantt chart of the first steps). Exit code 0
+on success, 2 with every problem of an invalid or infeasible job or plan on stderr.
 """
 
 import argparse
+import json
 import sys
+from dataclasses import asdict
 
-from hexrl.config import ConfigError, load_job
+from hexrl.data import dataset_problems
 from hexrl.plan.planner import plan_job
+from hexrl.plan.simulate import simulate
+from hexrl.schema import ConfigError, load_job, load_plan
 
 
 def summary(plan) -> str:
@@ -28,7 +37,7 @@ def summary(plan) -> str:
     ])
 
 
-def main(argv=None) -> int:
+def plan_main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m hexrl.plan", description="Plan an RL job on a heterogeneous cluster.")
     ap.add_argument("job", help="job.json")
     ap.add_argument("-o", "--out", required=True, help="where to write plan.json")
@@ -39,6 +48,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:
         job = load_job(args.job, check_paths=False)
+        if problems := dataset_problems(job.data.synthetic):
+            raise ConfigError(problems, "invalid job")
         plan = plan_job(job, args.baseline or "two-phase", use_profiles=not args.no_profiles)
     except ConfigError as e:
         print(e, file=sys.stderr)
@@ -51,6 +62,60 @@ def main(argv=None) -> int:
         if draw_plan(plan, args.draw):
             print(f"drew {args.draw}")
     return 0
+
+
+def report(res, plan) -> str:
+    pr = plan.predicted
+    stale = ", ".join(f"{k}: {v}" for k, v in res.staleness.items())
+    return "\n".join([
+        f"steps     : {res.steps} simulated, {res.window_s:.1f} s measured after warm-up",
+        f"step time : {res.step_time_s:.2f} s simulated, {res.predicted_step_s:.2f} s predicted by the cost model",
+        f"throughput: {res.tokens_per_s:.0f} tokens/s ({res.gen_tokens_per_s:.0f} generated/s); "
+        f"plan predicted {pr.get('tokens_per_s', float('nan')):.0f}",
+        f"busy      : trainer {res.trainer_busy:.0%}, rollout GPUs {res.rollout_busy:.0%}, "
+        f"weight sync {res.sync_fraction:.0%}",
+        f"idle      : trainer GPUs {res.idle['train']:.0%}, rollout GPUs {res.idle['rollout']:.0%}",
+        f"staleness : {{{stale}}} trajectories by versions behind; over eta: {res.violations}",
+    ])
+
+
+def simulate_main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hexrl.plan simulate", description="Simulate a plan.")
+    ap.add_argument("plan", help="plan.json from python -m hexrl.plan")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--gantt", metavar="PNG", help="Gantt chart of the first steps (needs matplotlib)")
+    ap.add_argument("--gantt-steps", type=int, default=3)
+    ap.add_argument("--json", metavar="PATH", help="write the metrics as JSON")
+    args = ap.parse_args(argv)
+    if args.steps <= args.warmup:
+        print(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})", file=sys.stderr)
+        return 2
+    try:
+        plan = load_plan(args.plan, check_paths=False)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    res = simulate(plan, args.steps, args.warmup, args.seed, args.gantt_steps)
+    print(report(res, plan))
+    if args.json:
+        d = asdict(res)
+        d.pop("gantt")
+        with open(args.json, "w") as f:
+            json.dump(d, f, indent=1)
+    if args.gantt:
+        from hexrl.plan.draw import draw_gantt
+        if draw_gantt(res.gantt, args.gantt, f"{plan.job.name}: first {args.gantt_steps} steps"):
+            print(f"drew {args.gantt}")
+    return 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:
+        return simulate_main(argv[1:])
+    return plan_main(argv)
 
 
 if __name__ == "__main__":

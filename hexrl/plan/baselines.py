@@ -11,7 +11,7 @@ total training GPUs that fits is used.
 
 import time
 
-from hexrl.plan.evaluate import Candidate, Evaluator
+from hexrl.plan.candidate import Candidate, Evaluator
 from hexrl.plan.partition import SearchLog
 from hexrl.plan.placement import train_per_node
 

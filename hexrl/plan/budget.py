@@ -9,7 +9,7 @@ of the plan's cluster, so torchrun starts only the nodes the plan uses.
 from dataclasses import replace
 from itertools import product
 
-from hexrl.config import Job
+from hexrl.schema import Job
 
 
 def node_price(job: Job, gpu_type: str) -> float:

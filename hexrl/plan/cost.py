@@ -9,8 +9,9 @@ here, so a measured profile (profiles/<gpu>.json) is the way to make predictions
 import math
 from dataclasses import dataclass
 
-from hexrl.config import Job
-from hexrl.plan.catalogue import GPU, gpu
+from hexrl.plan.lengths import output_lengths
+from hexrl.schema import Job
+from hexrl.gpus import GPU, gpu
 
 BYTES_PER_PARAM_TRAIN = 18  # bf16 weights 2 + fp32 grads 4 + fp32 master 4 + Adam m, v 8
 WORKSPACE_BYTES = 1.5e9  # allocator slack, kernels' scratch, CUDA context
@@ -44,7 +45,7 @@ class Workload:
 
 def workload_of(job: Job) -> Workload:
     rl, wl = job.rl, job.workload
-    d = wl.output
+    d = output_lengths(wl.output_len)
     mean, second = d.mean(), d.second_moment()
     seq_mean = wl.prompt_len + mean
     seq_second = wl.prompt_len ** 2 + 2 * wl.prompt_len * mean + second
@@ -86,14 +87,15 @@ class CostModel:
     """Cost models for one job: model shape, workload, GPU catalogue entries, links."""
 
     def __init__(self, job: Job, use_profiles: bool = True):
-        self.job, self.m, self.cluster = job, job.model, job.cluster
+        self.job, self.m, self.cluster = job, job.model.config, job.cluster
         self.w = workload_of(job)
+        self.lengths = output_lengths(job.workload.output_len)  # the long tail (rollout_tail_s)
         self.gpus: dict[str, GPU] = {t: gpu(t, job.prices[t], use_profiles) for t in self.cluster.types()}
         self.gpn = self.cluster.gpus_per_node
         self._decode_cache: dict = {}
         self._stage_cache: dict = {}
         self.layer_params = self.m.layer_params()  # hot in the searches: compute once
-        q_dim = self.m.num_heads * self.m.head_dim
+        q_dim = self.m.num_attention_heads * self.m.head_dim
         self.layer_fwd_flops = 2 * self.layer_params + 4 * q_dim * self.w.ctx_attn
 
     # ------------------------------------------------------------------ shapes
@@ -101,7 +103,7 @@ class CostModel:
         """TP degrees: powers of two that divide GPUs per node and attention heads."""
         out, t = [], 1
         while t <= self.gpn:
-            if self.gpn % t == 0 and self.m.num_heads % t == 0:
+            if self.gpn % t == 0 and self.m.num_attention_heads % t == 0:
                 out.append(t)
             t *= 2
         return out
@@ -115,7 +117,7 @@ class CostModel:
 
     def matmul_params(self) -> int:
         """Parameters a token multiplies through: decoder layers and the output head (not the lookup)."""
-        return self.m.num_layers * self.layer_params + self.head_params()
+        return self.m.num_hidden_layers * self.layer_params + self.head_params()
 
     # ------------------------------------------------------------------ training
     def microbatches(self, dp: int) -> int:
@@ -188,7 +190,7 @@ class CostModel:
 
     def train_flops(self) -> float:
         """FLOPs of one step's training without activation recompute (layers and output head)."""
-        per_token = self.m.num_layers * self.layer_fwd_flops + 2 * self.head_params()
+        per_token = self.m.num_hidden_layers * self.layer_fwd_flops + 2 * self.head_params()
         return (3 + self.w.extra_fwd) * per_token * self.w.tokens
 
     def decode_rate_bound(self, gpu_type: str) -> float:
@@ -199,16 +201,16 @@ class CostModel:
 
     def train_memory_floor(self) -> float:
         """Bytes the training set needs at the very least (weights, grads, Adam; no activations)."""
-        return self.m.n_params() * BYTES_PER_PARAM_TRAIN
+        return self.m.num_params * BYTES_PER_PARAM_TRAIN
 
     # ------------------------------------------------------------------ rollout
     def kv_bytes_per_token(self, tp: int) -> float:
         """KV bytes per token on one GPU of a TP group (KV heads are replicated past tp > kv_heads)."""
-        return self.m.kv_bytes_per_token() / min(tp, self.m.num_kv_heads)
+        return self.m.kv_bytes_per_token() / min(tp, self.m.num_key_value_heads)
 
     def max_decode_batch(self, gpu_type: str, tp: int) -> int:
         """Sequences of average length that fit in KV memory; 0 if not even one longest sequence fits."""
-        weights = 2 * self.m.n_params() / tp
+        weights = 2 * self.m.num_params / tp
         room = self.usable_bytes(gpu_type) - weights
         kv = self.kv_bytes_per_token(tp)
         if room < kv * self.w.max_seq:
@@ -233,13 +235,13 @@ class CostModel:
         a = g.decode_overhead_s + max(2 * n / tp / bw, 2 * n * b / peak)
         if tp > 1:
             nvlink = self.cluster.intra_GBps(gpu_type) * 1e9
-            a += 2 * m.num_layers * (ALLREDUCE_LATENCY_S + b * m.hidden_size * 2 * 2 * (tp - 1) / tp / nvlink)
+            a += 2 * m.num_hidden_layers * (ALLREDUCE_LATENCY_S + b * m.hidden_size * 2 * 2 * (tp - 1) / tp / nvlink)
         c = max(self.kv_bytes_per_token(tp) / bw, self.attn_flops_per_pos() / peak)
         return a, c
 
     def attn_flops_per_pos(self) -> float:
         """Attention FLOPs of one token per context position, all layers (scores and values)."""
-        return 4 * self.m.num_heads * self.m.head_dim * self.m.num_layers
+        return 4 * self.m.num_attention_heads * self.m.head_dim * self.m.num_hidden_layers
 
     def prefill_s(self, gpu_type: str, tp: int, tokens: float, ctx: float) -> float:
         """Prefill (or KV recompute) of `tokens` tokens whose average causal context is `ctx`."""
@@ -278,7 +280,7 @@ class CostModel:
         w = self.w
         if w.eta is None:
             return 0.0
-        d = self.job.workload.output
+        d = self.lengths
         longest = d.expected_max(w.samples) * solo_step_s
         group = d.expected_max(w.group) * busy_step_s
         return max(longest, group) / (w.eta + 1)

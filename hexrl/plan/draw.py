@@ -2,7 +2,7 @@
 
 import sys
 
-from hexrl.config import Plan
+from hexrl.schema import Plan
 
 
 def pyplot(what: str, path: str):

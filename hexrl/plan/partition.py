@@ -18,7 +18,7 @@ from itertools import product
 
 import numpy as np
 
-from hexrl.plan.evaluate import Candidate, Evaluator
+from hexrl.plan.candidate import Candidate, Evaluator
 from hexrl.plan.placement import train_per_node
 
 GRID_POINTS = 200_000  # splits scored per repartition (vectorised)

@@ -9,7 +9,7 @@ Training GPUs take the lowest local ranks of a node; rollout takes the highest.
 
 from dataclasses import dataclass
 
-from hexrl.config import ClusterSpec
+from hexrl.schema import ClusterSpec
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,12 @@
 """The planner: job -> plan. Checks feasibility, runs the two-phase search (or a baseline,
 or fills in a user-fixed layout) and writes ranks, trainer grid, replicas and predictions."""
 
-from hexrl.config import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout
+from hexrl.schema import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout
 from hexrl.plan import baselines, partition
 from hexrl.plan.budget import affordable_subsets
 from hexrl.plan.cost import CostModel
-from hexrl.plan.evaluate import Candidate, Evaluator
-from hexrl.plan.layout import fixed_candidate
+from hexrl.plan.candidate import Candidate, Evaluator
+from hexrl.plan.fixed import fixed_candidate
 
 METHODS = {
     "two-phase": partition.two_phase,
@@ -19,18 +19,18 @@ METHODS = {
 def feasibility_problems(cm: CostModel) -> list[str]:
     """What makes the job impossible on this cluster, each with what would fix it."""
     p = []
-    c, job = cm.cluster, cm.job
+    c = cm.cluster
     if c.world_size < 2:
         p.append(f"cluster: {c.world_size} GPU; needs at least 2 (one trains, one generates); add GPUs")
     total = sum(cm.usable_bytes(n.gpu_type) * n.gpus for n in c.nodes)
     need = cm.train_memory_floor()
     if need > total:
         p.append(f"model: needs at least {need / 1e9:.0f} GB of GPU memory for training "
-                 f"({cm.m.n_params() / 1e9:.2f}B parameters x 18 bytes) but the whole cluster offers "
+                 f"({cm.m.num_params / 1e9:.2f}B parameters x 18 bytes) but the whole cluster offers "
                  f"{total / 1e9:.0f} GB; add GPUs or use a smaller model")
     fits = [(t, tp) for t in c.types() for tp in cm.tp_options(t) if cm.max_decode_batch(t, tp) > 0]
     if not fits:
-        weights = 2 * cm.m.n_params() / 1e9
+        weights = 2 * cm.m.num_params / 1e9
         kv = cm.m.kv_bytes_per_token() * cm.w.max_seq / 1e9
         best = max(cm.usable_bytes(t) * c.gpus_per_node for t in c.types()) / 1e9
         p.append(f"model: a rollout replica (TP inside one node) needs {weights:.1f} GB of weights plus "

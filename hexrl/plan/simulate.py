@@ -17,19 +17,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hexrl.config import Plan
+from hexrl.schema import Plan
 from hexrl.plan.cost import CostModel
-from hexrl.plan.layout import fixed_candidate
-
-
-def layout_of(plan: Plan) -> dict:
-    """The plan as a fixed layout (to cost exactly this placement)."""
-    t = plan.trainer
-    train = [plan.trainer_rank(d, s, k) for s in range(t.pp) for d in range(t.dp) for k in range(t.stages[s].tp)]
-    reps = [{"tp": r.tp, "ranks": r.ranks, "share": r.share, **({"max_batch": r.max_batch} if r.max_batch else {})}
-            for r in plan.replicas]
-    return {"train_ranks": train, "trainer": {"dp": t.dp, "stages": [s.to_dict() for s in t.stages]},
-            "rollout_replicas": reps}
+from hexrl.plan.fixed import plan_candidate
 
 
 class Replica:
@@ -81,7 +71,7 @@ class Simulation:
     def __init__(self, plan: Plan, seed: int = 0, use_profiles: bool = True):
         self.plan, self.job = plan, plan.job
         self.cm = cm = CostModel(plan.job, use_profiles)
-        self.cand = fixed_candidate(cm, layout_of(plan))
+        self.cand = plan_candidate(cm, plan)
         self.rng = np.random.default_rng(seed)
         self.B, self.G, self.eta = self.job.rl.batch_size, self.job.rl.group_size, self.job.rl.eta
         self.prompt = cm.w.prompt_len
@@ -130,7 +120,7 @@ class Simulation:
             r = min(open_, key=lambda x: x.outstanding / x.share)
             gid = self.issued
             self.issued += 1
-            lengths = self.job.workload.output.sample(self.rng, self.G)
+            lengths = self.cm.lengths.sample(self.rng, self.G)
             self.groups[gid] = {"left": self.G, "tokens": 0, "ver": []}
             r.queue.extend((gid, int(n)) for n in lengths)
             r.outstanding += self.G

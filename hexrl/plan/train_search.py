@@ -93,7 +93,7 @@ def cost_layout(cm: CostModel, chunks: list[tuple[str, int, list]], dp: int, rec
                 min(cm.cluster.link_GBps(x, y) for x in nodes for y in nxt if x != y)
         coeffs.append(cm.stage_coeffs(t, tp, dp, pp, i, len(nodes), send, recompute))
     if layers is None:
-        layers = assign_layers(coeffs, cm.m.num_layers)
+        layers = assign_layers(coeffs, cm.m.num_hidden_layers)
     elif any(l > c.max_layers for l, c in zip(layers, coeffs)):
         layers = None
     if layers is None:
@@ -128,7 +128,7 @@ def search_train(cm: CostModel, per_node: tuple[int, ...]) -> TrainPlan | None:
         for t in types:
             g = math.gcd(g, counts[t] // tps[t])
         for dp in _divisors(g):
-            if sum(counts[t] // (dp * tps[t]) for t in types) > cm.m.num_layers:
+            if sum(counts[t] // (dp * tps[t]) for t in types) > cm.m.num_hidden_layers:
                 continue
             for order in _orders(types, cm):
                 plan = _layout(cm, order, tps, dp, slots)

@@ -24,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from hexrl.model import Decoder
+from hexrl.model.decoder import Decoder
 
 from .attention import build_meta
 from .pages import PagePool, page_bytes

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from hexrl.comm import broadcast_bytes
-from hexrl.model import TPGroup
+from hexrl.model.parallel import TPGroup
 
 from .sequence import Request
 

@@ -133,7 +133,8 @@ class RolloutLeader:
 
 def run_rollout(ctx) -> None:
     """A rollout rank: load the model (this rank's TP shard), then lead or follow the replica."""
-    from hexrl.model import TPGroup, load_pretrained
+    from hexrl.model.checkpoint import load_pretrained
+    from hexrl.model.parallel import TPGroup
     from hexrl.tokenizer import load_tokenizer
     from hexrl.weights import stage_specs
 

@@ -1,5 +1,5 @@
 """The GRPO trainer: process grid, TP/PP/DP, packing, decoupled PPO loss, checkpoints."""
-from .grid import Grid, Layout, StageSpec, build_grid
+from .grid import Grid, build_grid
 from .trainer import TrainConfig, Trainer
 
-__all__ = ["Grid", "Layout", "StageSpec", "TrainConfig", "Trainer", "build_grid"]
+__all__ = ["Grid", "TrainConfig", "Trainer", "build_grid"]

@@ -1,4 +1,4 @@
-"""GRPO advantages and the decoupled PPO objective (DESIGN.md, "Loss").
+"""GRPO advantages and the decoupled PPO objective of AReaL (Fu et al., 2025: "Decoupled PPO Objective").
 
 Per completion token, with current log-prob θ, proximal p and behaviour b:
     ratio = exp(θ − p),  pg = max(−A·ratio, −A·clip(ratio, 1−ε_low, 1+ε_high)),  w = exp(p − b),

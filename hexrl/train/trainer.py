@@ -22,12 +22,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from hexrl.model import CausalAttention, ModelConfig, load_pretrained, save_state_dict
+from hexrl.model.attention import CausalAttention
+from hexrl.model.checkpoint import load_pretrained, save_state_dict
+from hexrl.model.config import ModelConfig
+from hexrl.schema.layout import TrainerLayout
 from hexrl.trajectory import Trajectory
 
 from . import checkpoint as ckpt
 from .data_parallel import GradBuckets
-from .grid import Grid, Layout, build_grid
+from .grid import Grid, build_grid
 from .loss import equal_reward_groups, group_advantages, ppo_terms
 from .optim import AdamW, clip_coef, global_grad_norm
 from .packing import MicroBatch, check_trajectories, plan_step
@@ -41,7 +44,7 @@ SUMS = ("loss", "tokens", "clipped", "capped", "w", "kl", "entropy")
 
 @dataclass
 class TrainConfig:
-    """Optimisation and objective settings (DESIGN.md "Loss")."""
+    """Optimisation and objective settings (the objective is defined in hexrl/train/loss.py)."""
 
     lr: float = 1e-6
     warmup_steps: int = 0  # linear warm-up, in optimizer steps (ppo_minibatches per train step)
@@ -98,12 +101,12 @@ class _StepState:
 class Trainer:
     """One trainer rank. See the module docstring for the step; `step()` is collective."""
 
-    def __init__(self, model_path: str | os.PathLike, layout: Layout | dict, config: TrainConfig | None = None,
+    def __init__(self, model_path: str | os.PathLike, layout: TrainerLayout | dict, config: TrainConfig | None = None,
                  grid: Grid | None = None, device: str | torch.device | None = None):
         self.config = config or TrainConfig()
         self.model_cfg = ModelConfig.from_dir(model_path)
         if isinstance(layout, dict):
-            layout = Layout.from_dict(layout, self.model_cfg.num_hidden_layers)
+            layout = TrainerLayout.from_dict(layout, self.model_cfg.num_hidden_layers)
         problems = self.config.problems() + layout.problems(self.model_cfg.num_hidden_layers)
         if problems:
             raise ValueError("invalid trainer settings:\n  " + "\n  ".join(problems))

@@ -19,8 +19,8 @@ from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
 from hexrl.data import load_dataset
-from hexrl.evaluate import greedy_accuracy
-from hexrl.model import load_pretrained
+from hexrl.heldout import greedy_accuracy
+from hexrl.model.checkpoint import load_pretrained
 from hexrl.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
 from hexrl.weights import broadcast_stage, stage_specs

@@ -10,9 +10,9 @@ Training ranks fill the trainer grid stage by stage, dp-major, tp-minor.
 
 import math
 
-from hexrl.config import ConfigError
+from hexrl.schema import ConfigError, Plan, Stage, TrainerLayout
 from hexrl.plan.cost import CostModel
-from hexrl.plan.evaluate import Candidate, candidate
+from hexrl.plan.candidate import Candidate, candidate
 from hexrl.plan.rollout_milp import RolloutPlan, RolloutReplica
 from hexrl.plan.train_search import TrainPlan, cost_layout
 
@@ -25,10 +25,23 @@ def fixed_candidate(cm: CostModel, layout: dict) -> Candidate:
     rest = sorted(set(range(cm.cluster.world_size)) - set(train or []))
     reps = _replicas(cm, layout, rest, p) if train else None
     tplan = _train_plan(cm, chunks, dp, layers, p) if chunks else None
-    rplan = _rollout_plan(cm, layout, reps, p) if reps else None
+    rplan = _rollout_plan(cm, reps, p) if reps else None
     if p or tplan is None or rplan is None:
         raise ConfigError(p or ["layout: cannot be placed"], "invalid layout")
     per_node = tuple(sum(1 for r in train if r // cm.gpn == i) for i in range(len(cm.cluster.nodes)))
+    return candidate(cm, per_node, tplan, rplan)
+
+
+def plan_candidate(cm: CostModel, plan: Plan) -> Candidate:
+    """The candidate a finished plan describes, to cost (or simulate) exactly this placement."""
+    t, p = plan.trainer, []
+    chunks = [(st.gpu_type, st.tp, [divmod(r, cm.gpn) for r in t.stage_ranks(s)]) for s, st in enumerate(t.stages)]
+    tplan = _train_plan(cm, chunks, t.dp, [b - a for a, b in (st.layers for st in t.stages)], p)
+    reps = [(r.gpu_type, r.tp, r.ranks, r.share, r.max_batch) for r in plan.replicas]
+    rplan = _rollout_plan(cm, reps, p)
+    if p or tplan is None or rplan is None:
+        raise ConfigError(p or ["plan: cannot be costed"], "invalid plan")
+    per_node = tuple(sum(1 for r in t.ranks if r // cm.gpn == i) for i in range(len(cm.cluster.nodes)))
     return candidate(cm, per_node, tplan, rplan)
 
 
@@ -99,8 +112,8 @@ def _trainer(cm: CostModel, layout: dict, train: list[int], p: list[str]):
         kind = kinds.pop()
         if types[i] is not None and str(types[i]).lower() != kind.lower():
             p.append(f"{where}.stages[{i}].gpu_type: {types[i]} but its ranks are {kind}")
-        if cm.m.num_heads % tp:
-            p.append(f"{where}: tp={tp} does not divide num_attention_heads {cm.m.num_heads}")
+        if cm.m.num_attention_heads % tp:
+            p.append(f"{where}: tp={tp} does not divide num_attention_heads {cm.m.num_attention_heads}")
         for g in range(0, len(ranks), tp):
             if len({r // cm.gpn for r in ranks[g:g + tp]}) > 1:
                 p.append(f"{where}: stage {i} TP group {ranks[g:g + tp]} spans nodes; TP stays inside a node")
@@ -111,19 +124,17 @@ def _trainer(cm: CostModel, layout: dict, train: list[int], p: list[str]):
 
 
 def _check_layers(cm: CostModel, layers, where: str, p: list[str]) -> list[int] | None:
+    """Layer counts per stage if every stage names its layers (and they tile the model), else None."""
     if any(l is None for l in layers):
         return None
-    pos, out = 0, []
-    for i, l in enumerate(layers):
-        if not (isinstance(l, list) and len(l) == 2 and l[0] == pos and l[1] > l[0]):
-            p.append(f"{where}.stages[{i}].layers: {l!r}; stages must cover consecutive layers from {pos}")
-            return None
-        pos = l[1]
-        out.append(l[1] - l[0])
-    if pos != cm.m.num_layers:
-        p.append(f"{where}.stages: layers end at {pos} but the model has {cm.m.num_layers}")
+    bad = [i for i, l in enumerate(layers) if not (isinstance(l, list) and len(l) == 2)]
+    if bad:
+        p.append(f"{where}.stages[{bad[0]}].layers: {layers[bad[0]]!r} must be [start, end]")
         return None
-    return out
+    grid = TrainerLayout(1, [Stage(None, 1, (a, b)) for a, b in layers])
+    problems = grid.problems(cm.m.num_hidden_layers, where)
+    p += problems
+    return None if problems else [b - a for a, b in layers]
 
 
 def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
@@ -160,8 +171,8 @@ def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
     reps = []
     for i, (ranks, share, max_batch) in enumerate(out):
         kind, tp = _type(cm, ranks[0]), len(ranks)
-        if cm.m.num_heads % tp:
-            p.append(f"rollout replica {i}: tp={tp} does not divide num_attention_heads {cm.m.num_heads}")
+        if cm.m.num_attention_heads % tp:
+            p.append(f"rollout replica {i}: tp={tp} does not divide num_attention_heads {cm.m.num_attention_heads}")
         elif cm.max_decode_batch(kind, tp) < 1:
             p.append(f"rollout replica {i}: {tp} x {kind} cannot hold the weights plus the KV cache of "
                      f"one longest sequence ({cm.w.max_seq} tokens)")
@@ -178,7 +189,7 @@ def _train_plan(cm: CostModel, chunks, dp, layers, p: list[str]) -> TrainPlan | 
     return plan
 
 
-def _rollout_plan(cm: CostModel, layout: dict, reps, p: list[str], rounds: int = 8) -> RolloutPlan | None:
+def _rollout_plan(cm: CostModel, reps, p: list[str], rounds: int = 8) -> RolloutPlan | None:
     """Makespan of fixed replicas at their largest (or given) batch; shares as given or by throughput."""
     if p:
         return None

@@ -1,0 +1,75 @@
+"""Rollout output-length distributions: the long tail the cost model and the simulator reason about.
+
+The job's `workload.output_len` (checked by hexrl.schema) is one of {samples: [...]},
+{histogram: {edges, counts}} or {mean, max}; `output_lengths` turns it into a LengthDist.
+"""
+
+import math
+from dataclasses import dataclass
+
+
+@dataclass
+class LengthDist:
+    """A discrete distribution of rollout output lengths (tokens)."""
+
+    lengths: list[float]
+    probs: list[float]
+
+    def mean(self) -> float:
+        return sum(l * p for l, p in zip(self.lengths, self.probs))
+
+    def max(self) -> float:
+        return max(l for l, p in zip(self.lengths, self.probs) if p > 0)
+
+    def second_moment(self) -> float:
+        return sum(l * l * p for l, p in zip(self.lengths, self.probs))
+
+    def expected_max(self, n: int) -> float:
+        """E[max of n independent draws]."""
+        order = sorted(zip(self.lengths, self.probs))
+        out, cdf = 0.0, 0.0
+        for l, p in order:
+            prev, cdf = cdf, min(1.0, cdf + p)
+            out += l * (cdf ** n - prev ** n)
+        return out
+
+    def sample(self, rng, n: int):
+        """n lengths drawn with numpy Generator `rng` (integers >= 1)."""
+        import numpy as np
+        idx = rng.choice(len(self.lengths), size=n, p=np.asarray(self.probs) / sum(self.probs))
+        return np.maximum(1, np.rint(np.asarray(self.lengths)[idx])).astype(int)
+
+
+
+def long_tail(mean: float, maximum: float, buckets: int = 64) -> LengthDist:
+    """A truncated-exponential distribution on [1, max] with the given mean (the RL long tail)."""
+    edges = [1 + (maximum - 1) * i / buckets for i in range(buckets + 1)]
+    mids = [(a + b) / 2 for a, b in zip(edges, edges[1:])]
+    span = max(maximum - 1.0, 1.0)
+
+    def dist(lam):
+        w = [math.exp(-lam * (m - 1) / span) for m in mids]
+        s = sum(w)
+        return [x / s for x in w]
+
+    lo, hi = -60.0, 60.0  # rate in units of 1/span; negative rates skew towards max
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        m = sum(a * b for a, b in zip(mids, dist(mid)))
+        lo, hi = (mid, hi) if m > mean else (lo, mid)
+    return LengthDist(mids, dist((lo + hi) / 2))
+
+
+def output_lengths(spec: dict) -> LengthDist:
+    """The distribution a validated `workload.output_len` describes."""
+    if "samples" in spec:
+        counts: dict[float, int] = {}
+        for v in spec["samples"]:
+            counts[float(v)] = counts.get(float(v), 0) + 1
+        n = len(spec["samples"])
+        return LengthDist(list(counts), [c / n for c in counts.values()])
+    if "histogram" in spec:
+        e, c = spec["histogram"]["edges"], spec["histogram"]["counts"]
+        total = float(sum(c))
+        return LengthDist([max(1.0, (a + b) / 2) for a, b in zip(e, e[1:])], [v / total for v in c])
+    return long_tail(float(spec["mean"]), float(spec["max"]))

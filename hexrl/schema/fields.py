@@ -1,0 +1,103 @@
+"""Reading typed fields out of parsed JSON, collecting every problem instead of stopping at the first."""
+
+import math
+from pathlib import Path
+
+class ConfigError(ValueError):
+    """An invalid job or plan; `problems` lists every problem, each naming its field."""
+
+    def __init__(self, problems: list[str], header: str = "invalid job"):
+        self.problems = list(problems)
+        lines = [f"{header}: {len(self.problems)} problem(s)"] + [f"  - {p}" for p in self.problems]
+        super().__init__("\n".join(lines))
+
+
+# ----------------------------------------------------------------------------- reading
+
+class Reader:
+    """Reads typed fields from nested dicts, collecting problems instead of raising."""
+
+    def __init__(self):
+        self.problems: list[str] = []
+
+    def bad(self, where: str, msg: str):
+        self.problems.append(f"{where}: {msg}")
+
+    def section(self, d, where: str, known: set[str], required: bool = False) -> dict:
+        if d is None:
+            if required:
+                self.bad(where, "missing (required section)")
+            return {}
+        if not isinstance(d, dict):
+            self.bad(where, f"must be an object, got {type(d).__name__}")
+            return {}
+        for k in d:
+            if k not in known:
+                self.bad(f"{where}.{k}", f"unknown field (known: {', '.join(sorted(known))})")
+        return d
+
+    def num(self, d: dict, key: str, where: str, default=None, *, integer=False, lo=None,
+            hi=None, lo_open=False, none_ok=False, required=False):
+        name = f"{where}.{key}"
+        if key not in d:
+            if required:
+                self.bad(name, "missing (required)")
+            return default
+        v = d[key]
+        if v is None and none_ok:
+            return None
+        ok_int = isinstance(v, int) and not isinstance(v, bool)
+        ok = ok_int if integer else (ok_int or isinstance(v, float))
+        if isinstance(v, float) and integer and v.is_integer():
+            v, ok = int(v), True
+        if not ok or (isinstance(v, float) and not math.isfinite(v)):
+            self.bad(name, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
+            return default
+        if lo is not None and (v <= lo if lo_open else v < lo):
+            self.bad(name, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
+            return default
+        if hi is not None and v > hi:
+            self.bad(name, f"must be <= {hi}, got {v}")
+            return default
+        return v
+
+    def boolean(self, d: dict, key: str, where: str, default: bool) -> bool:
+        v = d.get(key, default)
+        if not isinstance(v, bool):
+            self.bad(f"{where}.{key}", f"must be true or false, got {v!r}")
+            return default
+        return v
+
+    def choice(self, d: dict, key: str, where: str, options, default=None, required=False):
+        if key not in d:
+            if required:
+                self.bad(f"{where}.{key}", f"missing (one of: {', '.join(options)})")
+            return default
+        v = d[key]
+        if v not in options:
+            self.bad(f"{where}.{key}", f"must be one of {', '.join(options)}, got {v!r}")
+            return default
+        return v
+
+    def text(self, d: dict, key: str, where: str, default=None, required=False):
+        if key not in d:
+            if required:
+                self.bad(f"{where}.{key}", "missing (required)")
+            return default
+        v = d[key]
+        if not isinstance(v, str) or not v:
+            self.bad(f"{where}.{key}", f"must be a non-empty string, got {v!r}")
+            return default
+        return v
+
+
+
+def resolve(base: Path, p) -> Path:
+    """A path from a config file, relative to that file's directory."""
+    p = Path(str(p)).expanduser()
+    return p if p.is_absolute() else (base / p).resolve()
+
+
+def short(xs: list, n: int = 8) -> str:
+    """The first n items of a list, and how many there are in all if more."""
+    return ", ".join(map(str, xs[:n])) + (f", ... ({len(xs)} in all)" if len(xs) > n else "")

@@ -1,0 +1,575 @@
+"""The job schema: what job.json may say, loaded into dataclasses and checked all at once.
+
+A job names the model, data, reward, RL settings, the workload the planner should assume,
+the cluster, prices and budget, and optionally a fixed layout (README.md, "The job file", lists every
+field). Loading reports every problem in one ConfigError, each naming its field.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hexrl.gpus import CATALOGUE, canonical_name
+from hexrl.model.config import ModelConfig
+from hexrl.schema.fields import ConfigError, Reader, resolve
+
+
+# ----------------------------------------------------------------------------- model
+
+def _qwen2(h, inter, layers, heads, kv, vocab, tie, rope=10000.0, eps=1e-6, max_pos=131072):
+    return {
+        "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "hidden_act": "silu",
+        "hidden_size": h, "intermediate_size": inter, "num_hidden_layers": layers,
+        "num_attention_heads": heads, "num_key_value_heads": kv, "vocab_size": vocab,
+        "tie_word_embeddings": tie, "rope_theta": rope, "rms_norm_eps": eps,
+        "max_position_embeddings": max_pos, "torch_dtype": "bfloat16",
+    }
+
+
+PRESETS = {
+    "qwen2.5-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, True, rope=1e6, max_pos=32768),
+    "r1-distill-qwen-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, False),
+    "r1-distill-qwen-7b": _qwen2(3584, 18944, 28, 28, 4, 152064, False),
+    "r1-distill-qwen-14b": _qwen2(5120, 13824, 48, 40, 8, 152064, False, eps=1e-5),
+    # the CPU demo's shape (tools/make_tiny_model.py): a character vocabulary
+    "tiny": {**_qwen2(64, 128, 4, 4, 2, 64, True, max_pos=4096), "bos_token_id": 1, "eos_token_id": 2},
+}
+
+@dataclass
+class ModelSpec:
+    """The model: its shape (parsed by hexrl.model.config, the one HF config parser) and where it came from."""
+
+    config: ModelConfig
+    path: str | None = None  # a checkpoint directory
+    preset: str | None = None  # a name in PRESETS
+
+    def to_dict(self) -> dict:
+        if self.path:
+            return {"path": self.path}
+        if self.preset:
+            return {"preset": self.preset}
+        return {"config": self.config.hf}
+
+
+def _read_model(r: Reader, d, base: Path) -> ModelSpec | None:
+    d = r.section(d, "model", {"path", "config", "preset"}, required=True)
+    given = [k for k in ("path", "config", "preset") if k in d]
+    if len(given) != 1:
+        if d:
+            r.bad("model", f"give exactly one of path, config, preset (got {given or 'none'})")
+        return None
+    if "preset" in d:
+        name = str(d["preset"]).lower()
+        if name not in PRESETS:
+            r.bad("model.preset", f"unknown preset {d['preset']!r} (known: {', '.join(PRESETS)})")
+            return None
+        return ModelSpec(ModelConfig.from_hf(PRESETS[name]), preset=name)
+    if "path" in d:
+        p = resolve(base, d["path"])
+        cfg_file = p / "config.json"
+        if not cfg_file.is_file():
+            r.bad("model.path", f"no config.json in {p}")
+            return None
+        try:
+            cfg = json.loads(cfg_file.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            r.bad("model.path", f"cannot read {cfg_file}: {e}")
+            return None
+        where, path = f"model.path ({cfg_file})", str(p)
+    else:
+        cfg, where, path = d["config"], "model.config", None
+    if not isinstance(cfg, dict):
+        r.bad(where, "must be an object of Hugging Face config fields")
+        return None
+    problems = ModelConfig.problems(cfg)
+    for problem in problems:
+        r.bad(f"{where}.{problem.split(':')[0]}", problem.split(": ", 1)[1])
+    return None if problems else ModelSpec(ModelConfig.from_hf(cfg), path=path)
+
+
+# ----------------------------------------------------------------------------- data, reward, rl
+
+@dataclass
+class DataSpec:
+    path: str | None = None  # JSONL, one prompt record per line
+    kind: str = "math"  # math | code (ignored for synthetic data)
+    synthetic: dict | None = None  # {"task": "arithmetic", "n": ..., "seed": ..., task options}
+
+    def to_dict(self) -> dict:
+        if self.synthetic is not None:
+            return {"synthetic": dict(self.synthetic)}
+        return {"path": self.path, "kind": self.kind}
+
+
+_SYNTHETIC_KEYS = {"task", "n", "seed", "n_heldout", "digits", "ops", "negatives"}
+
+
+def _read_data(r: Reader, d, base: Path, check_paths: bool) -> DataSpec:
+    d = r.section(d, "data", {"path", "kind", "synthetic"}, required=True)
+    if "synthetic" in d and "path" in d:
+        r.bad("data", "give either path or synthetic, not both")
+    if "synthetic" in d:
+        s = d["synthetic"]
+        if not isinstance(s, dict):
+            r.bad("data.synthetic", "must be an object like {\"task\": \"arithmetic\", \"n\": 1000}")
+            return DataSpec(synthetic={"task": "arithmetic", "n": 1000, "seed": 0})
+        task = r.choice(s, "task", "data.synthetic", ("arithmetic",), "arithmetic")
+        n = r.num(s, "n", "data.synthetic", 1000, integer=True, lo=1)
+        seed = r.num(s, "seed", "data.synthetic", 0, integer=True)
+        r.num(s, "n_heldout", "data.synthetic", 0, integer=True, lo=0)
+        for k in sorted(set(s) - _SYNTHETIC_KEYS):
+            r.bad(f"data.synthetic.{k}", f"unknown field (known: {', '.join(sorted(_SYNTHETIC_KEYS))})")
+        # whether the task can produce n distinct problems is hexrl.data.dataset_problems' call
+        return DataSpec(synthetic={**s, "task": task, "n": n, "seed": seed})
+    if "path" not in d:
+        if d:
+            r.bad("data", "give path (JSONL) or synthetic")
+        return DataSpec(synthetic={"task": "arithmetic", "n": 1000, "seed": 0})
+    kind = r.choice(d, "kind", "data", ("math", "code"), "math")
+    p = resolve(base, d["path"])
+    if check_paths and not p.is_file():
+        r.bad("data.path", f"file not found: {p}")
+    return DataSpec(path=str(p), kind=kind)
+
+
+@dataclass
+class RewardSpec:
+    name: str = "math"  # math | exact | code
+    timeout_s: float = 5.0
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "timeout_s": self.timeout_s}
+
+
+def _read_reward(r: Reader, d, data: DataSpec) -> RewardSpec:
+    d = r.section(d, "reward", {"name", "timeout_s"})
+    default = "exact" if data.synthetic is not None else data.kind
+    name = r.choice(d, "name", "reward", ("math", "exact", "code"), default)
+    timeout = r.num(d, "timeout_s", "reward", 5.0, lo=0, lo_open=True)
+    return RewardSpec(name, float(timeout))
+
+
+@dataclass
+class RLSpec:
+    batch_size: int = 8  # prompts (groups) per training step
+    group_size: int = 4  # samples per prompt
+    eta: int | None = 4  # staleness bound; None = unbounded; 0 = synchronous
+    max_running: int | None = None  # groups generating at once; _read_rl fills (eta+1)·B, or 8·B if eta is None
+    # Optimizer steps per training step. The decoupled objective's clip is relative to the proximal
+    # policy, so with 1 it never engages (see README "Learning"); default min(4, batch_size).
+    ppo_minibatches: int = 4
+    lr: float = 1e-6
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    decoupled: bool = True
+    behav_cap: float = 5.0
+    kl_coef: float = 0.0
+    filter_equal_groups: bool = True
+    steps: int = 10
+    seed: int = 0
+    checkpoint_every: int = 0  # 0 = only at the end
+    eval_every: int = 0  # greedy held-out accuracy every K steps (and at 0 and the end); 0 = off
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _read_rl(r: Reader, d) -> RLSpec:
+    known = set(RLSpec.__dataclass_fields__)
+    d = r.section(d, "rl", known)
+    x, w = RLSpec(), "rl"
+    x.batch_size = r.num(d, "batch_size", w, x.batch_size, integer=True, lo=1)
+    x.group_size = r.num(d, "group_size", w, x.group_size, integer=True, lo=1)
+    x.eta = r.num(d, "eta", w, x.eta, integer=True, lo=0, none_ok=True)
+    default_running = (x.eta + 1 if x.eta is not None else 8) * x.batch_size  # eta bounded: never binds
+    x.max_running = r.num(d, "max_running", w, default_running, integer=True, lo=1)
+    x.ppo_minibatches = r.num(d, "ppo_minibatches", w, min(x.ppo_minibatches, x.batch_size), integer=True, lo=1)
+    x.lr = float(r.num(d, "lr", w, x.lr, lo=0, lo_open=True))
+    x.max_new_tokens = r.num(d, "max_new_tokens", w, x.max_new_tokens, integer=True, lo=1)
+    x.temperature = float(r.num(d, "temperature", w, x.temperature, lo=0))
+    x.top_p = float(r.num(d, "top_p", w, x.top_p, lo=0, lo_open=True, hi=1))
+    top_k = r.num(d, "top_k", w, 0, integer=True, lo=-1)
+    x.top_k = max(top_k, 0)  # -1 (vLLM spelling) also means off
+    x.clip_low = float(r.num(d, "clip_low", w, x.clip_low, lo=0, hi=1))
+    x.clip_high = float(r.num(d, "clip_high", w, x.clip_high, lo=0))
+    x.decoupled = r.boolean(d, "decoupled", w, True)
+    x.behav_cap = float(r.num(d, "behav_cap", w, x.behav_cap, lo=1))
+    x.kl_coef = float(r.num(d, "kl_coef", w, x.kl_coef, lo=0))
+    x.filter_equal_groups = r.boolean(d, "filter_equal_groups", w, True)
+    x.steps = r.num(d, "steps", w, x.steps, integer=True, lo=1)
+    x.seed = r.num(d, "seed", w, x.seed, integer=True)
+    x.checkpoint_every = r.num(d, "checkpoint_every", w, 0, integer=True, lo=0)
+    x.eval_every = r.num(d, "eval_every", w, 0, integer=True, lo=0)
+    if x.ppo_minibatches > x.batch_size:
+        r.bad("rl.ppo_minibatches", f"{x.ppo_minibatches} > batch_size {x.batch_size}")
+    if x.group_size == 1 and x.filter_equal_groups:
+        r.bad("rl.group_size", "1 sample per prompt makes every group 'all equal' and "
+              "filter_equal_groups would drop all data; use group_size >= 2")
+    return x
+
+
+# ----------------------------------------------------------------------------- workload
+
+@dataclass
+class WorkloadSpec:
+    """What the planner should assume about prompts and outputs (hexrl.plan.lengths reads output_len)."""
+
+    prompt_len: int = 256
+    output_len: dict = field(default_factory=dict)  # {samples} | {histogram: {edges, counts}} | {mean, max}
+    reward_s_per_sample: float | None = None  # None: the reward's default
+
+    def to_dict(self) -> dict:
+        d = {"prompt_len": self.prompt_len, "output_len": self.output_len}
+        if self.reward_s_per_sample is not None:
+            d["reward_s_per_sample"] = self.reward_s_per_sample
+        return d
+
+
+_DIST_KEYS = {"samples", "histogram", "mean", "max"}
+
+
+def _read_workload(r: Reader, d, rl: RLSpec) -> WorkloadSpec:
+    d = r.section(d, "workload", {"prompt_len", "output_len", "reward_s_per_sample"} | _DIST_KEYS)
+    w = WorkloadSpec()
+    w.prompt_len = r.num(d, "prompt_len", "workload", 256, integer=True, lo=1)
+    w.reward_s_per_sample = r.num(d, "reward_s_per_sample", "workload", None, lo=0)
+    flat = {k: d[k] for k in _DIST_KEYS if k in d}
+    if flat and "output_len" in d:
+        r.bad("workload", "give the output length distribution once: under output_len")
+    raw = d.get("output_len", flat) or {"mean": rl.max_new_tokens / 2, "max": rl.max_new_tokens}
+    where = "workload.output_len" if "output_len" in d else "workload"
+    longest = _check_lengths(r, raw, where, rl.max_new_tokens)
+    if longest is not None and longest > rl.max_new_tokens + 1e-9:
+        r.bad(where, f"longest output {longest:g} > rl.max_new_tokens {rl.max_new_tokens}")
+    w.output_len = {**raw, "max": raw.get("max", rl.max_new_tokens)} if "mean" in raw else raw
+    return w
+
+
+def _check_lengths(r: Reader, raw, where: str, max_new: int) -> float | None:
+    """Check an output-length distribution's form; its longest output, or None if invalid."""
+    if not isinstance(raw, dict):
+        r.bad(where, "must be {samples: [...]}, {histogram: {edges, counts}} or {mean, max}")
+        return None
+    kinds = [k for k in ("samples", "histogram", "mean") if k in raw]
+    if len(kinds) != 1:
+        r.bad(where, f"give exactly one of samples, histogram, mean+max (got {kinds or 'none'})")
+        return None
+    if kinds == ["samples"]:
+        s = raw["samples"]
+        if not isinstance(s, list) or not s or not all(_is_num(v) and v >= 1 for v in s):
+            r.bad(f"{where}.samples", "must be a non-empty list of lengths >= 1")
+            return None
+        return float(max(s))
+    if kinds == ["histogram"]:
+        return _check_histogram(r, raw["histogram"], f"{where}.histogram")
+    n0 = len(r.problems)
+    mean = r.num(raw, "mean", where, lo=1)
+    mx = r.num(raw, "max", where, max_new, lo=1)
+    if mean is not None and mx is not None and mean > mx:
+        r.bad(f"{where}.mean", f"{mean} > max {mx}")
+    return None if len(r.problems) > n0 else float(mx)
+
+
+def _check_histogram(r: Reader, h, where: str) -> float | None:
+    if not isinstance(h, dict) or not isinstance(h.get("edges"), list) or not isinstance(h.get("counts"), list):
+        r.bad(where, "must be {edges: [e0, ..., ek], counts: [c1, ..., ck]}")
+        return None
+    e, c = h["edges"], h["counts"]
+    if len(e) != len(c) + 1 or not c:
+        r.bad(where, f"needs len(edges) == len(counts) + 1, got {len(e)} and {len(c)}")
+        return None
+    if not all(_is_num(v) for v in e + c) or any(v < 0 for v in c) or sum(c) <= 0:
+        r.bad(where, "edges and counts must be numbers, counts >= 0 with a positive sum")
+        return None
+    if any(b <= a for a, b in zip(e, e[1:])) or e[0] < 0:
+        r.bad(f"{where}.edges", "must be increasing and >= 0")
+        return None
+    return max(max(1.0, (a + b) / 2) for (a, b), n in zip(zip(e, e[1:]), c) if n > 0)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+# ----------------------------------------------------------------------------- cluster
+
+@dataclass
+class NodeSpec:
+    name: str
+    gpu_type: str
+    gpus: int
+    address: str = "127.0.0.1"
+
+
+@dataclass
+class ClusterSpec:
+    nodes: list[NodeSpec]
+    inter_node_GBps: float = 12.5  # one 100 Gb/s NIC per node
+    cross_type_GBps: float | dict | None = None  # None: same as inter_node
+    intra_node_GBps: float | None = None  # None: the GPU's NVLink/PCIe figure
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.nodes[0].gpus if self.nodes else 0
+
+    @property
+    def world_size(self) -> int:
+        return sum(n.gpus for n in self.nodes)
+
+    def types(self) -> list[str]:
+        """GPU types in first-appearance order."""
+        return list(dict.fromkeys(n.gpu_type for n in self.nodes))
+
+    def count(self, gpu_type: str) -> int:
+        return sum(n.gpus for n in self.nodes if n.gpu_type == gpu_type)
+
+    def rank_of(self, node: int, local_rank: int) -> int:
+        return node * self.gpus_per_node + local_rank
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def cross_GBps(self, a: str, b: str) -> float:
+        """Bandwidth between two nodes of different types a and b."""
+        c = self.cross_type_GBps
+        if isinstance(c, dict):
+            v = c.get(f"{a}/{b}", c.get(f"{b}/{a}"))
+            return float(v) if v is not None else self.inter_node_GBps
+        return float(c) if c is not None else self.inter_node_GBps
+
+    def intra_GBps(self, gpu_type: str) -> float:
+        if self.intra_node_GBps is not None:
+            return self.intra_node_GBps
+        return CATALOGUE[gpu_type].nvlink_GBps
+
+    def link_GBps(self, node_a: int, node_b: int) -> float:
+        """Bandwidth between a GPU on node_a and one on node_b (GB/s, one direction)."""
+        ta, tb = self.nodes[node_a].gpu_type, self.nodes[node_b].gpu_type
+        if node_a == node_b:
+            return self.intra_GBps(ta)
+        if ta == tb:
+            return self.inter_node_GBps
+        return self.cross_GBps(ta, tb)
+
+    def to_dict(self) -> dict:
+        d = {"nodes": [dict(n.__dict__) for n in self.nodes], "inter_node_GBps": self.inter_node_GBps}
+        if self.cross_type_GBps is not None:
+            d["cross_type_GBps"] = self.cross_type_GBps
+        if self.intra_node_GBps is not None:
+            d["intra_node_GBps"] = self.intra_node_GBps
+        return d
+
+
+def known_types() -> str:
+    return ", ".join(CATALOGUE)
+
+
+def _read_cluster(r: Reader, d) -> ClusterSpec:
+    d = r.section(d, "cluster", {"nodes", "inter_node_GBps", "cross_type_GBps", "intra_node_GBps"},
+                  required=True)
+    nodes = []
+    raw = d.get("nodes")
+    if not isinstance(raw, list) or not raw:
+        if d:
+            r.bad("cluster.nodes", "must be a non-empty list of {name, gpu_type, gpus}")
+        raw = []
+    for i, n in enumerate(raw):
+        node = _read_node(r, n, i)
+        if node:
+            nodes.append(node)
+    names = [n.name for n in nodes]
+    for name in sorted({x for x in names if names.count(x) > 1}):
+        r.bad("cluster.nodes", f"node name {name!r} used more than once")
+    counts = [(i, n.get("gpus")) for i, n in enumerate(raw) if isinstance(n, dict)
+              and isinstance(n.get("gpus"), int) and n.get("gpus") > 0]
+    if len({g for _, g in counts}) > 1:
+        r.bad("cluster.nodes", f"all nodes must have the same number of GPUs (torchrun uses one "
+              f"--nproc_per_node), got {', '.join(f'nodes[{i}]={g}' for i, g in counts)}")
+    c = ClusterSpec(nodes)
+    c.inter_node_GBps = float(r.num(d, "inter_node_GBps", "cluster", 12.5, lo=0, lo_open=True))
+    c.intra_node_GBps = r.num(d, "intra_node_GBps", "cluster", None, lo=0, lo_open=True)
+    c.cross_type_GBps = _read_cross(r, d.get("cross_type_GBps"))
+    return c
+
+
+def _read_node(r: Reader, n, i: int) -> NodeSpec | None:
+    where = f"cluster.nodes[{i}]"
+    n = r.section(n, where, {"name", "gpu_type", "gpus", "address"})
+    if not n:
+        return None
+    name = r.text(n, "name", where, f"node{i}")
+    raw_type = r.text(n, "gpu_type", where, required=True)
+    gpu_type = canonical_name(raw_type) if raw_type else None
+    if raw_type and gpu_type is None:
+        r.bad(f"{where}.gpu_type", f"unknown GPU type {raw_type!r} (known: {known_types()})")
+    gpus = r.num(n, "gpus", where, integer=True, lo=1, required=True)
+    address = r.text(n, "address", where, "127.0.0.1")
+    if gpu_type is None or gpus is None:
+        return None
+    return NodeSpec(name, gpu_type, gpus, address)
+
+
+def _read_cross(r: Reader, c):
+    if c is None:
+        return None
+    if isinstance(c, dict):
+        out = {}
+        for k, v in c.items():
+            where = f"cluster.cross_type_GBps[{k!r}]"
+            parts = k.split("/") if isinstance(k, str) else []
+            names = [canonical_name(p) for p in parts]
+            if len(parts) != 2 or None in names:
+                r.bad(where, f"key must be 'TYPE/TYPE' with known types (known: {known_types()})")
+                continue
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
+                r.bad(where, f"must be a number > 0, got {v!r}")
+                continue
+            out[f"{names[0]}/{names[1]}"] = float(v)
+        return out
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0:
+        r.bad("cluster.cross_type_GBps", f"must be a number > 0 or a {{'A/B': GBps}} object, got {c!r}")
+        return None
+    return float(c)
+
+
+def _read_prices(r: Reader, d, cluster: ClusterSpec) -> dict[str, float]:
+    if d is not None and not isinstance(d, dict):
+        r.bad("prices", "must be an object {gpu_type: dollars per hour}")
+        d = None
+    out = {}
+    for k, v in (d or {}).items():
+        name = canonical_name(k)
+        if name is None:
+            r.bad(f"prices.{k}", f"unknown GPU type (known: {known_types()})")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+            r.bad(f"prices.{k}", f"must be a number >= 0 ($/h per GPU), got {v!r}")
+        else:
+            out[name] = float(v)
+    for t in cluster.types():
+        out.setdefault(t, CATALOGUE[t].price)
+    return out
+
+
+# ----------------------------------------------------------------------------- layout
+
+_LAYOUT_KEYS = {"train_ranks", "train_gpus", "train_gpu_type", "dp", "tp", "pp", "rollout_tp",
+                "trainer", "rollout_replicas"}
+
+
+def _read_layout(r: Reader, d) -> dict | None:
+    """Checks field types only; placement against the cluster is checked by the planner."""
+    if d is None:
+        return None
+    d = r.section(d, "layout", _LAYOUT_KEYS)
+    for k in ("train_gpus", "dp", "tp", "pp", "rollout_tp"):
+        r.num(d, k, "layout", integer=True, lo=1)
+    if "train_gpu_type" in d and canonical_name(d["train_gpu_type"]) is None:
+        r.bad("layout.train_gpu_type", f"unknown GPU type {d['train_gpu_type']!r} (known: {known_types()})")
+    tr = d.get("train_ranks")
+    if tr is not None and (not isinstance(tr, list) or not tr or
+                           not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in tr)):
+        r.bad("layout.train_ranks", "must be a non-empty list of global ranks (integers >= 0)")
+    if "trainer" in d and not isinstance(d["trainer"], dict):
+        r.bad("layout.trainer", "must be {dp, stages: [{gpu_type, tp, layers: [start, end]}]}")
+    if "rollout_replicas" in d and not isinstance(d["rollout_replicas"], list):
+        r.bad("layout.rollout_replicas", "must be a list of {tp, ranks}")
+    return dict(d)
+
+
+# ----------------------------------------------------------------------------- job
+
+_JOB_KEYS = {"name", "model", "data", "reward", "rl", "workload", "cluster", "prices", "budget",
+             "layout", "out_dir", "extra"}
+
+
+@dataclass
+class Job:
+    name: str
+    model: ModelSpec
+    data: DataSpec
+    reward: RewardSpec
+    rl: RLSpec
+    workload: WorkloadSpec
+    cluster: ClusterSpec
+    prices: dict[str, float]
+    budget: float | None = None
+    layout: dict | None = None
+    out_dir: str = "runs/hexrl"
+    extra: dict = field(default_factory=dict)  # free-form, passed through untouched
+
+    def price_per_hour(self) -> float:
+        return sum(self.prices[n.gpu_type] * n.gpus for n in self.cluster.nodes)
+
+    def to_dict(self) -> dict:
+        """The job with every default filled in (what a plan file starts with)."""
+        d = {
+            "name": self.name, "model": self.model.to_dict(), "data": self.data.to_dict(),
+            "reward": self.reward.to_dict(), "rl": self.rl.to_dict(),
+            "workload": self.workload.to_dict(), "cluster": self.cluster.to_dict(),
+            "prices": dict(self.prices), "budget": self.budget, "out_dir": self.out_dir,
+        }
+        if self.layout is not None:
+            d["layout"] = self.layout
+        if self.extra:
+            d["extra"] = self.extra
+        return d
+
+
+def read_source(path_or_dict, what: str) -> tuple[dict, Path]:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict, Path.cwd()
+    p = Path(path_or_dict)
+    try:
+        d = json.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError([f"{p}: cannot read: {e.strerror or e}"], f"invalid {what}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError([f"{p}: not valid JSON: {e}"], f"invalid {what}") from None
+    if not isinstance(d, dict):
+        raise ConfigError([f"{p}: must hold a JSON object"], f"invalid {what}")
+    return d, p.resolve().parent
+
+
+def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=frozenset()) -> Job | None:
+    for k in d:
+        if k not in _JOB_KEYS | extra_keys:
+            r.bad(k, f"unknown top-level field (known: {', '.join(sorted(_JOB_KEYS))})")
+    name = r.text(d, "name", "job", "hexrl-job")
+    model = _read_model(r, d.get("model"), base)
+    data = _read_data(r, d.get("data"), base, check_paths)
+    reward = _read_reward(r, d.get("reward"), data)
+    rl = _read_rl(r, d.get("rl"))
+    workload = _read_workload(r, d.get("workload"), rl)
+    cluster = _read_cluster(r, d.get("cluster"))
+    prices = _read_prices(r, d.get("prices"), cluster)
+    budget = r.num(d, "budget", "job", None, lo=0, lo_open=True, none_ok=True)
+    layout = _read_layout(r, d.get("layout"))
+    out_dir = r.text(d, "out_dir", "job", f"runs/{name}")
+    extra = d.get("extra", {})
+    if not isinstance(extra, dict):
+        r.bad("extra", "must be an object")
+        extra = {}
+    if model and model.config.max_position_embeddings < workload.prompt_len + rl.max_new_tokens:
+        r.bad("rl.max_new_tokens", f"prompt_len {workload.prompt_len} + max_new_tokens {rl.max_new_tokens} "
+              f"exceeds the model's max_position_embeddings {model.config.max_position_embeddings}")
+    if r.problems:
+        return None
+    return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, out_dir, extra)
+
+
+def load_job(path_or_dict, check_paths: bool = True) -> Job:
+    """Read and validate a job (a path to job.json or a dict); raises ConfigError listing every problem.
+
+    check_paths=False skips checking that the data file exists (the planner does not read it).
+    """
+    d, base = read_source(path_or_dict, "job")
+    r = Reader()
+    job = parse_job(r, d, base, check_paths)
+    if r.problems:
+        raise ConfigError(r.problems, "invalid job")
+    return job
+

@@ -1,0 +1,316 @@
+"""The plan schema: a job plus a role for every global rank, the trainer layout, the rollout replicas.
+
+`load_plan` reads and checks plan.json (and, under torchrun, that it fits the world it runs
+in) and reports every problem at once, before any process group is created.
+"""
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hexrl.gpus import canonical_name
+from hexrl.schema.fields import ConfigError, Reader, short
+from hexrl.schema.job import ClusterSpec, Job, known_types, parse_job, read_source
+from hexrl.schema.layout import Stage, TrainerLayout
+
+_PLAN_KEYS = {"ranks", "trainer", "rollout", "predicted"}
+
+
+ROLES = ("train", "rollout")
+
+
+@dataclass
+class RankInfo:
+    rank: int
+    node: int
+    local_rank: int
+    gpu_type: str
+    role: str  # train | rollout
+    dp: int | None = None
+    pp: int | None = None
+    tp: int | None = None
+    replica: int | None = None
+
+    def to_dict(self) -> dict:
+        keys = ("dp", "pp", "tp") if self.role == "train" else ("replica", "tp")
+        d = {k: getattr(self, k) for k in ("rank", "node", "local_rank", "gpu_type", "role")}
+        d.update({k: getattr(self, k) for k in keys})
+        return d
+
+
+@dataclass
+class Replica:
+    id: int
+    gpu_type: str
+    tp: int
+    ranks: list[int]  # ranks[i] holds TP shard i; ranks[0] leads
+    share: float  # fraction of prompts this replica should receive
+    max_batch: int | None = None  # running sequences the planner assumed (a hint for the engine)
+
+    def to_dict(self) -> dict:
+        d = {"id": self.id, "gpu_type": self.gpu_type, "tp": self.tp, "ranks": list(self.ranks),
+             "share": self.share}
+        if self.max_batch is not None:
+            d["max_batch"] = self.max_batch
+        return d
+
+
+@dataclass
+class Plan:
+    job: Job
+    ranks: list[RankInfo]
+    trainer: TrainerLayout
+    replicas: list[Replica]
+    predicted: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        # the rank table places every trainer slot; give the layout those ranks (if it covers the grid)
+        slot = {(x.pp, x.dp, x.tp): x.rank for x in self.ranks if x.role == "train"}
+        if all(c in slot for c in self.trainer.slots()):
+            self.trainer.ranks = [slot[c] for c in self.trainer.slots()]
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.job.cluster.gpus_per_node
+
+    def train_ranks(self) -> list[int]:
+        return [x.rank for x in self.ranks if x.role == "train"]
+
+    def rollout_ranks(self) -> list[int]:
+        return [x.rank for x in self.ranks if x.role == "rollout"]
+
+    def to_dict(self) -> dict:
+        d = self.job.to_dict()
+        d["ranks"] = [x.to_dict() for x in self.ranks]
+        d["trainer"] = self.trainer.to_dict()
+        d["rollout"] = {"replicas": [x.to_dict() for x in self.replicas]}
+        d["predicted"] = self.predicted
+        return d
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+
+def _read_ranks(r: Reader, raw) -> list[RankInfo]:
+    if not isinstance(raw, list) or not raw:
+        r.bad("ranks", "must be a non-empty list with one object per global rank")
+        return []
+    out, seen = [], {}
+    for i, x in enumerate(raw):
+        w = f"ranks[{i}]"
+        x = r.section(x, w, {"rank", "node", "local_rank", "gpu_type", "role", "dp", "pp", "tp", "replica"})
+        if not x:
+            continue
+        ints = {k: r.num(x, k, w, None, integer=True, lo=0, required=k in ("rank", "node", "local_rank", "tp"))
+                for k in ("rank", "node", "local_rank", "dp", "pp", "tp", "replica")}
+        if ints["rank"] in seen:
+            r.bad(f"{w}.rank", f"rank {ints['rank']} listed twice (also ranks[{seen[ints['rank']]}])")
+            continue
+        seen.setdefault(ints["rank"], i)
+        role = x.get("role")
+        if role not in ROLES:
+            r.bad(f"{w}.role", f"unknown role {role!r} (known: {', '.join(ROLES)})")
+            continue
+        need = ("dp", "pp") if role == "train" else ("replica",)
+        for k in need:
+            if ints[k] is None and k not in x:
+                r.bad(f"{w}.{k}", f"missing (required for role {role!r})")
+        gt = canonical_name(x.get("gpu_type"))
+        if gt is None:
+            r.bad(f"{w}.gpu_type", f"unknown GPU type {x.get('gpu_type')!r} (known: {known_types()})")
+        if None in (ints["rank"], ints["node"], ints["local_rank"], ints["tp"], gt) or \
+                any(ints[k] is None for k in need):
+            continue
+        out.append(RankInfo(ints["rank"], ints["node"], ints["local_rank"], gt, role,
+                            ints["dp"] if role == "train" else None, ints["pp"] if role == "train" else None,
+                            ints["tp"], ints["replica"] if role == "rollout" else None))
+    return out
+
+
+def _read_trainer(r: Reader, raw) -> TrainerLayout | None:
+    t = r.section(raw, "trainer", {"dp", "stages"}, required=True)
+    dp = r.num(t, "dp", "trainer", None, integer=True, lo=1, required=bool(t))
+    stages = []
+    raw_stages = t.get("stages")
+    if t and (not isinstance(raw_stages, list) or not raw_stages):
+        r.bad("trainer.stages", "must be a non-empty list of {gpu_type, tp, layers}")
+        raw_stages = []
+    for i, s in enumerate(raw_stages or []):
+        w = f"trainer.stages[{i}]"
+        s = r.section(s, w, {"gpu_type", "tp", "layers"})
+        gt = canonical_name(s.get("gpu_type"))
+        if gt is None:
+            r.bad(f"{w}.gpu_type", f"unknown GPU type {s.get('gpu_type')!r} (known: {known_types()})")
+        tp = r.num(s, "tp", w, None, integer=True, lo=1, required=True)
+        lay = s.get("layers")
+        if not (isinstance(lay, list) and len(lay) == 2 and all(isinstance(v, int) for v in lay)):
+            r.bad(f"{w}.layers", f"must be [start, end] integers, got {lay!r}")
+            lay = None
+        if gt and tp and lay:
+            stages.append(Stage(gt, tp, (lay[0], lay[1])))
+    if dp is None or len(stages) != len(raw_stages or []):
+        return None
+    return TrainerLayout(dp, stages)
+
+
+def _read_replicas(r: Reader, raw) -> list[Replica]:
+    roll = r.section(raw, "rollout", {"replicas"}, required=True)
+    reps = roll.get("replicas")
+    if roll and not isinstance(reps, list):
+        r.bad("rollout.replicas", "must be a list of {id, gpu_type, tp, ranks, share}")
+        return []
+    out = []
+    for i, x in enumerate(reps or []):
+        w = f"rollout.replicas[{i}]"
+        x = r.section(x, w, {"id", "gpu_type", "tp", "ranks", "share", "max_batch"})
+        rid = r.num(x, "id", w, None, integer=True, lo=0, required=True)
+        max_batch = r.num(x, "max_batch", w, None, integer=True, lo=1)
+        tp = r.num(x, "tp", w, None, integer=True, lo=1, required=True)
+        share = r.num(x, "share", w, None, lo=0, hi=1, required=True)
+        gt = canonical_name(x.get("gpu_type"))
+        if gt is None:
+            r.bad(f"{w}.gpu_type", f"unknown GPU type {x.get('gpu_type')!r} (known: {known_types()})")
+        ranks = x.get("ranks")
+        if not (isinstance(ranks, list) and ranks and all(isinstance(v, int) for v in ranks)):
+            r.bad(f"{w}.ranks", f"must be a non-empty list of global ranks, got {ranks!r}")
+            ranks = None
+        if None not in (rid, tp, share, gt, ranks):
+            out.append(Replica(rid, gt, tp, ranks, float(share), max_batch))
+    return out
+
+
+def check_plan(plan: Plan) -> list[str]:
+    """Every inconsistency between a plan's ranks, trainer grid, replicas and cluster."""
+    p: list[str] = []
+    _check_rank_table(plan, p)
+    _check_trainer(plan, p, plan.job.model.config.num_hidden_layers)
+    _check_replicas(plan, p)
+    if not plan.train_ranks():
+        p.append("ranks: no rank has role 'train'")
+    if not plan.rollout_ranks():
+        p.append("ranks: no rank has role 'rollout'")
+    return p
+
+
+def _check_rank_table(plan: Plan, p: list[str]):
+    c = plan.job.cluster
+    n = c.world_size
+    seen: dict[int, int] = {}  # duplicates were reported while reading the ranks
+    for i, x in enumerate(plan.ranks):
+        seen[x.rank] = i
+        if not 0 <= x.rank < n:
+            p.append(f"ranks[{i}].rank: {x.rank} outside 0..{n - 1} (cluster has {n} GPUs)")
+            continue
+        node, local = divmod(x.rank, c.gpus_per_node)
+        if (x.node, x.local_rank) != (node, local):
+            p.append(f"ranks[{i}]: rank {x.rank} must be node {node} local_rank {local} "
+                     f"(rank = node * {c.gpus_per_node} + local_rank), got node {x.node} local_rank {x.local_rank}")
+        elif x.gpu_type != c.nodes[node].gpu_type:
+            p.append(f"ranks[{i}].gpu_type: {x.gpu_type} but node {c.nodes[node].name} has {c.nodes[node].gpu_type}")
+    missing = sorted(set(range(n)) - set(seen))
+    if missing:
+        p.append(f"ranks: missing global ranks {short(missing)} (cluster has {n} GPUs)")
+
+
+def _check_trainer(plan: Plan, p: list[str], L: int):
+    t = plan.trainer
+    p += t.problems(L, "trainer")
+    heads = plan.job.model.config.num_attention_heads
+    for s_i, s in enumerate(t.stages):
+        if heads % s.tp:
+            p.append(f"trainer.stages[{s_i}].tp: {s.tp} does not divide num_attention_heads {heads}")
+    grid: dict[tuple, int] = {}
+    for x in plan.ranks:
+        if x.role != "train":
+            continue
+        key = (x.dp, x.pp, x.tp)
+        if key in grid:
+            p.append(f"ranks: ranks {grid[key]} and {x.rank} both at trainer dp={x.dp} pp={x.pp} tp={x.tp}")
+        grid[key] = x.rank
+        if not (x.pp < len(t.stages) and x.dp < t.dp and x.tp < t.stages[x.pp].tp):
+            p.append(f"ranks: rank {x.rank} at dp={x.dp} pp={x.pp} tp={x.tp} is outside the trainer grid")
+        elif x.gpu_type != t.stages[x.pp].gpu_type:
+            p.append(f"ranks: rank {x.rank} is {x.gpu_type} but trainer stage {x.pp} is {t.stages[x.pp].gpu_type}")
+    want = {(d, s_i, k) for s_i, s in enumerate(t.stages) for d in range(t.dp) for k in range(s.tp)}
+    holes = sorted(want - set(grid))
+    if holes:
+        p.append(f"trainer: no rank at grid positions (dp, pp, tp) {short(holes)}")
+
+
+def _check_replicas(plan: Plan, p: list[str]):
+    by_rank = {x.rank: x for x in plan.ranks}
+    ids = [r.id for r in plan.replicas]
+    for rid in sorted({i for i in ids if ids.count(i) > 1}):
+        p.append(f"rollout.replicas: id {rid} used more than once")
+    covered = set()
+    for i, rep in enumerate(plan.replicas):
+        w = f"rollout.replicas[{i}]"
+        if len(rep.ranks) != rep.tp:
+            p.append(f"{w}.ranks: {len(rep.ranks)} ranks for tp={rep.tp}")
+        if plan.job.model.config.num_attention_heads % rep.tp:
+            p.append(f"{w}.tp: {rep.tp} does not divide num_attention_heads {plan.job.model.config.num_attention_heads}")
+        for k, rk in enumerate(rep.ranks):
+            x = by_rank.get(rk)
+            if rk in covered:
+                p.append(f"{w}.ranks: rank {rk} belongs to two replicas")
+            covered.add(rk)
+            if x is None:
+                p.append(f"{w}.ranks: rank {rk} not in ranks")
+            elif (x.role, x.replica, x.tp, x.gpu_type) != ("rollout", rep.id, k, rep.gpu_type):
+                p.append(f"{w}.ranks: rank {rk} must be role 'rollout', replica {rep.id}, tp {k}, "
+                         f"{rep.gpu_type}; ranks says role {x.role!r}, replica {x.replica}, tp {x.tp}, {x.gpu_type}")
+    orphans = sorted(x.rank for x in plan.ranks if x.role == "rollout" and x.rank not in covered)
+    if orphans:
+        p.append(f"ranks: rollout ranks {short(orphans)} belong to no replica")
+    total = sum(r.share for r in plan.replicas)
+    if plan.replicas and abs(total - 1.0) > 1e-3:
+        p.append(f"rollout.replicas: shares sum to {total:.4f}, must sum to 1")
+
+
+def load_plan(path_or_dict, check_paths: bool = True, world: tuple[int, int] | None = None) -> Plan:
+    """Read and validate a plan (job fields + ranks, trainer, rollout, predicted); ConfigError lists all problems.
+
+    world: (WORLD_SIZE, LOCAL_WORLD_SIZE) of the torchrun job, checked in the same pass."""
+    d, base = read_source(path_or_dict, "plan")
+    r = Reader()
+    job = parse_job(r, {k: v for k, v in d.items() if k not in _PLAN_KEYS}, base, check_paths)
+    ranks = _read_ranks(r, d.get("ranks"))
+    trainer = _read_trainer(r, d.get("trainer"))
+    replicas = _read_replicas(r, d.get("rollout"))
+    predicted = d.get("predicted", {})
+    if not isinstance(predicted, dict):
+        r.bad("predicted", "must be an object")
+        predicted = {}
+    n_ranks = len(d["ranks"]) if isinstance(d.get("ranks"), list) else 0
+    problems = list(r.problems)
+    if world is not None and job is not None:
+        problems += _world_problems(n_ranks, job.cluster, *world)
+    if job is not None and trainer is not None:  # also with bad rank entries: report the rest too
+        plan = Plan(job, ranks, trainer, replicas, predicted)
+        problems += check_plan(plan)
+    if problems or job is None or trainer is None:
+        raise ConfigError(problems or ["trainer: missing"], "invalid plan")
+    return plan
+
+
+def _world_problems(n_ranks: int, c: ClusterSpec, world_size: int, local_world_size: int) -> list[str]:
+    p = []
+    if world_size != n_ranks:
+        p.append(f"WORLD_SIZE={world_size} but the plan has {n_ranks} ranks "
+                 f"({len(c.nodes)} nodes x {c.gpus_per_node}); launch with "
+                 f"torchrun --nnodes {len(c.nodes)} --nproc_per_node {c.gpus_per_node}")
+    if local_world_size != c.gpus_per_node:
+        p.append(f"LOCAL_WORLD_SIZE={local_world_size} but every plan node has {c.gpus_per_node} GPUs; "
+                 f"launch with --nproc_per_node {c.gpus_per_node}")
+    return p
+
+
+def validate_plan_against_world(plan: Plan, world_size: int, local_world_size: int) -> None:
+    """Check the plan fits the torchrun world this process lives in; ConfigError lists every problem."""
+    p = check_plan(plan) + _world_problems(plan.world_size, plan.job.cluster, world_size, local_world_size)
+    if p:
+        raise ConfigError(p, "plan does not match this torchrun world")
