@@ -14,6 +14,7 @@ import time
 import msgpack
 import torch
 
+from hexrl import effective
 from hexrl.comm import RouterChannel, broadcast_bytes, msg_to_trajectory, publish_endpoint, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
@@ -26,14 +27,19 @@ from hexrl.trajectory import Trajectory
 from hexrl.weights import broadcast_stage, stage_specs
 
 from .checkpoint import resolve
-from .trainer import TrainConfig, Trainer
+from hexrl.schema.knobs import TrainKnobs
+
+from .trainer import DTYPES, TrainConfig, Trainer
 
 
-def train_config(rl) -> TrainConfig:
-    return TrainConfig(lr=rl.lr, clip_low=rl.clip_low, clip_high=rl.clip_high, behav_cap=rl.behav_cap,
+def train_config(rl, knobs: TrainKnobs) -> TrainConfig:
+    """The trainer's settings: the job's RL hyper-parameters and the plan's trainer knobs."""
+    return TrainConfig(lr=rl.lr, grad_clip=rl.grad_clip, warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
+                       clip_low=rl.clip_low, clip_high=rl.clip_high, behav_cap=rl.behav_cap,
                        decoupled=rl.decoupled, kl_coef=rl.kl_coef, ppo_minibatches=rl.ppo_minibatches,
                        temperature=rl.temperature if rl.temperature > 0 else 1.0,
-                       filter_equal_groups=rl.filter_equal_groups)
+                       filter_equal_groups=rl.filter_equal_groups, micro_batch_tokens=knobs.micro_batch_tokens,
+                       dtype=knobs.dtype, activation_checkpointing=knobs.activation_checkpointing)
 
 
 def start_controller(ctx, tokenizer, train: list) -> Controller:
@@ -109,7 +115,12 @@ def run_trainer(ctx, grid) -> None:
     job = ctx.plan.job
     if not job.model.path:
         raise ValueError("model.path: a run needs a checkpoint directory (a preset or inline config only plans)")
-    trainer = Trainer(job.model.path, ctx.layout, train_config(job.rl), grid=grid, device=ctx.device)
+    trainer = Trainer(job.model.path, ctx.layout, train_config(job.rl, ctx.plan.train_knobs), grid=grid,
+                      device=ctx.device)
+    if ctx.rank == ctx.controller_rank:
+        effective.publish(ctx, "train", effective.train_values(trainer))
+    elif ctx.rank == 0:
+        effective.write(ctx.store, [r.id for r in ctx.plan.replicas], ctx.run_dir)
     is_controller = ctx.rank == ctx.controller_rank
     controller = metrics = None
     tokenizer = load_tokenizer(job.model.path) if is_controller else None
@@ -127,7 +138,7 @@ def run_trainer(ctx, grid) -> None:
     evaluator = HeldoutEval(ctx, heldout, tokenizer, job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
     if start_step == 0:
         evaluator.maybe(trainer, 0)
-    rollout_dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
             controller.publish_version(trainer.version)
