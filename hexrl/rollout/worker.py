@@ -17,7 +17,7 @@ from hexrl.comm import DealerChannel, lookup_endpoint, message, trajectory_to_ms
 from hexrl.rewards import RewardPool
 from hexrl.trajectory import Trajectory
 from hexrl.watchdog import describe_exception
-from hexrl.weights import TensorSpec, broadcast_stage, load_into
+from hexrl.weights import TensorSpec, load_into, receive_stage
 
 from .engine import Engine
 from .sequence import Finished, Request
@@ -46,7 +46,7 @@ def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device):
     def receive(version: int):
         def load(model):
             for s in sync:
-                load_into(model, broadcast_stage(None, s.specs, s.src, s.group, dtype, device))
+                receive_stage(s.specs, s.src, s.group, dtype, device, lambda part: load_into(model, part))
         return load
     return receive
 

@@ -24,9 +24,9 @@ from hexrl.heldout import greedy_accuracy
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
-from hexrl.weights import broadcast_stage, stage_specs
+from hexrl.weights import send_stage, stage_specs
 
-from .checkpoint import resolve
+from .checkpoint import full_param, resolve, shard_dims
 from hexrl.schema.knobs import TrainKnobs
 
 from .trainer import DTYPES, TrainConfig, Trainer
@@ -58,12 +58,13 @@ def start_controller(ctx, tokenizer, train: list) -> Controller:
     return controller
 
 
-def share_batch(batch: list[Trajectory] | None, group, src: int) -> list[Trajectory]:
-    """Broadcast the step's trajectories from the controller rank to every trainer rank."""
+def share_batch(batch: list[Trajectory] | None, group, src: int, device) -> list[Trajectory]:
+    """Broadcast the step's trajectories from the controller rank to every trainer rank (as bytes
+    in a tensor on the compute device)."""
     if group is None:  # a single trainer rank
         return batch
     payload = msgpack.packb([trajectory_to_msg(t) for t in batch]) if batch is not None else None
-    raw = broadcast_bytes(payload, src, group)
+    raw = broadcast_bytes(payload, src, group, device)
     return batch if batch is not None else [msg_to_trajectory(m) for m in msgpack.unpackb(raw)]
 
 
@@ -101,13 +102,17 @@ class HeldoutEval:
 
 def sync_weights(ctx, trainer: Trainer, dtype: torch.dtype) -> float:
     """Send this stage's new weights to every rollout rank; returns the seconds it took."""
-    t0 = time.perf_counter()
-    full = trainer.named_full_weights_for_stage(dtype)  # collective over the stage's TP group
-    stage = trainer.grid.stage
-    src, group = ctx.sync_groups[stage]
-    if ctx.rank == src:
-        specs = stage_specs(trainer.model_cfg, trainer.grid.layers)
-        broadcast_stage(full, specs, src, group, dtype, ctx.device)
+    t0, g = time.perf_counter(), trainer.grid
+    if g.dp_rank != 0:  # DP replica 0 holds the same weights
+        return 0.0
+    src, group = ctx.sync_groups[g.stage]
+    params, dims = dict(trainer.model.named_parameters()), shard_dims(trainer.model)
+
+    def full(name):  # gathered on the device, collective over the stage's TP group
+        t = full_param(params[name], dims[name], g, dtype)
+        return t if ctx.rank == src else None
+
+    send_stage(full, stage_specs(trainer.model_cfg, g.layers), src, group, dtype)
     return time.perf_counter() - t0
 
 
@@ -161,7 +166,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
     groups = controller.next_batch() if controller else None
     batch = [t for g in groups for t in g.trajectories] if groups is not None else None
     t_batch = time.perf_counter()
-    batch = share_batch(batch, trainer.grid.trainer_group, ctx.controller_rank)
+    batch = share_batch(batch, trainer.grid.trainer_group, ctx.controller_rank, ctx.device)
     version_before = trainer.version
     out = trainer.step(batch)
     t_train = time.perf_counter()
