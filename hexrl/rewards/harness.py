@@ -4,7 +4,7 @@ Stdlib only: the sandbox runs this file as a script (`python -I -S harness.py pl
 and the reward process imports it for the codec, so both sides speak one format.
 
 - `player FILE`: runs the untrusted solution, then serves calls `{"fn", "args"}` -> `{"ok": value}`
-  or `{"error": text}`, one JSON line each way. Only plain values cross: `encode` accepts the exact
+  or `{"error": text}`, one JSON line each way (`"fn": null` asks whether the solution loaded). Only plain values cross: `encode` accepts the exact
   types None, bool, int, float, str, bytes, list, tuple, dict, set, frozenset (subclasses, e.g. an
   object whose `__eq__` is always True, are refused), so the decoded value has no code of its own.
 - `judge FILE`: runs trusted test code (a HumanEval `check` or an assert the reward could not turn
@@ -112,6 +112,9 @@ def _player(path: str) -> None:
         try:
             if load_error:
                 raise RuntimeError(load_error)
+            if req["fn"] is None:  # a ping: did the solution load?
+                _send(proto_out, {"ok": None})
+                continue
             fn = namespace.get(req["fn"])
             if not callable(fn):
                 raise NameError(f"the solution defines no function {req['fn']!r}")
