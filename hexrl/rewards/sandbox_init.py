@@ -183,8 +183,17 @@ def _read_config() -> dict:
     return json.loads(read_exact(int.from_bytes(read_exact(8), "little")))
 
 
+def _host_root() -> bool:
+    """Root of the initial user namespace (not merely root inside some container's namespace)."""
+    try:
+        with open("/proc/self/uid_map") as f:
+            return os.geteuid() == 0 and f.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return False
+
+
 def _map_ids(pid: int) -> None:
-    if os.geteuid() == 0:  # root: the sandbox uid is the host's unprivileged nobody
+    if _host_root():  # root: the sandbox uid is the host's unprivileged nobody
         _write(f"/proc/{pid}/uid_map", f"{SANDBOX_ID} {SANDBOX_ID} 1\n")
         _write(f"/proc/{pid}/gid_map", f"{SANDBOX_ID} {SANDBOX_ID} 1\n")
     else:  # an unprivileged caller may only map itself
@@ -245,7 +254,7 @@ def main() -> None:
     sync_c_r, sync_c_w = os.pipe()  # C -> L
     sync_l_r, sync_l_w = os.pipe()  # L -> C
     err_r, err_w = os.pipe()
-    if os.geteuid() == 0:
+    if _host_root():
         os.setgroups([])  # root's supplementary groups must not follow the sandbox
     me = os.getpid()
     c = os.fork()
