@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hexrl import dist_rules
 from hexrl.data import dataset_problems
 from hexrl.schema import ConfigError, Plan, TrainerLayout, load_plan
 from hexrl.watchdog import Watchdog, describe_exception
@@ -56,7 +57,8 @@ def build_groups(plan: Plan) -> tuple[list, dict]:
     """Weight-sync groups (stage source + every rollout rank) and rollout replica TP groups.
 
     Every rank calls new_group for every group in the same order (torch requires it); only
-    members get a communicator.
+    members get a communicator. The first use of each is a collective of all its members (a
+    broadcast; the engine's page-count agreement), never p2p (rules: hexrl/dist_rules.py).
     """
     rollout = plan.rollout_ranks()
     sync = []
@@ -113,13 +115,18 @@ def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
 
 
 def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
+    """The process group, and this rank's compute device declared to hexrl.dist_rules (whose strict
+    mode, under HEXRL_STRICT_COLLECTIVES=1, checks every collective against the NCCL rules)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        # gloo for CPU tensors (control data), NCCL for CUDA tensors (weights, gradients)
+        # NCCL for CUDA tensors (every collective of the run); gloo only for the teardown barrier
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    return torch.device("cpu")
+        device = torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        device = torch.device("cpu")
+    dist_rules.maybe_install(device)
+    return device
 
 
 def main(argv=None) -> None:
@@ -158,7 +165,8 @@ def main(argv=None) -> None:
         os._exit(1)  # skip destructors that could block in a collective
     # Every rank done with its collectives before any tears gloo down (else it can SIGABRT); a CPU
     # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL.
-    dist.all_reduce(torch.zeros(1))
+    with dist_rules.host_collective():
+        dist.all_reduce(torch.zeros(1))
     watchdog.finish()
     dist.destroy_process_group()
 

@@ -13,7 +13,7 @@ from hexrl.model.tiny import make_tiny_model
 
 
 def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2,
-              heldout: int = 0, **rl) -> Path:
+              heldout: int = 0, runtime: dict | None = None, **rl) -> Path:
     """A tiny CPU job (2 trainer ranks + 1 rollout rank by default), planned into plan.json."""
     model = tmp / "model"
     if not model.exists():
@@ -27,6 +27,7 @@ def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, tr
                "seed": 0, "filter_equal_groups": False, **rl},
         "cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": nproc}]},
         "layout": {"train_gpus": train_gpus, "dp": train_gpus},
+        **({"runtime": runtime} if runtime else {}),
     }
     (tmp / "job.json").write_text(json.dumps(job))
     subprocess.run([sys.executable, "-m", "hexrl.plan", str(tmp / "job.json"), "-o", str(tmp / "plan.json")],
