@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from hexrl.comm import RouterChannel, message, msg_to_trajectory
@@ -53,6 +53,7 @@ class Controller:
         self.redo: deque[int] = deque()  # dataset indices to hand out again first (after a resume)
         self.completion_tokens = 0  # counted as trajectories arrive, for rollout tokens/s
         self.failure: str | None = None
+        self.rejected: Counter[str] = Counter()  # messages refused here (the router counts its own)
         self.lock = threading.Condition()
         self.outbox: queue.Queue[dict] = queue.Queue()  # broadcast to every replica by this thread
         self._stop = threading.Event()
@@ -72,7 +73,9 @@ class Controller:
             while True:
                 if self.failure:
                     raise ControllerFailure(self.failure)
-                batch = self.buffer.pop_batch(self.rl.batch_size, trainer_version=self.version)
+                for gid in self.buffer.drop_stale(self.version):
+                    self.in_flight.pop(gid, None)  # consumed: a resume must not hand it out again
+                batch = self.buffer.pop_batch(self.rl.batch_size)
                 if batch is not None:
                     for g in batch:
                         self.in_flight.pop(g.group_id, None)
@@ -98,22 +101,43 @@ class Controller:
             self.buffer.drain("shutdown")
 
     def state(self) -> dict:
-        """What a checkpoint needs so a resume neither repeats nor skips a prompt."""
+        """What a checkpoint needs so a resume neither repeats nor skips a prompt, lets the gate run
+        exactly as far ahead as an uninterrupted run, and continues every counter.
+
+        Work not yet trained (open and ready groups) is redone after a resume, so the saved
+        counters leave it out, as if it had never been produced.
+        """
         with self.lock:
+            ready = self.buffer.ready
             return {"cursor": self.cursor.state(), "next_group": self.next_group,
-                    "redo": sorted(set(self.in_flight.values()) | set(self.redo)), "version": self.version}
+                    "redo": sorted(set(self.in_flight.values()) | set(self.redo)), "version": self.version,
+                    # gate.accepted counts trained + ready groups; the ready ones will be redone
+                    "gate": {"accepted": self.gate.accepted - len(ready), "released": dict(self.gate.released),
+                             "too_stale": self.gate.too_stale},
+                    "counters": {**self.buffer.counters(), "completion_tokens": self.completion_tokens,
+                                 "rejected": dict(self.rejected)}}
 
     def load_state(self, state: dict) -> None:
+        """Continue from `state()` of a checkpoint (older checkpoints lack "gate"/"counters")."""
         self.cursor.load_state(state["cursor"])
         self.next_group = state["next_group"]
         self.redo = deque(state["redo"])
         self.version = state["version"]
+        gate = state.get("gate", {"accepted": self.version * self.rl.batch_size})  # trained groups
+        self.gate.accepted = gate["accepted"]
+        self.gate.released.update(gate.get("released", {}))
+        self.gate.too_stale = gate.get("too_stale", 0)
+        counters = state.get("counters", {})
+        self.buffer.load_counters(counters)
+        self.completion_tokens = counters.get("completion_tokens", 0)
+        self.rejected.update(counters.get("rejected", {}))
 
     def counters(self) -> dict:
         with self.lock:
             acc = self.buffer.accounting()
+            rejected = self.rejected + self.router.rejected
             return {**acc, "completion_tokens": self.completion_tokens, "too_stale": self.gate.too_stale,
-                    "rejected_messages": sum(self.router.rejected.values())}
+                    "rejected_messages": sum(rejected.values()), "rejected_reasons": dict(rejected)}
 
     # ------------------------------------------------------------------ controller thread
     def _run(self) -> None:
@@ -174,7 +198,7 @@ class Controller:
     def _handle(self, peer: str, msg: dict) -> None:
         replica = self.by_name.get(peer)
         if replica is None:
-            self.router.rejected["unknown_peer"] += 1
+            self.rejected["unknown_peer"] += 1
             return
         self.heartbeats.beat(replica)
         kind = msg["type"]

@@ -178,6 +178,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
             "max_staleness": max(version_before - t.oldest_version for t in batch),
             "staleness_hist": staleness_histogram([t.oldest_version for t in batch], version_before),
             "too_stale": c["too_stale"], "rejected_messages": c["rejected_messages"],
+            "rejected_reasons": c["rejected_reasons"],
             "rollout_tokens_per_s": (c["completion_tokens"] - tokens_before) / elapsed,
             "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
