@@ -20,12 +20,14 @@ import json
 import os
 import random
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from hexrl.model.checkpoint import CheckpointError
 from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hexrl.weights import stage_specs
 
@@ -204,17 +206,55 @@ def resolve(path: str | os.PathLike) -> Path:
     return path
 
 
+def _read_json_file(path: Path) -> dict:
+    """A JSON object from a checkpoint file; CheckpointError naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:  # bad JSON (an empty file too) or not UTF-8
+        raise CheckpointError(f"{path}: corrupt, not a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: corrupt, holds a {type(data).__name__} instead of a JSON object")
+    return data
+
+
+def _torch_load(path: Path, **kw):
+    try:
+        return torch.load(path, weights_only=True, **kw)
+    except Exception as e:  # torch raises RuntimeError, OSError, UnpicklingError, ... on a torn file
+        raise CheckpointError(f"{path}: corrupt or truncated ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def problems(path: str | os.PathLike) -> list[str]:
+    """Why the checkpoint at `path` (a root or one checkpoint) cannot be resumed from; cheap (reads
+    the JSON files and each .pt file's zip directory, not the tensors), so it runs before launch."""
+    try:
+        path = resolve(path)
+        meta, _ = _read_json_file(path / "meta.json"), _read_json_file(path / "extra.json")
+    except (FileNotFoundError, CheckpointError) as e:
+        return [str(e)]
+    out = [f"{path / 'meta.json'}: corrupt, lacks {k!r}" for k in ("version", "layout") if k not in meta]
+    for f in sorted(path.glob("*.pt")):
+        try:
+            with zipfile.ZipFile(f) as z:  # torch.save writes a zip; a torn file loses its directory
+                z.infolist()
+        except (OSError, zipfile.BadZipFile) as e:
+            out.append(f"{f}: corrupt or truncated ({e})")
+    return out
+
+
 def load(path: str | os.PathLike, grid: Grid, device="cpu") -> tuple[dict, dict, dict, dict]:
     """(shard of this (stage, tp) slot, this rank's RNG state, meta, extra) of the checkpoint at `path`."""
     path = resolve(path)
-    meta = json.loads((path / "meta.json").read_text())
-    want, have = grid.layout.to_dict(), meta["layout"]
-    if (want["dp"], want["stages"]) != (have["dp"], have["stages"]):
+    meta = _read_json_file(path / "meta.json")
+    want, have = grid.layout.to_dict(), meta.get("layout")
+    if not isinstance(have, dict) or (want["dp"], want["stages"]) != (have.get("dp"), have.get("stages")):
         raise ValueError(f"{path}: saved with layout {have}, this trainer has {want}; resume needs the same layout")
     s, d, t = grid.coord
-    shard = torch.load(path / f"model-s{s}-tp{t}.pt", map_location=device, weights_only=True)
-    rng = torch.load(path / f"rng-s{s}-dp{d}-tp{t}.pt", weights_only=True)
-    return shard, rng, meta, json.loads((path / "extra.json").read_text())
+    shard = _torch_load(path / f"model-s{s}-tp{t}.pt", map_location=device)
+    rng = _torch_load(path / f"rng-s{s}-dp{d}-tp{t}.pt")
+    return shard, rng, meta, _read_json_file(path / "extra.json")
 
 
 def gather_stage(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:

@@ -18,9 +18,9 @@ from hexrl.comm import RouterChannel, broadcast_bytes, msg_to_trajectory, publis
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
-from hexrl.data import load_dataset
 from hexrl.heldout import greedy_accuracy
 from hexrl.model.checkpoint import load_pretrained
+from hexrl.preflight import run_prompts
 from hexrl.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
 from hexrl.weights import broadcast_stage, stage_specs
@@ -112,8 +112,12 @@ def run_trainer(ctx, grid) -> None:
     trainer = Trainer(job.model.path, ctx.layout, train_config(job.rl), grid=grid, device=ctx.device)
     is_controller = ctx.rank == ctx.controller_rank
     controller = metrics = None
-    tokenizer = load_tokenizer(job.model.path) if is_controller else None
-    train, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
+    tokenizer = load_tokenizer(job.model.path)
+    train, heldout = run_prompts(job, tokenizer)  # the same usable prompts on every trainer rank
+    if is_controller and train.skipped:
+        print(f"[hexrl] skipped {len(train.skipped)} training prompts: {train.summary()}", flush=True)
+    train, heldout = train.problems, heldout.problems
+    tokenizer = tokenizer if is_controller else None
     start_step = 0
     if ctx.resume is not None:
         extra = trainer.load(ctx.resume)
