@@ -14,7 +14,8 @@ import time
 import msgpack
 import torch
 
-from hexrl.comm import RouterChannel, broadcast_bytes, msg_to_trajectory, publish_endpoint, trajectory_to_msg
+from hexrl.comm import (RouterChannel, broadcast_bytes, msg_to_trajectory, new_secret, publish_endpoint,
+                        publish_secret, trajectory_to_msg)
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
@@ -39,13 +40,15 @@ def train_config(rl) -> TrainConfig:
 def start_controller(ctx, tokenizer, train: list) -> Controller:
     """Bind the controller's socket on this node's address and publish it through the store."""
     plan, job = ctx.plan, ctx.plan.job
-    router = RouterChannel()
+    secret = new_secret()
+    publish_secret(ctx.store, secret)  # the rollout leaders read it from the store, never env/argv
+    router = RouterChannel(secret)
     address = job.cluster.nodes[ctx.info.node].address
     endpoint = router.bind("0.0.0.0" if address not in ("127.0.0.1", "localhost") else address, advertise=address)
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
     cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
-                            replicas, router)
+                            replicas, router, vocab_size=job.model.config.vocab_size)
     publish_endpoint(ctx.store, "controller", endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
@@ -135,6 +138,7 @@ def run_trainer(ctx, grid) -> None:
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
             controller.publish_version(trainer.version)
+            controller.wait_delivered(trainer.version)
         sync_weights(ctx, trainer, rollout_dtype)
     try:
         for step in range(start_step, job.rl.steps):
@@ -163,6 +167,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
     if not last:
         if controller:
             controller.publish_version(trainer.version)
+            controller.wait_delivered(trainer.version)  # wakes, and raises, on a controller failure
         sync_s = sync_weights(ctx, trainer, dtype)
     accuracy = evaluator.maybe(trainer, step + 1)
     every = job.rl.checkpoint_every
