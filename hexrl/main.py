@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from hexrl import dist_rules
 from hexrl.data import dataset_problems
+from hexrl.preflight import input_problems
 from hexrl.schema import ConfigError, Plan, TrainerLayout, load_plan
 from hexrl.watchdog import Watchdog, describe_exception
 
@@ -90,11 +91,13 @@ def world_from_env() -> tuple[int, int, int, int]:
     return tuple(int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
 
 
-def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None) -> Plan:
-    """The plan, validated against this world before any collective; exits 2 with every problem."""
+def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None,
+                      resume: str | None = None) -> Plan:
+    """The plan and the run's input files (tokenizer, every prompt, the checkpoint to resume),
+    validated against this world before any collective; exits 2 with every problem."""
     try:
         plan = load_plan(path, world=(world, local_world))
-        if problems := dataset_problems(plan.job.data.synthetic):
+        if problems := dataset_problems(plan.job.data.synthetic) + input_problems(plan.job, resume):
             raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         if rank == 0:
@@ -132,7 +135,7 @@ def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
-    plan = load_checked_plan(args.plan, rank, world, local_world, args.steps)
+    plan = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
     device = init_distributed(rank, world, local_rank)
     store = dist.distributed_c10d._get_default_store()  # the job-wide store torchrun set up
