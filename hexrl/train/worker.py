@@ -22,6 +22,7 @@ from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
 from hexrl.heldout import greedy_accuracy
 from hexrl.model.checkpoint import load_pretrained
+from hexrl.nodes import bind_host
 from hexrl.preflight import run_prompts
 from hexrl.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
@@ -44,13 +45,14 @@ def train_config(rl, knobs: TrainKnobs) -> TrainConfig:
 
 
 def start_controller(ctx, tokenizer, train: list) -> Controller:
-    """Bind the controller's socket on this node's address and publish it through the store."""
+    """Bind the controller's socket on this node's address from the plan (never a wildcard: only
+    that interface listens) and publish it through the store."""
     plan, job = ctx.plan, ctx.plan.job
     secret = new_secret()
     publish_secret(ctx.store, secret)  # the rollout leaders read it from the store, never env/argv
     router = RouterChannel(secret)
     address = job.cluster.nodes[ctx.info.node].address
-    endpoint = router.bind("0.0.0.0" if address not in ("127.0.0.1", "localhost") else address, advertise=address)
+    endpoint = router.bind(bind_host(address), advertise=address)
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
     cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
