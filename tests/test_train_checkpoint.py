@@ -134,6 +134,48 @@ def test_process_killed_mid_write_keeps_previous_checkpoint(tmp_path, model_path
     assert not (root / ".tmp-step00000002").exists() and ckpt.resolve(root).name == "step00000002"
 
 
+KILLED_AT_POINT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+from hexrl.train import TrainConfig, Trainer
+from hexrl.train import checkpoint as ckpt
+from test_train_parallel import make_batch
+root = {root!r}
+t = Trainer({model!r}, {layout!r}, TrainConfig(**{cfg!r}))
+for i in range(2):
+    t.step(make_batch(i))
+    t.save(root)  # step00000001, step00000002; latest names the second
+if {resave!r}:
+    t.load(os.path.join(root, "step00000001"))  # back to version 1: the next save re-saves version 2
+t.step(make_batch(2))
+ckpt._at_point = lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == {point!r} else None
+t.save(root)
+"""
+
+
+@pytest.mark.parametrize("resave", [False, True], ids=["new-version", "re-save"])
+@pytest.mark.parametrize("point", ["extra_written", "files_written", "renamed", "latest_written"])
+def test_kill_9_at_any_point_of_a_save_leaves_a_loadable_latest(tmp_path, model_path, point, resave):
+    root = tmp_path / "ck"
+    script = KILLED_AT_POINT.format(tests=str(ROOT / "tests"), model=str(model_path), layout=SINGLE, cfg=CFG,
+                                    root=str(root), resave=resave, point=point)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr  # killed at `point`, not finished
+    t = Trainer(model_path, SINGLE, TrainConfig(**CFG))
+    t.load(root)  # follows `latest`: it must name a complete checkpoint
+    committed = point == "latest_written"
+    assert t.version == (2 if resave else 3 if committed else 2)
+    assert ckpt.resolve(root).name == ("step00000002.1" if resave and committed else
+                                       "step00000003" if committed else "step00000002")
+    t.step(make_batch(3))
+    t.save(root)  # and saving goes on: stale temp directories go, superseded twins go after commit
+    assert not list(root.glob(".tmp-*"))
+    assert len({ckpt._version_key(p)[0] for p in root.glob("step*")}) == len(list(root.glob("step*")))
+
+
 def test_export_hf_round_trips(tmp_path, model_path):
     t = Trainer(model_path, SINGLE, TrainConfig(**CFG))
     t.step(make_batch(0))

@@ -189,7 +189,7 @@ def _train_plan(cm: CostModel, chunks, dp, layers, p: list[str]) -> TrainPlan | 
     return plan
 
 
-def _rollout_plan(cm: CostModel, reps, p: list[str], rounds: int = 8) -> RolloutPlan | None:
+def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
     """Makespan of fixed replicas at their largest (or given) batch; shares as given or by throughput."""
     if p:
         return None
@@ -202,21 +202,22 @@ def _rollout_plan(cm: CostModel, reps, p: list[str], rounds: int = 8) -> Rollout
     if any(s is not None for s in given) and any(s is None for s in given):
         p.append("layout.rollout_replicas: give a share for every replica or for none")
         return None
-    period = None
-    for _ in range(rounds):  # fixed point: KV recompute once per step of length `period`
-        rates = [pt.tokens_per_s * (1.0 if period is None else max(1e-9, 1 - pt.recompute_s / period))
-                 for pt in pts]
-        shares = [float(s) for s in given] if given[0] is not None else rates
-        total = sum(shares)
-        shares = [s / total for s in shares]
-        theta = max(s * cm.w.gen_tokens / r for s, r in zip(shares, rates) if s > 0)
-        if period is not None and abs(theta - period) <= 1e-3 * period:
-            break
-        period = theta if period is not None else theta + max(pt.recompute_s for pt in pts)
+    # each replica loses its KV recompute R once per step and decodes at h otherwise
+    h, R, tokens = [pt.tokens_per_s for pt in pts], [pt.recompute_s for pt in pts], cm.w.gen_tokens
+    if given[0] is not None:
+        total = sum(float(s) for s in given)
+        shares = [float(s) / total for s in given]
+        theta = max(s * tokens / hj + rj for s, hj, rj in zip(shares, h, R) if s > 0)
+    else:  # shares by throughput: all used replicas finish together
+        used = set(range(len(pts)))
+        while True:
+            theta = (tokens + sum(h[j] * R[j] for j in used)) / sum(h[j] for j in used)
+            late = {j for j in used if R[j] >= theta}
+            if not late or late == used:
+                break
+            used -= late
+        shares = [h[j] * (theta - R[j]) / tokens if j in used else 0.0 for j in range(len(pts))]
     replicas = [RolloutReplica(k, tp, pt.batch, ranks[0] // cm.gpn, [r % cm.gpn for r in ranks],
                                pt.tokens_per_s, s)
                 for (k, tp, ranks, _, _), pt, s in zip(reps, pts, shares)]
-    active = [r for r in replicas if r.share > 0] or replicas
-    solo = min(cm.decode_point(r.gpu_type, r.tp, 1).step_s for r in active)
-    busy = max(cm.decode_point(r.gpu_type, r.tp, r.batch).step_s for r in active)
-    return RolloutPlan(replicas, theta, max(theta, cm.rollout_tail_s(solo, busy)), cm.w.gen_tokens / theta)
+    return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))

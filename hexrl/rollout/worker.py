@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hexrl import effective
-from hexrl.comm import DealerChannel, lookup_endpoint, message, trajectory_to_msg
+from hexrl.comm import DealerChannel, lookup_endpoint, lookup_secret, message, trajectory_to_msg
 from hexrl.rewards import RewardPool
 from hexrl.trajectory import Trajectory
 from hexrl.watchdog import describe_exception
@@ -57,7 +57,7 @@ class RolloutLeader:
     def __init__(self, engine: Engine, replica_id: int, rank: int, store, receive_weights,
                  reward: str, reward_timeout_s: float, tokenizer, reward_workers: int = 2):
         self.engine, self.rank, self.receive_weights, self.tokenizer = engine, rank, receive_weights, tokenizer
-        self.channel = DealerChannel(f"replica-{replica_id}")
+        self.channel = DealerChannel(f"replica-{replica_id}", lookup_secret(store, timeout_s=300))
         self.channel.connect(lookup_endpoint(store, "controller", timeout_s=300))
         self.reward_name = reward
         self.rewards = RewardPool(reward, workers=reward_workers, timeout_s=reward_timeout_s)

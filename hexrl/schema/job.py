@@ -72,8 +72,8 @@ def _read_model(r: Reader, d, base: Path) -> ModelSpec | None:
             r.bad("model.path", f"no config.json in {p}")
             return None
         try:
-            cfg = json.loads(cfg_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
             r.bad("model.path", f"cannot read {cfg_file}: {e}")
             return None
         where, path = f"model.path ({cfg_file})", str(p)
@@ -535,9 +535,12 @@ def read_source(path_or_dict, what: str) -> tuple[dict, Path]:
         return path_or_dict, Path.cwd()
     p = Path(path_or_dict)
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(p.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError([f"{p}: cannot read: {e.strerror or e}"], f"invalid {what}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{p}: not UTF-8 text (a binary file?): byte {e.start} is {e.object[e.start:e.start + 1]!r}"],
+                          f"invalid {what}") from None
     except json.JSONDecodeError as e:
         raise ConfigError([f"{p}: not valid JSON: {e}"], f"invalid {what}") from None
     if not isinstance(d, dict):

@@ -15,13 +15,15 @@ import msgpack
 import torch
 
 from hexrl import effective
-from hexrl.comm import RouterChannel, broadcast_bytes, msg_to_trajectory, publish_endpoint, trajectory_to_msg
+from hexrl.comm import (RouterChannel, broadcast_bytes, msg_to_trajectory, new_secret, publish_endpoint,
+                        publish_secret, trajectory_to_msg)
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
-from hexrl.data import load_dataset
 from hexrl.heldout import greedy_accuracy
 from hexrl.model.checkpoint import load_pretrained
+from hexrl.nodes import bind_host
+from hexrl.preflight import run_prompts
 from hexrl.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
 from hexrl.weights import send_stage, stage_specs
@@ -43,15 +45,18 @@ def train_config(rl, knobs: TrainKnobs) -> TrainConfig:
 
 
 def start_controller(ctx, tokenizer, train: list) -> Controller:
-    """Bind the controller's socket on this node's address and publish it through the store."""
+    """Bind the controller's socket on this node's address from the plan (never a wildcard: only
+    that interface listens) and publish it through the store."""
     plan, job = ctx.plan, ctx.plan.job
-    router = RouterChannel()
+    secret = new_secret()
+    publish_secret(ctx.store, secret)  # the rollout leaders read it from the store, never env/argv
+    router = RouterChannel(secret)
     address = job.cluster.nodes[ctx.info.node].address
-    endpoint = router.bind("0.0.0.0" if address not in ("127.0.0.1", "localhost") else address, advertise=address)
+    endpoint = router.bind(bind_host(address), advertise=address)
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
     cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
-                            replicas, router)
+                            replicas, router, vocab_size=job.model.config.vocab_size)
     publish_endpoint(ctx.store, "controller", endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
@@ -128,8 +133,12 @@ def run_trainer(ctx, grid) -> None:
         effective.write(ctx.store, [r.id for r in ctx.plan.replicas], ctx.run_dir)
     is_controller = ctx.rank == ctx.controller_rank
     controller = metrics = None
-    tokenizer = load_tokenizer(job.model.path) if is_controller else None
-    train, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
+    tokenizer = load_tokenizer(job.model.path)
+    train, heldout = run_prompts(job, tokenizer)  # the same usable prompts on every trainer rank
+    if is_controller and train.skipped:
+        print(f"[hexrl] skipped {len(train.skipped)} training prompts: {train.summary()}", flush=True)
+    train, heldout = train.problems, heldout.problems
+    tokenizer = tokenizer if is_controller else None
     start_step = 0
     if ctx.resume is not None:
         extra = trainer.load(ctx.resume)
@@ -147,6 +156,7 @@ def run_trainer(ctx, grid) -> None:
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
             controller.publish_version(trainer.version)
+            controller.wait_delivered(trainer.version)
         sync_weights(ctx, trainer, rollout_dtype)
     try:
         for step in range(start_step, job.rl.steps):
@@ -175,6 +185,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
     if not last:
         if controller:
             controller.publish_version(trainer.version)
+            controller.wait_delivered(trainer.version)  # wakes, and raises, on a controller failure
         sync_s = sync_weights(ctx, trainer, dtype)
     accuracy = evaluator.maybe(trainer, step + 1)
     every = job.rl.checkpoint_every
@@ -194,6 +205,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
             "max_staleness": max(version_before - t.oldest_version for t in batch),
             "staleness_hist": staleness_histogram([t.oldest_version for t in batch], version_before),
             "too_stale": c["too_stale"], "rejected_messages": c["rejected_messages"],
+            "rejected_reasons": c["rejected_reasons"],
             "rollout_tokens_per_s": (c["completion_tokens"] - tokens_before) / elapsed,
             "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
