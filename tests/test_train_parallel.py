@@ -99,7 +99,8 @@ def _train_worker(rank, world, path, layout, cfg, out_dir):
 def run_and_compare(tmp_path, layout, world, model=None, **overrides):
     path = make_tiny_model(tmp_path / "m", layers=4, tie=True, **(model or {}))
     cfg = dict(CONFIG, **overrides)
-    results = run_world(_train_worker, world, str(path), layout, cfg, str(tmp_path))
+    # 7-8 ranks on a small shared machine: minutes under load; a hung world is still killed
+    results = run_world(_train_worker, world, str(path), layout, cfg, str(tmp_path), timeout=480)
     torch.set_num_threads(1)
     loss, norm, ref_logprobs, ref_weights = reference_step(path, make_batch(), TrainConfig(**cfg))
     metrics = results[0]["metrics"]
