@@ -53,7 +53,9 @@ def humaneval_tests(test: str, entry_point: str, prompt: str) -> list:
         if not isinstance(stmt, ast.Assert) or plain_call(text) is None:
             return [{"check": test, "entry_point": entry_point, "setup": prompt}]
         asserts.append(text)
-    return [{"all": asserts}] if asserts else [{"check": test, "entry_point": entry_point, "setup": prompt}]
+    if not asserts:
+        return [{"check": test, "entry_point": entry_point, "setup": prompt}]
+    return [{"all": asserts, "entry_point": entry_point, "setup": prompt}]
 
 
 def humaneval_problem(rec: dict) -> Problem:

@@ -180,3 +180,18 @@ def test_unsafe_mode_runs_without_isolation():
         assert code_reward(f"```python\n{program}```", tests, unsafe=True) == 1.0, kind
     status, out = run_program(python_argv("p.py"), {"p.py": "import os\nprint(os.getpid() > 1)"}, unsafe=True)
     assert out == b"True\n"  # not pid 1 of a namespace of its own
+
+
+def test_pool_timeout_takes_the_sandbox_down_with_the_worker():
+    """The pool kills a worker stuck past its timeout; the worker's sandboxes die with it."""
+    from hexrl.rewards import RewardPool
+    hang = TEMPLATE.format(top="", body="    if os.fork() == 0:\n        os.setsid()\n    time.sleep(60)")
+    with RewardPool("code", workers=1, timeout_s=2.0) as pool:
+        assert pool.score([(hang, TESTS["plain"]), (TEMPLATE.format(top="", body="    return a * b + 7"),
+                                                    TESTS["plain"])]) == [0.0, 1.0]
+        assert pool.stats.timeout == 1
+    for _ in range(50):  # the parent-death signals travel down the tree asynchronously
+        if not _sandbox_processes():
+            break
+        time.sleep(0.2)
+    assert _sandbox_processes() == []

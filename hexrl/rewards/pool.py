@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Iterable
 
-from hexrl.rewards.code import code_reward
+from hexrl.rewards.code import code_reward, unsafe_default
 from hexrl.rewards.math import math_reward
+from hexrl.rewards.sandbox import check_isolation
 from hexrl.rewards.synthetic import exact_match_reward
 
 RewardFn = Callable[[str, object], float]
@@ -95,6 +96,8 @@ class RewardPool:
             problems.append(f"timeout_s must be > 0, got {timeout_s!r}")
         if problems:
             raise ValueError("RewardPool: " + "; ".join(problems))
+        if self.fn is code_reward:  # refuse now, loudly, rather than score every sample 0.0
+            check_isolation(unsafe_default())
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.stats = PoolStats()

@@ -157,6 +157,7 @@ def _run_c(cfg: dict, sync_r: int, sync_w: int, err_w: int, launcher: int) -> No
         fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in cfg["binds"]}
         os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
         os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)  # kernel uid now nobody (or the caller)
+        _die_with_parent(launcher)  # a change of uid clears the parent-death signal: set it again
         g = os.fork()
         if g == 0:
             _run_g(cfg, fds, err_w)
