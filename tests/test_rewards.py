@@ -114,7 +114,7 @@ def test_answers_match_is_symmetric_and_reflexive_on_random_latex():
     rng = random.Random(0)
     pieces = list("0123456789{}()[],.-+/ =%$^\\x") + ["\\frac", "\\dfrac", "\\text{", "\\sqrt", "\\left",
                                                      "\\circ", " cm", "e5", "\\!", "{,}"]
-    for _ in range(500):  # every non-numeric pair costs a math-verify call
+    for _ in range(200):  # every non-numeric pair costs a math-verify call
         p, g = ("".join(rng.choice(pieces) for _ in range(rng.randint(0, 15))) for _ in range(2))
         assert answers_match(p, g) == answers_match(g, p), (p, g)
         assert answers_match(p, p) == bool(normalize_answer(p)), p

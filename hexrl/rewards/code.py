@@ -170,7 +170,7 @@ def run_calls(code: str, calls: list[tuple[str, tuple]], limits: Limits, unsafe:
         results = []
         for fn, args in calls:
             results.append(_call(player, fn, encode(args)))
-            if results[-1] is _FAIL and player._eof:
+            if results[-1] is _FAIL and player.ended:  # the rest would fail the same way
                 break
     return results + [_FAIL] * (len(calls) - len(results))
 

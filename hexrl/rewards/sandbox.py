@@ -133,6 +133,11 @@ class Sandbox:
         self._buf += chunk
         return bool(chunk) and len(self._buf) <= self.limits.output_bytes
 
+    @property
+    def ended(self) -> bool:
+        """True once the program's stdout reached EOF (it exited, or was killed)."""
+        return self._eof
+
     def read_line(self) -> bytes | None:
         """The next line of stdout (without the newline); None at EOF, timeout or overflow."""
         while b"\n" not in self._buf:
