@@ -213,26 +213,29 @@ def _stdio_passes(code: str, test: dict, limits: Limits, unsafe: bool) -> bool:
 def _with_setup(code: str, tests: list[dict]) -> str:
     """HumanEval completions may continue the prompt's signature: prepend the prompt then."""
     for t in tests:
-        if t.get("setup") and t.get("entry_point") and not re.search(rf"^def\s+{re.escape(t['entry_point'])}\s*\(", code, re.M):
+        defines = rf"^def\s+{re.escape(t.get('entry_point') or '')}\s*\("
+        if t.get("setup") and t.get("entry_point") and not re.search(defines, code, re.M):
             return t["setup"] + code
     return code
 
 
 def outcomes(code: str, tests: list, limits: Limits, unsafe: bool = False) -> list[bool]:
     """Pass/fail of every test, in order (a group passes when all its asserts do)."""
-    if any(_is_group(t) for t in tests):
-        code = _with_setup(code, [t for t in tests if _is_group(t)])
-        flat = [a for t in tests for a in (t["all"] if _is_group(t) else [t])]
-        flat_passed, out, k = outcomes(code, flat, limits, unsafe), [], 0
-        for t in tests:
-            n = len(t["all"]) if _is_group(t) else 1
-            out.append(all(flat_passed[k:k + n]))
-            k += n
-        return out
+    code = _with_setup(code, [t for t in tests if _is_group(t) or _is_check(t)])
+    flat = [a for t in tests for a in (t["all"] if _is_group(t) else [t])]
+    flat_passed, out, k = _flat_outcomes(code, flat, limits, unsafe), [], 0
+    for t in tests:
+        n = len(t["all"]) if _is_group(t) else 1
+        out.append(all(flat_passed[k:k + n]))
+        k += n
+    return out
+
+
+def _flat_outcomes(code: str, tests: list, limits: Limits, unsafe: bool) -> list[bool]:
+    """Pass/fail of tests that are asserts, checks or stdin/stdout (no groups): one sandbox per kind."""
     plain = {i: p for i, t in enumerate(tests) if isinstance(t, str) and (p := plain_call(t))}
     judged = [i for i, t in enumerate(tests) if isinstance(t, str) and i not in plain]
     checks = [i for i, t in enumerate(tests) if _is_check(t)]
-    code = _with_setup(code, [tests[i] for i in checks])
     passed = [False] * len(tests)
     if plain:
         results = run_calls(code, [(fn, args) for fn, args, _ in plain.values()], limits, unsafe)
