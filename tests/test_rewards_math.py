@@ -7,12 +7,11 @@ to see the rows where the two differ (the README lists them and why).
 """
 
 import re
+import threading
 from fractions import Fraction
 
 import pytest
 from math_verify import parse, verify
-
-import threading
 
 from hexrl.rewards import RewardPool
 from hexrl.rewards.math import math_reward

@@ -152,6 +152,10 @@ def test_program_writes_only_its_private_tmp():
     pids = "import os\nprint([p for p in os.listdir('/proc') if p.isdigit()])"
     status, out = run_program(python_argv("p.py"), {"p.py": pids})
     assert status == {"status": "exited", "rc": 0} and out == b"['1']\n"  # it sees itself only
+    nested = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "print(libc.unshare(0x10000000), ctypes.get_errno())")  # CLONE_NEWUSER
+    status, out = run_program(python_argv("p.py"), {"p.py": nested})
+    assert out == b"-1 28\n"  # ENOSPC: user.max_user_namespaces is 0 inside, no nested namespace
 
 
 def test_timeouts_kill_the_whole_namespace():

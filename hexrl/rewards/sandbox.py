@@ -2,7 +2,7 @@
 
 Each `Sandbox` is one program run by `sandbox_init.py` (the launcher; see its docstring for the
 process tree). What the program gets:
-- user, pid, mount, net, ipc and uts namespaces of its own; uid/gid 65534 (the host's `nobody`
+- user, pid, mount, net, ipc and uts namespaces of its own (none nested); uid/gid 65534 (the host's `nobody`
   when hexrl runs as root, else the caller's own uid), no capabilities, no_new_privs;
 - a root filesystem holding only read-only system directories (/usr, /lib*, the Python
   install with its site-packages hidden, so no installed dataset is readable), its files in a

@@ -97,6 +97,7 @@ def _build_root(cfg: dict, fds: dict) -> None:
            f"size={cfg['tmp_mb']}m,mode=0700,uid={SANDBOX_ID},gid={SANDBOX_ID}")
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _write(root + "/proc/sys/user/max_user_namespaces", "0")  # no nested namespaces: less kernel surface
     os.makedirs(root + "/dev")
     for dev in ("null", "zero", "urandom"):
         open(f"{root}/dev/{dev}", "w").close()
