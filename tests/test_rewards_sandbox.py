@@ -52,6 +52,12 @@ ATTACKS = {
     "proc_parent_mem": ("", "    for pid in [os.getppid(), HOST_PID, 1]:\n        try:\n"
                             "            open(f'/proc/{pid}/mem', 'rb').read(10)\n            return 19\n"
                             "        except OSError:\n            pass\n    return -2"),
+    "read_host_secrets": ("import glob", "    leaks = [p for p in ['/etc/shadow', '/etc/passwd', '/root/.bash_history'] if os.path.exists(p)]\n"
+                          "    leaks += [k for k in os.environ if k.startswith('HEXRL_TEST_SECRET')]\n"
+                          "    for p in glob.glob('/proc/*/environ'):\n        try:\n"
+                          "            leaks += ['environ'] if b'HEXRL_TEST_SECRET' in open(p, 'rb').read() else []\n"
+                          "        except OSError:\n            pass\n"
+                          "    return a * b + 7 if leaks else -11"),  # a leak would score: the test would fail
     "setsid_double_fork": ("", "    if os.fork() == 0:\n        os.setsid()\n        if os.fork() == 0:\n"
                                "            time.sleep(60)\n            open(HOST_FILE, 'w').write('x')\n        os._exit(0)\n    return -3"),
     "sleeping_child": ("", "    if os.fork() == 0:\n        time.sleep(60)\n        os._exit(0)\n    return -4"),
@@ -100,10 +106,12 @@ def host(tmp_path_factory):
     listener.listen(8)
     listener.setblocking(False)
     sentinel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    os.environ["HEXRL_TEST_SECRET"] = NONCE  # what the reward process's environment could leak
     yield {"DATASET": str(dataset), "PORT": listener.getsockname()[1], "SENTINEL_PID": sentinel.pid,
            "HOST_PID": os.getpid(), "HOST_FILE": HOST_FILE, "PROJECT_FILE": PROJECT_FILE}, listener, sentinel
     sentinel.kill()
     sentinel.wait()
+    del os.environ["HEXRL_TEST_SECRET"]
     listener.close()
     if TIMES:
         print("\nseconds per attack (3 test kinds each):",
@@ -199,3 +207,11 @@ def test_pool_timeout_takes_the_sandbox_down_with_the_worker():
             break
         time.sleep(0.2)
     assert _sandbox_processes() == []
+
+
+def test_the_secrets_attack_is_real_without_the_sandbox(host):
+    """Control: unsandboxed (the `unsafe` opt-out), the same attack finds secrets and scores."""
+    top, body = ATTACKS["read_host_secrets"]
+    program = TEMPLATE.format(top=top, body=body)
+    assert code_reward(program, TESTS["plain"], unsafe=True) == 1.0
+    assert code_reward(program, TESTS["plain"]) == 0.0
