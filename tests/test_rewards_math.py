@@ -202,9 +202,13 @@ def test_agreement_with_math_verify_and_no_wrong_integer():
 
 
 def test_math_verify_runs_in_the_pool_and_in_threads():
-    """In a pool worker (main thread: math-verify's own timeouts) and in a plain thread alike."""
+    """In a pool worker (main thread: math-verify's own timeouts) and in a plain thread alike.
+
+    The pool's 3 s timeout holds from the first call: workers pay math-verify's cold start
+    (seconds) before they report ready.
+    """
     rows = [r for r in TABLE if "sqrt" in r[0] or "^" in r[0]][:8]
-    with RewardPool("math", workers=1, timeout_s=60) as pool:
+    with RewardPool("math", workers=1, timeout_s=3) as pool:
         assert pool.score([(c, r) for c, r, _ in rows]) == [e for *_, e in rows]
     got = []
     thread = threading.Thread(target=lambda: got.extend(math_reward(c, r) for c, r, _ in rows))
