@@ -264,19 +264,26 @@ def main() -> None:
         _run_c(cfg, sync_l_r, sync_c_w, err_w, me)
     for fd in (err_w, sync_c_w, sync_l_r):
         os.close(fd)  # so a read sees EOF when C dies
-    g = None
+    g_fd = None  # a pidfd: C reaps pid 1, so its pid number could be reused, the pidfd not
 
-    def stop(*_):  # the caller's deadline: kill pid 1 of the namespace, and with it everything
-        if g:
-            os.kill(g, signal.SIGKILL)
-        os.kill(c, signal.SIGKILL)
+    def stop(*_):  # kill pid 1 of the namespace, and with it everything; C reaps it and exits
+        try:  # (C's wait for pid 1 returns only once the whole namespace is gone)
+            if g_fd is not None:
+                signal.pidfd_send_signal(g_fd, signal.SIGKILL)
+            else:
+                os.kill(c, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     signal.signal(signal.SIGTERM, stop)
     try:
         if os.read(sync_c_r, 1) == b"u":
             _map_ids(c)
             os.write(sync_l_w, b"m")
             raw = os.read(sync_c_r, 4)
-            g = int.from_bytes(raw, "little") if len(raw) == 4 else None
+            if len(raw) == 4:
+                g_fd = os.pidfd_open(int.from_bytes(raw, "little"))
+    except ProcessLookupError:
+        pass  # pid 1 already ended: C's exit code tells how
     except OSError as e:
         _report({"status": "setup_failed", "error": f"writing the id maps: {e}"})
         stop()
