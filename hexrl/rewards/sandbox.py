@@ -68,7 +68,10 @@ def system_view() -> tuple[list[str], dict[str, str], list[str]]:
             links[path] = os.readlink(path)
         elif os.path.isdir(path) and not any(path.startswith(b + "/") for b in binds):
             binds.append(path)
-    hidden = site.getsitepackages() + [site.getusersitepackages(), "/usr/local/lib", "/usr/lib/python3/dist-packages"]
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    hidden = site.getsitepackages() + [site.getusersitepackages(), "/usr/lib/python3/dist-packages"] + [
+        f"{prefix}/lib/{version}/{d}" for prefix in (sys.base_prefix, "/usr/local", "/usr")  # a venv's base too
+        for d in ("site-packages", "dist-packages")]
     masks = sorted({os.path.realpath(p) for p in hidden if os.path.isdir(p)})
     return binds, links, [m for m in masks if any(m.startswith(b + "/") for b in binds)]
 
