@@ -293,27 +293,30 @@ class CostModel:
             self._surv = (np.minimum(surv, 1.0), ctx)
         return self._surv
 
-    def drain_s(self, gpu_type: str, tp: int, n: float) -> float:
+    def drain_s(self, gpu_type: str, tp: int, n: float, n_all: float = 0.0) -> float:
         """Expected seconds for n sequences that start decoding together to all finish, none joining.
 
         Decode step j runs while any sequence is longer than j - 1 tokens (probability
         1 - (1 - S_j)^n) with the sequences still alive (n S_j on average, given one is); every
-        sequence reads its context once per step it decodes.
+        sequence reads its context once per step it decodes. n_all > n: the slowest of replicas
+        draining n_all sequences in all (the step ends with the longest of all of them).
         """
         surv, ctx = self._survival()
-        alive = 1 - (1 - surv) ** n
+        alive = 1 - (1 - surv) ** max(n, n_all)
         batch = np.maximum(1.0, n * surv / np.maximum(alive, 1e-300))
         a = self.decode_fixed_s(gpu_type, tp, batch)
         c = self.decode_coeffs(gpu_type, tp, 1)[1]
         return float((alive * a).sum() + c * n * ctx)
 
-    def wave_s(self, gpu_type: str, tp: int, batch: int, n: float) -> float:
+    def wave_s(self, gpu_type: str, tp: int, batch: int, n: float, n_all: float = 0.0) -> float:
         """Seconds for one replica (at most `batch` running) to generate n sequences handed to it at
-        once: a full batch while sequences wait, then the last `batch` drain with nobody joining."""
+        once: a full batch while sequences wait, then the last `batch` drain with nobody joining
+        (n_all: sequences all replicas drain together, see drain_s)."""
         if n <= 0:
             return 0.0
         first = min(n, batch)
-        t = self.prefill_s(gpu_type, tp, first * self.w.prompt_len, self.w.prompt_len / 2) + self.drain_s(gpu_type, tp, first)
+        t = self.prefill_s(gpu_type, tp, first * self.w.prompt_len, self.w.prompt_len / 2)
+        t += self.drain_s(gpu_type, tp, first, n_all * first / n)
         if n > batch:
             t += (n - batch) * self.w.mean_out / self.decode_point(gpu_type, tp, batch).tokens_per_s
         return t
@@ -323,8 +326,16 @@ class CostModel:
         rollout needs to generate one step's B groups dealt out by share, and the longest reward
         stall of one replica over a step (its groups times group_reward_s)."""
         active = [r for r in replicas if r.share > 0] or list(replicas)
-        wave = max(self.wave_s(r.gpu_type, r.tp, r.batch, r.share * self.w.samples) for r in active)
         groups = self.w.samples / self.w.group
+        n = [math.ceil(r.share * groups - 1e-9) * self.w.group for r in active]  # whole groups
+        wave = max(self.wave_s(r.gpu_type, r.tp, r.batch, k, self.w.samples) for r, k in zip(active, n))
+        # the slowest of m replicas, not the average one: the tokens a replica is dealt vary (sd
+        # sqrt(n) sd(L) while it has a queue), and E[max of m] ~ mean + sd sqrt(2 ln m)
+        d = self.lengths
+        sd_len = math.sqrt(max(0.0, d.second_moment() - d.mean() ** 2))
+        sd = max(math.sqrt(max(0.0, k - r.batch)) * sd_len / self.decode_point(r.gpu_type, r.tp, r.batch).tokens_per_s
+                 for r, k in zip(active, n))
+        wave += sd * math.sqrt(2 * math.log(len(active))) if len(active) > 1 else 0.0
         return wave, max(r.share for r in active) * groups * self.group_reward_s()
 
     def gen_s(self, theta_s: float, wave_s: float, train_s: float, sync_s: float) -> float:

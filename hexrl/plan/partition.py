@@ -68,19 +68,36 @@ class GraphScore:
 def lower_bounds(ev: Evaluator, types: list[str], grid: np.ndarray) -> np.ndarray:
     """A lower bound on the step time of every split in `grid` (splits, types), vectorised.
 
-    Training can go no faster than its FLOPs over the training GPUs' effective FLOP/s, and
-    generation no faster than the rollout GPUs' best per-GPU decode rates; both ignore every
-    communication, bubble and packing loss, so the bound never exceeds the cost model.
+    Training: its FLOPs plus the optimizer's HBM traffic (every parameter's weights, grads and
+    Adam state once per minibatch) over the training GPUs' effective rates, weighting stages by
+    their FLOP/s. Generation: the rollout GPUs' best per-GPU decode rates. Weight sync: all the
+    weights leave the training nodes, each node no faster than its best link to the slowest
+    rollout type. Bubbles, packing and the rest are ignored, so the bound never exceeds the cost
+    model.
     """
     cm = ev.cm
+    gpn = cm.gpn
     total = np.array([cm.cluster.count(t) for t in types], dtype=float)
-    train_rate = grid @ np.array([cm.gpus[t].flops * cm.gpus[t].train_mfu for t in types])
+    eff = np.array([cm.gpus[t].flops * cm.gpus[t].train_mfu for t in types])
+    hbm = np.array([cm.gpus[t].hbm_Bps for t in types])
+    train_rate = grid @ eff
     mem = grid @ np.array([cm.usable_bytes(t) for t in types])
     dec = (total - grid) @ np.array([cm.decode_rate_bound(t) for t in types])
-    with np.errstate(divide="ignore"):
-        lb_t = np.where((train_rate > 0) & (mem >= cm.train_memory_floor()), cm.train_flops() / train_rate, np.inf)
+    params = cm.m.num_hidden_layers * cm.layer_params + 2 * cm.head_params()
+    # optimizer: a stage of GPU type t spends >= 32 B / hbm per parameter it holds, per minibatch
+    opt = cm.w.minibatches * 32 * params * np.where(grid > 0, eff / hbm, np.inf).min(1)
+    # weight sync: node-packed training nodes per type, each sending at most at its best link
+    link = np.array([[max(cm.cluster.inter_node_GBps, cm.cluster.intra_GBps(a)) if a == b
+                      else cm.cluster.cross_GBps(a, b) for b in types] for a in types]) * 1e9
+    rollout_nodes = total / gpn - np.floor(grid / gpn)
+    best_link = np.where((rollout_nodes > 0)[:, None, :], link[None], np.inf).min(2)
+    send = (np.ceil(grid / gpn) * np.where(np.isfinite(best_link), best_link, 0)).sum(1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ok = (train_rate > 0) & (mem >= cm.train_memory_floor())
+        lb_t = np.where(ok, (cm.train_flops() + opt) / train_rate, np.inf)
         lb_g = np.where(dec > 0, cm.w.gen_tokens / dec, np.inf)
-    return lb_t + lb_g if cm.w.eta == 0 else np.maximum(lb_t, lb_g)
+        lb_s = np.where(send > 0, 2 * params / send, 0.0)
+    return lb_t + lb_g + lb_s if cm.w.eta == 0 else np.maximum(lb_t, lb_g) + lb_s
 
 
 def split_grid(totals: list[int], limit: int = GRID_POINTS) -> np.ndarray:
