@@ -161,8 +161,11 @@ def test_baselines_follow_their_rule(method):
 
 
 def test_planner_sends_training_to_compute_and_rollout_to_bandwidth():
-    """The paper's observation 3: H800s train, H20s generate."""
-    plan = plan_job(load_job(hetero_job()))
+    """The paper's observation 3 on its own setting (24 H800 + 24 H20, 1.5B): H800s train, H20s
+    generate. (On a 16-GPU toy cluster, calibrated generation is so much slower than training
+    that a split with a 2-layer H20 stage ties with the all-H800 trainer.)"""
+    job = json.loads((Path(__file__).resolve().parent.parent / "tools/configs/paper_1.5b_hetero.json").read_text())
+    plan = plan_job(load_job(job, check_paths=False))
     types = {r.gpu_type for r in plan.ranks if r.role == "train"}
     assert types == {"H800"}
-    assert all(r.gpu_type == "H20" for r in plan.ranks if r.node >= 2)
+    assert all(r.role == "rollout" for r in plan.ranks if r.gpu_type == "H20")

@@ -23,6 +23,10 @@ REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5}
 # The rollout leader scores a finished group in its RewardPool (hexrl/rollout/worker.py, default
 # reward_workers=2) before it decodes on: a group's G rewards stall its replica ceil(G / 2) rewards.
 REWARD_WORKERS = 2
+# Share of a link's rate a large (64 MB bucket) NCCL broadcast reaches; an assumption (nccl-tests
+# bus bandwidth on TCP/RoCE NICs), not a measurement of this cluster: a profile of the weight
+# sync would replace it.
+NCCL_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -356,17 +360,19 @@ class CostModel:
 
     # ------------------------------------------------------------------ sync, reward
     def sync_s(self, stage_bytes: list[tuple[int, float]], rollout_nodes: set[int]) -> float:
-        """Weight broadcast: each stage's leader (on node n) sends its bytes to all rollout nodes.
+        """Weight broadcast: each stage's leader (on node n) sends its bytes to all rollout ranks.
 
-        stage_bytes: (leader node, bytes) per stage. Leaders sharing a node share its link.
+        stage_bytes: (leader node, bytes) per stage. A rollout rank joins the stages' broadcasts
+        one after the other (hexrl/rollout/worker.py), so the stages add up. NCCL's broadcast is a
+        pipelined ring: each byte crosses the slowest link once, at NCCL_EFFICIENCY of its rate.
         """
-        per_node: dict[int, float] = {}
+        total = 0.0
         for node, nbytes in stage_bytes:
-            bw = min(self.cluster.link_GBps(node, r) for r in rollout_nodes) * 1e9
+            bw = min(self.cluster.link_GBps(node, r) for r in rollout_nodes) * 1e9 * NCCL_EFFICIENCY
             t = self.cluster.nodes[node].gpu_type
             gather = nbytes / (self.cluster.intra_GBps(t) * 1e9)  # TP shards to the leader
-            per_node[node] = per_node.get(node, 0.0) + nbytes / bw + gather
-        return max(per_node.values(), default=0.0)
+            total += nbytes / bw + gather
+        return total
 
     def group_reward_s(self) -> float:
         """Seconds a replica stalls to score one finished group (G samples on REWARD_WORKERS)."""

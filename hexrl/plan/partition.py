@@ -19,6 +19,7 @@ from itertools import product
 import numpy as np
 
 from hexrl.plan.candidate import Candidate, Evaluator
+from hexrl.plan.cost import NCCL_EFFICIENCY
 from hexrl.plan.placement import train_per_node
 
 GRID_POINTS = 200_000  # splits scored per repartition (vectorised)
@@ -70,10 +71,10 @@ def lower_bounds(ev: Evaluator, types: list[str], grid: np.ndarray) -> np.ndarra
 
     Training: its FLOPs plus the optimizer's HBM traffic (every parameter's weights, grads and
     Adam state once per minibatch) over the training GPUs' effective rates, weighting stages by
-    their FLOP/s. Generation: the rollout GPUs' best per-GPU decode rates. Weight sync: all the
-    weights leave the training nodes, each node no faster than its best link to the slowest
-    rollout type. Bubbles, packing and the rest are ignored, so the bound never exceeds the cost
-    model.
+    their FLOP/s. Generation: the rollout GPUs' best per-GPU decode rates. Weight sync: the
+    stages broadcast one after another, so all the weights cross a link no faster than the best
+    one from a training type to the slowest rollout type. Bubbles, packing and the rest are
+    ignored, so the bound never exceeds the cost model.
     """
     cm = ev.cm
     gpn = cm.gpn
@@ -86,12 +87,13 @@ def lower_bounds(ev: Evaluator, types: list[str], grid: np.ndarray) -> np.ndarra
     params = cm.m.num_hidden_layers * cm.layer_params + 2 * cm.head_params()
     # optimizer: a stage of GPU type t spends >= 32 B / hbm per parameter it holds, per minibatch
     opt = cm.w.minibatches * 32 * params * np.where(grid > 0, eff / hbm, np.inf).min(1)
-    # weight sync: node-packed training nodes per type, each sending at most at its best link
+    # weight sync: the stages' leaders send one after another, none faster than the best link
+    # from a training type to the slowest rollout type
     link = np.array([[max(cm.cluster.inter_node_GBps, cm.cluster.intra_GBps(a)) if a == b
                       else cm.cluster.cross_GBps(a, b) for b in types] for a in types]) * 1e9
     rollout_nodes = total / gpn - np.floor(grid / gpn)
     best_link = np.where((rollout_nodes > 0)[:, None, :], link[None], np.inf).min(2)
-    send = (np.ceil(grid / gpn) * np.where(np.isfinite(best_link), best_link, 0)).sum(1)
+    send = np.where((grid > 0) & np.isfinite(best_link), best_link, 0).max(1) * NCCL_EFFICIENCY
     with np.errstate(divide="ignore", invalid="ignore"):
         ok = (train_rate > 0) & (mem >= cm.train_memory_floor())
         lb_t = np.where(ok, (cm.train_flops() + opt) / train_rate, np.inf)
