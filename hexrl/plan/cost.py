@@ -154,7 +154,7 @@ class CostModel:
         tok = w.tokens / dp  # tokens through one replica per step
         passes = 3 + w.extra_fwd + int(recompute)
         nvlink = self.cluster.intra_GBps(gpu_type) * 1e9
-        flops = g.flops * g.train_mfu * tp
+        flops = g.flops * self.train_efficiency(gpu_type, dp * tp * pp) * tp
         compute = passes * self.layer_fwd_flops * tok / flops
         tp_comm = 0.0
         if tp > 1:  # 2 all-reduces of activations per forward-like pass, 4 per backward
@@ -179,6 +179,13 @@ class CostModel:
         if send_GBps is not None:  # activations forward, gradients back, per replica
             fixed += bubble * (2 + w.extra_fwd) * tok * h * 2 * dp / max(1, dp_nodes) / (send_GBps * 1e9)
         return StageCoeffs(per_layer, fixed, self._max_layers(gpu_type, tp, pp, index, mb, recompute, edge_params))
+
+    def train_efficiency(self, gpu_type: str, gpus: int) -> float:
+        """Fraction of peak a trainer of `gpus` GPUs reaches on this type: train_mfu, less
+        train_scale_loss per doubling past one node (the paper's Observation 2 for H20)."""
+        g = self.gpus[gpu_type]
+        doublings = max(0.0, math.log2(gpus / self.gpn)) if gpus > self.gpn else 0.0
+        return g.train_mfu / (1 + g.train_scale_loss * doublings)
 
     def _max_layers(self, gpu_type, tp, pp, index, mb, recompute, edge_params) -> int:
         m, w = self.m, self.w
