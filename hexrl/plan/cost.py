@@ -39,6 +39,7 @@ class Workload:
     mean_out: float
     max_out: float
     max_seq: int  # prompt + max_new_tokens: a micro-batch holds at least one whole sequence
+    micro_tokens: int  # tokens per training micro-batch: max_seq unless the job's runtime knobs say
     ctx_decode: float  # time-averaged context length of a decoding sequence
     ctx_attn: float  # average causal attention context of a trained token
     tokens: float  # tokens trained per step (prompt + output)
@@ -64,6 +65,7 @@ def workload_of(job: Job) -> Workload:
     return Workload(
         samples=rl.batch_size * rl.group_size, group=rl.group_size, prompt_len=wl.prompt_len,
         mean_out=mean, max_out=d.max(), max_seq=wl.prompt_len + rl.max_new_tokens,
+        micro_tokens=job.runtime.get("trainer", {}).get("micro_batch_tokens", wl.prompt_len + rl.max_new_tokens),
         ctx_decode=wl.prompt_len + second / (2 * mean),
         ctx_attn=seq_second / (2 * seq_mean),
         tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta, minibatches=rl.ppo_minibatches,
@@ -103,6 +105,10 @@ class CostModel:
         self.gpn = self.cluster.gpus_per_node
         self._decode_cache: dict = {}
         self._stage_cache: dict = {}
+        knobs = job.runtime.get("trainer", {})
+        # the trainer all-reduces its float32 gradient buckets (plan.trainer.grad_reduce_dtype)
+        self.grad_reduce_bytes = 4.0 if knobs.get("grad_reduce_dtype", "float32") == "float32" else 2.0
+        self.decode_batch_cap = job.runtime.get("rollout", {}).get("max_running", MAX_DECODE_BATCH)
         self.layer_params = self.m.layer_params()  # hot in the searches: compute once
         q_dim = self.m.num_attention_heads * self.m.head_dim
         self.layer_fwd_flops = 2 * self.layer_params + 4 * q_dim * self.w.ctx_attn
@@ -132,7 +138,7 @@ class CostModel:
     def microbatches(self, dp: int) -> int:
         """Micro-batches per PPO minibatch per DP replica (each holds up to max_seq tokens)."""
         w = self.w
-        return max(1, math.ceil(w.tokens / (w.minibatches * dp * w.max_seq)))
+        return max(1, math.ceil(w.tokens / (w.minibatches * dp * w.micro_tokens)))
 
     def stage_coeffs(self, gpu_type: str, tp: int, dp: int, pp: int, index: int, dp_nodes: int,
                      send_GBps: float | None, recompute: bool) -> StageCoeffs:
@@ -160,12 +166,12 @@ class CostModel:
         if tp > 1:  # 2 all-reduces of activations per forward-like pass, 4 per backward
             n_ar = 2 * (passes - 1)
             tp_comm = n_ar * tok * h * 2 * 2 * (tp - 1) / tp / nvlink
-        grad_bytes = 2.0 / tp  # bf16 gradients per parameter on one GPU
+        grad_bytes = self.grad_reduce_bytes / tp  # gradient bytes per parameter on one GPU
         dp_per_param = 0.0
         if dp > 1:
             dp_per_param = 2 * (dp - 1) / dp * grad_bytes / nvlink
             if dp_nodes > 1:  # the node's NIC carries a whole copy of the stage's gradients
-                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * 2.0 / (self.cluster.inter_node_GBps * 1e9)
+                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / (self.cluster.inter_node_GBps * 1e9)
         opt_per_param = 2 * 16 / tp / g.hbm_Bps  # read + write weights, grads, Adam state
         per_layer = bubble * (compute + tp_comm) + k * (dp_per_param + opt_per_param) * self.layer_params
         fixed = 0.0
@@ -189,7 +195,7 @@ class CostModel:
 
     def _max_layers(self, gpu_type, tp, pp, index, mb, recompute, edge_params) -> int:
         m, w = self.m, self.w
-        h, tokens = m.hidden_size, w.max_seq
+        h, tokens = m.hidden_size, w.micro_tokens
         inflight = min(mb, pp - index)  # 1F1B keeps pp - index micro-batches alive on stage index
         bpp = BYTES_PER_PARAM_TRAIN + (2 if self.job.rl.kl_coef > 0 else 0)
         full_act = tokens * h * (10 + 24 / tp)  # one layer's activations (flash attention)
@@ -231,7 +237,7 @@ class CostModel:
         kv = self.kv_bytes_per_token(tp)
         if room < kv * self.w.max_seq:
             return 0
-        return int(min(MAX_DECODE_BATCH, room // (kv * self.w.ctx_decode)))
+        return int(min(self.decode_batch_cap, room // (kv * self.w.ctx_decode)))
 
     def decode_point(self, gpu_type: str, tp: int, batch: int) -> DecodePoint:
         key = (gpu_type, tp, batch)

@@ -4,7 +4,7 @@ rest (layer split, shares, predictions) and checks it, reporting every problem a
 Forms (all fields optional, combined as given):
   {"train_gpus": N, "train_gpu_type": T, "tp": t, "pp": p, "dp": d, "rollout_tp": r}
   {"train_ranks": [...], "trainer": {"dp": D, "stages": [{"gpu_type", "tp", "layers"}]},
-   "rollout_replicas": [{"tp", "ranks", "share", "max_batch"}]}
+   "rollout_replicas": [{"tp", "ranks", "share", "max_running"}]}
 Training ranks fill the trainer grid stage by stage, dp-major, tp-minor.
 """
 
@@ -14,7 +14,7 @@ from hexrl.schema import ConfigError, Plan, Stage, TrainerLayout
 from hexrl.plan.cost import CostModel
 from hexrl.plan.candidate import Candidate, candidate
 from hexrl.plan.rollout_milp import RolloutPlan, RolloutReplica
-from hexrl.plan.train_search import TrainPlan, cost_layout
+from hexrl.plan.train_search import TrainPlan, cost_layout_fitting
 
 
 def fixed_candidate(cm: CostModel, layout: dict) -> Candidate:
@@ -37,7 +37,7 @@ def plan_candidate(cm: CostModel, plan: Plan) -> Candidate:
     t, p = plan.trainer, []
     chunks = [(st.gpu_type, st.tp, [divmod(r, cm.gpn) for r in t.stage_ranks(s)]) for s, st in enumerate(t.stages)]
     tplan = _train_plan(cm, chunks, t.dp, [b - a for a, b in (st.layers for st in t.stages)], p)
-    reps = [(r.gpu_type, r.tp, r.ranks, r.share, r.max_batch) for r in plan.replicas]
+    reps = [(r.gpu_type, r.tp, r.ranks, r.share, r.knobs.max_running) for r in plan.replicas]
     rplan = _rollout_plan(cm, reps, p)
     if p or tplan is None or rplan is None:
         raise ConfigError(p or ["plan: cannot be costed"], "invalid plan")
@@ -138,7 +138,7 @@ def _check_layers(cm: CostModel, layers, where: str, p: list[str]) -> list[int] 
 
 
 def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
-    """Rollout replicas as (type, tp, ranks, share or None, max_batch or None)."""
+    """Rollout replicas as (type, tp, ranks, share or None, max_running or None)."""
     if "rollout_replicas" in layout:
         out, seen = [], []
         for i, r in enumerate(layout["rollout_replicas"]):
@@ -153,7 +153,7 @@ def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
             if len({x // cm.gpn for x in ranks}) > 1:
                 p.append(f"{w}.ranks: {ranks} span nodes; a replica's TP stays inside a node")
             seen += ranks
-            out.append((ranks, r.get("share"), r.get("max_batch")))
+            out.append((ranks, r.get("share"), r.get("max_running")))
         if sorted(seen) != rest:
             p.append(f"layout.rollout_replicas: replicas cover ranks {sorted(seen)} but the ranks "
                      f"left after training are {rest}")
@@ -169,19 +169,19 @@ def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
                 return None
             out += [(mine[i:i + tp], None, None) for i in range(0, len(mine), tp)]
     reps = []
-    for i, (ranks, share, max_batch) in enumerate(out):
+    for i, (ranks, share, max_running) in enumerate(out):
         kind, tp = _type(cm, ranks[0]), len(ranks)
         if cm.m.num_attention_heads % tp:
             p.append(f"rollout replica {i}: tp={tp} does not divide num_attention_heads {cm.m.num_attention_heads}")
         elif cm.max_decode_batch(kind, tp) < 1:
             p.append(f"rollout replica {i}: {tp} x {kind} cannot hold the weights plus the KV cache of "
                      f"one longest sequence ({cm.w.max_seq} tokens)")
-        reps.append((kind, tp, ranks, share, max_batch))
+        reps.append((kind, tp, ranks, share, max_running))
     return reps
 
 
 def _train_plan(cm: CostModel, chunks, dp, layers, p: list[str]) -> TrainPlan | None:
-    plan = cost_layout(cm, chunks, dp, False, layers) or cost_layout(cm, chunks, dp, True, layers)
+    plan = cost_layout_fitting(cm, chunks, dp, layers)
     if plan is None:
         need = cm.train_memory_floor() / 1e9
         p.append(f"layout: the trainer's {sum(dp * tp for _, tp, _ in chunks)} GPUs cannot hold the model "
@@ -193,7 +193,7 @@ def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
     """Makespan of fixed replicas at their largest (or given) batch; shares as given or by throughput."""
     if p:
         return None
-    # running sequences per replica: KV memory, the given max_batch, and the gate's share of
+    # running sequences per replica: KV memory, the given max_running, and the gate's share of
     # the (eta + 1) * B * G sequences it lets run at once
     gate = math.inf if cm.w.eta is None else math.ceil((cm.w.eta + 1) * cm.w.samples / len(reps))
     pts = [cm.decode_point(k, tp, int(min(cm.max_decode_batch(k, tp), mb or math.inf, gate)))
