@@ -168,3 +168,13 @@ def test_planner_sends_training_to_compute_and_rollout_to_bandwidth():
     paper = plan_job(load_job(hetero_job(layout={"train_gpus": 4, "train_gpu_type": "H800", "dp": 4})))
     assert {r.gpu_type for r in paper.ranks if r.role == "train"} == {"H800"}
     assert plan.predicted["step_time_s"] <= paper.predicted["step_time_s"] <= 1.01 * plan.predicted["step_time_s"]
+
+
+def test_planner_sends_training_to_compute_on_the_paper_setting():
+    """The paper's observation 3 on its own setting (24 H800 + 24 H20, 1.5B): H800s train, H20s
+    generate."""
+    job = json.loads((Path(__file__).resolve().parent.parent / "tools/configs/paper_1.5b_hetero.json").read_text())
+    plan = plan_job(load_job(job, check_paths=False))
+    types = {r.gpu_type for r in plan.ranks if r.role == "train"}
+    assert types == {"H800"}
+    assert all(r.role == "rollout" for r in plan.ranks if r.gpu_type == "H20")
