@@ -53,7 +53,7 @@ def test_resume_is_bit_identical(tmp_path, model_path):
     for k, v in weights(a).items():
         assert torch.equal(v, weights(b)[k]), k
     two_stages = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 1, "layers": [1, 2]}]})
-    with pytest.raises(ValueError, match="resume needs the same layout"):
+    with pytest.raises(ValueError, match="resume needs the same stages"):
         ckpt.load(tmp_path / "ck", Grid(two_stages, rank=0, stage=0, dp_rank=0, tp_rank=0))
 
 
@@ -206,3 +206,26 @@ def test_bf16_params_with_fp32_master_weights():
         assert p.dtype == torch.bfloat16 and m.dtype == torch.float32
         torch.testing.assert_close(m, r.detach(), rtol=0, atol=1e-6)  # decay on the matrix only
         assert torch.equal(p.detach(), m.bfloat16())
+
+
+def resume_dp2_worker(rank, world, model_path, ck):
+    t = Trainer(model_path, {"dp": 2, "stages": [{"tp": 1, "layers": [0, 2]}]}, TrainConfig(**CFG))
+    t.load(ck)  # saved by a DP=1 trainer: both replicas load replica 0's shard
+    loaded = weights(t)
+    t.step(make_batch(1))
+    return loaded, weights(t), t.optimizer.steps
+
+
+def test_resume_with_a_different_dp_degree(tmp_path, model_path):
+    from dist_utils import run_world
+
+    a = Trainer(model_path, SINGLE, TrainConfig(**CFG))
+    a.step(make_batch(0))
+    a.save(tmp_path / "ck")
+    saved = weights(a)
+    a.step(make_batch(1))
+    for loaded, after, steps in run_world(resume_dp2_worker, 2, model_path, tmp_path / "ck"):
+        assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+        assert steps == 2 * CFG["ppo_minibatches"]  # the optimizer state came back too
+        for k, v in weights(a).items():  # DP=2 continues as DP=1 would (up to summation order)
+            torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-6)

@@ -244,16 +244,22 @@ def problems(path: str | os.PathLike) -> list[str]:
     return out
 
 
-def load(path: str | os.PathLike, grid: Grid, device="cpu") -> tuple[dict, dict, dict, dict]:
-    """(shard of this (stage, tp) slot, this rank's RNG state, meta, extra) of the checkpoint at `path`."""
+def load(path: str | os.PathLike, grid: Grid) -> tuple[dict, dict | None, dict, dict]:
+    """(shard of this (stage, tp) slot on the CPU, this rank's RNG state or None, meta, extra) of the
+    checkpoint at `path`."""
     path = resolve(path)
     meta = _read_json_file(path / "meta.json")
     want, have = grid.layout.to_dict(), meta.get("layout")
-    if not isinstance(have, dict) or (want["dp"], want["stages"]) != (have.get("dp"), have.get("stages")):
-        raise ValueError(f"{path}: saved with layout {have}, this trainer has {want}; resume needs the same layout")
+    if not isinstance(have, dict) or want["stages"] != have.get("stages"):
+        # the DP degree may change: every replica loads replica 0's shard
+        raise ValueError(f"{path}: saved with stages {have and have.get('stages')}, this trainer has "
+                         f"{want['stages']}; resume needs the same stages (the DP degree may differ)")
     s, d, t = grid.coord
-    shard = _torch_load(path / f"model-s{s}-tp{t}.pt", map_location=device)
-    rng = _torch_load(path / f"rng-s{s}-dp{d}-tp{t}.pt")
+    # to host memory, then the caller copies into its tensors: loading onto the GPU would need room
+    # for a second copy of weights and optimizer state
+    shard = _torch_load(path / f"model-s{s}-tp{t}.pt", map_location="cpu")
+    rng_file = path / f"rng-s{s}-dp{d}-tp{t}.pt"  # absent for replicas beyond the saved DP degree
+    rng = _torch_load(rng_file) if rng_file.is_file() else None
     return shard, rng, meta, _read_json_file(path / "extra.json")
 
 
@@ -264,32 +270,43 @@ def gather_stage(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None =
         return None
     dims, out = shard_dims(model), {}
     for name, p in model.state_dict().items():
-        p = p.detach() if dtype is None else p.detach().to(dtype)
-        dim = dims.get(name)
-        if grid.tp is not None and dim is not None:
-            parts = [torch.empty_like(p) for _ in range(grid.tp.size)]
-            dist.all_gather(parts, p.contiguous(), group=grid.tp.group)
-            p = torch.cat(parts, dim=dim)
+        p = full_param(p, dims.get(name), grid, dtype)
         if grid.tp_rank == 0:
             out[name] = p.to("cpu", copy=True)  # a snapshot, never an alias of live weights
     return out if grid.tp_rank == 0 else None
 
 
-def gather_model(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:
-    """The whole model's state dict on the leader rank (stages sent point-to-point); None elsewhere.
+def full_param(p: torch.Tensor, dim: int | None, grid: Grid, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full tensor of this rank's shard `p` (sharded along `dim`, or None) on p's device, in
+    `dtype`. Collective over the TP group when sharded; every TP rank gets it."""
+    p = p.detach() if dtype is None else p.detach().to(dtype)
+    if grid.tp is not None and dim is not None:
+        parts = [torch.empty_like(p) for _ in range(grid.tp.size)]
+        dist.all_gather(parts, p.contiguous(), group=grid.tp.group)
+        p = torch.cat(parts, dim=dim)
+    return p
 
-    Tensors travel raw, in the order `stage_specs` gives both sides (no pickled objects)."""
-    stage = gather_stage(model, grid, dtype)
-    if stage is None:
+
+def gather_model(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:
+    """The whole model's state dict (on the CPU) on the leader rank; None elsewhere. Collective over
+    DP replica 0. Later stages stream one tensor at a time, device to device, over the trainer
+    group, in the order `stage_specs` gives both sides (raw tensors, no pickled objects)."""
+    if grid.dp_rank != 0:
         return None
-    if grid.rank != grid.leader:
+    if grid.stage != 0:
+        params, dims = dict(model.named_parameters()), shard_dims(model)
         for spec in stage_specs(model.cfg, grid.layers):
-            dist.send(stage[spec.name].contiguous(), dst=grid.leader)
+            t = full_param(params[spec.name], dims[spec.name], grid, dtype)
+            if grid.tp_rank == 0:
+                dist.send(t.contiguous(), dst=grid.leader, group=grid.trainer_group)
         return None
-    full = dict(stage)
-    like = next(iter(stage.values()))
+    full = gather_stage(model, grid, dtype)
+    if full is None:
+        return None
+    like = next(model.parameters())
     for s in range(1, grid.layout.pp):
         for spec in stage_specs(model.cfg, grid.layout.stages[s].layers):
-            full[spec.name] = torch.empty(spec.shape, dtype=like.dtype)
-            dist.recv(full[spec.name], src=grid.layout.rank(s, 0, 0))
+            buf = torch.empty(spec.shape, dtype=dtype or like.dtype, device=like.device)
+            dist.recv(buf, src=grid.layout.rank(s, 0, 0), group=grid.trainer_group)
+            full[spec.name] = buf.cpu()
     return full
