@@ -5,6 +5,7 @@ the rollout ranks, which connect to it; the rendezvous store lives in A's launch
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,6 +14,9 @@ from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import warm_start  # noqa: E402
 
 from hexrl.nodes import address_problems, placement_problems, plan_digest
 from hexrl.schema import load_plan
@@ -168,6 +172,7 @@ def kill_node_b(tmp_path, workers_too: bool):
     procs["B"].wait()
     assert code != 0 and ended < 60, (ended, out[-3000:])
     assert "ranks 2, 3 on node 1 'B' (127.0.0.2)" in out, out[-3000:]
+    print(f"node A ended {ended:.1f} s after the kill:", *[x for x in out.splitlines() if "gone" in x][:2], sep="\n")
     assert wait_for(lambda: not any(alive(pid) for pid in ranks_b.values()), 30)  # no orphans left running
     return plan, run
 
@@ -205,9 +210,14 @@ def test_losing_node_b_machine_ends_node_a_naming_its_ranks(tmp_path):
 def test_pipeline_split_across_nodes_equals_the_single_node_run(tmp_path):
     """PP=2, stage 0 on node A and stage 1 on node B, against the same ranks on one node. With
     eta=0 every step trains the same groups, sampled with per-group seeds, so it is deterministic."""
+    # a model that sometimes answers right (a random one never does: zero advantages, no update)
+    warm_start.main([str(tmp_path / "model"), "--digits", "1", "1", "--target-acc", "0.3", "--n-train", "90",
+                     "--n-heldout", "10", "--n-dev", "40", "--batch", "32", "--layers", "4", "--hidden", "64",
+                     "--intermediate", "128", "--threads", "1", "--eval-every", "10"])
     one, two = tmp_path / "one", tmp_path / "two"
-    one.mkdir(), two.mkdir()
-    kw = dict(steps=3, eta=0, layout=PP_ACROSS)
+    for d in (one, two):
+        shutil.copytree(tmp_path / "model", d / "model")
+    kw = dict(steps=3, eta=0, group_size=4, layout=PP_ACROSS)
     single = write_job(one, nodes=[{"name": "A", "gpu_type": "cpu", "gpus": 4, "address": A}], **kw)
     split = write_job(two, nodes=TWO_NODES, **kw)
     assert [(x.node, x.role, x.pp) for x in load_plan(split).ranks] == \
@@ -220,5 +230,8 @@ def test_pipeline_split_across_nodes_equals_the_single_node_run(tmp_path):
     a, b = metrics(one / "run"), metrics(two / "run")
     keys = ("step", "version", "problem_ids", "reward_mean", "trajectories_trained", "loss", "grad_norm")
     assert [{k: r[k] for k in keys} for r in a] == [{k: r[k] for k in keys} for r in b]
+    assert all(r["grad_norm"] > 0 for r in a)
     wa, wb = load_file(one / "run/final/model.safetensors"), load_file(two / "run/final/model.safetensors")
     assert wa.keys() == wb.keys() and all((wa[k] == wb[k]).all() for k in wa)
+    w0 = load_file(tmp_path / "model/model.safetensors")
+    assert any(not (w0[k] == wa[k]).all() for k in wa)  # it trained: the equality is not of untouched weights
