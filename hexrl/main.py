@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hexrl import dist_rules
 from hexrl.data import dataset_problems
 from hexrl.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
+from hexrl.preflight import input_problems
 from hexrl.schema import ConfigError, Plan, TrainerLayout, load_plan
 from hexrl.watchdog import Watchdog, describe_exception
 
@@ -59,7 +61,8 @@ def build_groups(plan: Plan) -> tuple[list, dict]:
     """Weight-sync groups (stage source + every rollout rank) and rollout replica TP groups.
 
     Every rank calls new_group for every group in the same order (torch requires it); only
-    members get a communicator.
+    members get a communicator. The first use of each is a collective of all its members (a
+    broadcast; the engine's page-count agreement), never p2p (rules: hexrl/dist_rules.py).
     """
     rollout = plan.rollout_ranks()
     sync = []
@@ -93,11 +96,14 @@ def world_from_env() -> tuple[int, int, int, int]:
     return tuple(int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
 
 
-def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None) -> Plan:
-    """The plan, validated against this world before any collective; exits 2 with every problem."""
+def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None,
+                      resume: str | None = None) -> Plan:
+    """The plan and the run's input files (tokenizer, every prompt, the checkpoint to resume),
+    validated against this world before any collective; exits 2 with every problem."""
     try:
         plan = load_plan(path, world=(world, local_world))
-        if problems := dataset_problems(plan.job.data.synthetic) + address_problems(plan):
+        if problems := (dataset_problems(plan.job.data.synthetic) + address_problems(plan)
+                        + input_problems(plan.job, resume)):
             raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         if rank == 0:
@@ -118,13 +124,18 @@ def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
 
 
 def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
+    """The process group, and this rank's compute device declared to hexrl.dist_rules (whose strict
+    mode, under HEXRL_STRICT_COLLECTIVES=1, checks every collective against the NCCL rules)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        # gloo for CPU tensors (control data), NCCL for CUDA tensors (weights, gradients)
+        # NCCL for CUDA tensors (every collective of the run); gloo only for the teardown barrier
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    return torch.device("cpu")
+        device = torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        device = torch.device("cpu")
+    dist_rules.maybe_install(device)
+    return device
 
 
 def same_plan_problems(store, rank: int, digest: str, describe: dict[int, str]) -> list[str]:
@@ -160,7 +171,7 @@ def is_peer_loss(e: BaseException) -> bool:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
-    plan = load_checked_plan(args.plan, rank, world, local_world, args.steps)
+    plan = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
     device = init_distributed(rank, world, local_rank)
     store = dist.distributed_c10d._get_default_store()  # the job-wide store torchrun set up
@@ -197,7 +208,8 @@ def main(argv=None) -> None:
         os._exit(1)  # skip destructors that could block in a collective
     # Every rank done with its collectives before any tears gloo down (else it can SIGABRT); a CPU
     # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL.
-    dist.all_reduce(torch.zeros(1))
+    with dist_rules.host_collective():
+        dist.all_reduce(torch.zeros(1))
     watchdog.finish()
     dist.destroy_process_group()
 

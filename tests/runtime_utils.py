@@ -13,11 +13,12 @@ from hexrl.model.tiny import make_tiny_model
 
 
 def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2,
-              heldout: int = 0, nodes: list[dict] | None = None, layout: dict | None = None, **rl) -> Path:
+              heldout: int = 0, runtime: dict | None = None, nodes: list[dict] | None = None,
+              layout: dict | None = None, **rl) -> Path:
     """A tiny CPU job (2 trainer ranks + 1 rollout rank by default), planned into plan.json.
 
-    nodes: cluster.nodes (default one node of `nproc`); layout: a fixed layout (default
-    `train_gpus` data-parallel trainer ranks, the rest rollout)."""
+    runtime: the job's runtime overrides; nodes: cluster.nodes (default one node of `nproc`);
+    layout: a fixed layout (default `train_gpus` data-parallel trainer ranks, the rest rollout)."""
     model = tmp / "model"
     if not model.exists():
         make_tiny_model(model, tokenizer="char")
@@ -30,6 +31,7 @@ def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, tr
                "seed": 0, "filter_equal_groups": False, **rl},
         "cluster": {"nodes": nodes or [{"name": "local", "gpu_type": "cpu", "gpus": nproc}]},
         "layout": layout or {"train_gpus": train_gpus, "dp": train_gpus},
+        **({"runtime": runtime} if runtime else {}),
     }
     (tmp / "job.json").write_text(json.dumps(job))
     subprocess.run([sys.executable, "-m", "hexrl.plan", str(tmp / "job.json"), "-o", str(tmp / "plan.json")],

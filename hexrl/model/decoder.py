@@ -14,7 +14,7 @@ from torch import nn
 
 from .attention import AttentionBackend, CausalAttention
 from .config import ModelConfig, rope_inv_freq
-from .parallel import TPGroup, column_linear, embedding, row_linear
+from .parallel import TPGroup, column_linear, copy_to_tp, embedding, row_linear
 
 
 class RMSNorm(nn.Module):
@@ -129,9 +129,18 @@ class Decoder(nn.Module):
             h = layer(h, positions, attn)
         return self.model.norm(h) if self.is_last else h
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Normed hidden states -> logits (this rank's vocab slice under TP)."""
-        return self.lm_head(hidden)
+    def logits(self, hidden: torch.Tensor, fp32: bool = False) -> torch.Tensor:
+        """Normed hidden states -> logits (this rank's vocab slice under TP). fp32=True returns float32
+        logits whatever the weights' dtype: bf16 inputs, fp32 accumulation, no rounding of the output,
+        so behaviour (rollout) and trainer log-probs differ by computation order, not bf16 steps."""
+        if not fp32 or hidden.dtype == torch.float32:
+            out = self.lm_head(hidden)
+            return out.float() if fp32 else out
+        x = copy_to_tp(hidden, self.tp)  # the column-parallel input's backward all-reduce, as lm_head does
+        w = self.lm_head.weight
+        if x.is_cuda:  # cuBLAS writes its fp32 accumulator directly
+            return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
+        return F.linear(x.float(), w.float())
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] token ids -> [batch, seq, vocab] logits (full, unsharded model only)."""

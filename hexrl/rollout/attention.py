@@ -1,13 +1,15 @@
 """What a paged attention backend needs to know about one engine step, and the k/v write.
 
-The engine builds one `StepMeta` per step (on the host, once); a backend object built from it
-is the model's attention callable `attn(layer, q, k, v)`: it writes the new tokens' k/v into
-their pages, then attends each new token over its sequence's whole cached context.
-Tokens are flattened sequence after sequence, as the model sees them.
+The engine builds one `StepMeta` per step; a backend object built from it is the model's
+attention callable `attn(layer, q, k, v)`: it writes the new tokens' k/v into their pages, then
+attends each new token over its sequence's whole cached context. Tokens are flattened sequence
+after sequence, as the model sees them. The lengths live on the host (FlashInfer plans from
+them); the page table and per-token tensors live on the device.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -21,48 +23,66 @@ class StepMeta:
     page_size: int
     q_lens: list[int]
     kv_lens: list[int]
-    block_tables: list[list[int]]  # the pages holding each sequence's first kv_lens[b] tokens
+    table: torch.Tensor  # [R, W] int64 page table on the device: row rows[b] starts with sequence b's pages
+    rows: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [T] int64, on the device
     slot_pages: torch.Tensor  # [T] int64: the page each new token's k/v goes to
     slot_offsets: torch.Tensor  # [T] int64: its offset in that page
 
     @property
+    def block_table(self) -> torch.Tensor:
+        """[B, W] the step's sequences' rows of the page table (W covers the longest)."""
+        return self.table[self.rows, :pages_for(max(self.kv_lens), self.page_size)]
+
+    @property
     def num_tokens(self) -> int:
-        return sum(self.q_lens)
+        return len(self.positions)
 
     @property
     def is_decode(self) -> bool:
-        return all(n == 1 for n in self.q_lens)
+        return len(self.positions) == len(self.q_lens)
 
     def csr(self) -> dict[str, torch.Tensor]:
-        """FlashInfer's page-table arrays (host int32): qo_indptr, kv_indptr, kv_indices, kv_last_page_len."""
-        qo, kvp, idx, last = [0], [0], [], []
-        for q, kv, table in zip(self.q_lens, self.kv_lens, self.block_tables):
-            npages = pages_for(kv, self.page_size)
-            qo.append(qo[-1] + q)
-            kvp.append(kvp[-1] + npages)
-            idx.extend(table[:npages])
-            last.append(kv - (npages - 1) * self.page_size)
+        """FlashInfer's page-table arrays: qo_indptr, kv_indptr, kv_last_page_len (host int32) and
+        kv_indices (int32, on the table's device, gathered there without a host round trip)."""
+        ps = self.page_size
+        npages = [-(-kv // ps) for kv in self.kv_lens]
+        kvp = [0, *accumulate(npages)]
         i32 = dict(dtype=torch.int32)
-        return dict(qo_indptr=torch.tensor(qo, **i32), kv_indptr=torch.tensor(kvp, **i32),
-                    kv_indices=torch.tensor(idx, **i32), kv_last_page_len=torch.tensor(last, **i32))
+        dev = self.table.device
+        counts = torch.tensor(npages, dtype=torch.int64).to(dev, non_blocking=True)
+        total = kvp[-1]
+        rows = torch.repeat_interleave(self.rows, counts, output_size=total)
+        starts = torch.repeat_interleave(torch.tensor(kvp[:-1]).to(dev, non_blocking=True), counts, output_size=total)
+        cols = torch.arange(total, device=dev) - starts
+        return dict(qo_indptr=torch.tensor([0, *accumulate(self.q_lens)], **i32), kv_indptr=torch.tensor(kvp, **i32),
+                    kv_indices=self.table[rows, cols].to(torch.int32),
+                    kv_last_page_len=torch.tensor([kv - (n - 1) * ps for kv, n in zip(self.kv_lens, npages)], **i32))
+
+
+def step_meta(page_size: int, q_lens: list[int], kv_lens: list[int], table: torch.Tensor, rows: torch.Tensor,
+              positions: torch.Tensor, token_rows: torch.Tensor | None = None) -> StepMeta:
+    """StepMeta from device tensors: the page `table`, each sequence's row of it `rows` [B], token
+    `positions` [T], and `token_rows` [T] each token's table row (None: one token per sequence)."""
+    token_rows = rows if token_rows is None else token_rows
+    return StepMeta(page_size, q_lens, kv_lens, table, rows, positions, table[token_rows, positions // page_size],
+                    positions % page_size)
 
 
 def build_meta(spans: list[tuple[list[int], int, int]], page_size: int, device: torch.device) -> StepMeta:
-    """Metadata for spans `(block_table, start, n)`: each runs tokens [start, start + n) of a sequence."""
-    positions, slots = [], []
-    for table, start, n in spans:
-        for pos in range(start, start + n):
-            positions.append(pos)
-            slots.append(table[pos // page_size] * page_size + pos % page_size)
-    pos_t = torch.tensor(positions, dtype=torch.int64)
-    slot_t = torch.tensor(slots, dtype=torch.int64)
-    return StepMeta(
-        page_size=page_size, q_lens=[n for _, _, n in spans], kv_lens=[s + n for _, s, n in spans],
-        block_tables=[t for t, _, _ in spans], positions=pos_t.to(device, non_blocking=True),
-        slot_pages=(slot_t // page_size).to(device, non_blocking=True),
-        slot_offsets=(slot_t % page_size).to(device, non_blocking=True),
-    )
+    """Metadata for spans `(block_table, start, n)` given as host lists: each runs tokens
+    [start, start + n) of a sequence (tests, CUDA-graph capture; the engine uses its device table)."""
+    kv_lens = [s + n for _, s, n in spans]
+    width = max([pages_for(kv, page_size) for kv in kv_lens] + [1])
+    table = torch.zeros(len(spans), width, dtype=torch.int64)
+    for row, (pages, start, n) in enumerate(spans):
+        k = pages_for(start + n, page_size)
+        table[row, :k] = torch.tensor(pages[:k], dtype=torch.int64)
+    positions = torch.tensor([p for _, s, n in spans for p in range(s, s + n)], dtype=torch.int64)
+    rows = torch.arange(len(spans))
+    token_rows = torch.repeat_interleave(rows, torch.tensor([n for *_, n in spans]))
+    return step_meta(page_size, [n for *_, n in spans], kv_lens, table.to(device), rows.to(device),
+                     positions.to(device), token_rows.to(device))
 
 
 def write_kv(cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -4,29 +4,85 @@ A decode step of B sequences replays the graph of the smallest captured size >= 
 rows are padding that attends to (and writes into) the pool's scratch page. Inputs are copied
 into static tensors and the FlashInfer decode wrapper is re-planned into static buffers before
 each replay. Weights must be updated in place (the graphs hold their addresses).
+
+Memory: every graph writes its logits into one shared float32 [max size, V] buffer (a graph
+keeping its own output would hold sum(sizes) x V floats: ~1.3 GB at V = 152k with the old
+size list), and all graphs share one memory pool, one float and one int FlashInfer workspace.
+Only one graph replays at a time, so sharing is safe.
 """
 from __future__ import annotations
 
 import torch
 
-from .attention import build_meta
+from .attention import StepMeta, build_meta
 from .flashinfer_backend import GraphDecodeAttention
 from .pages import PagePool
 
 
 def default_batch_sizes(max_running: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to max_running (and max_running itself)."""
-    sizes = {s for s in (1, 2, 4) if s <= max_running} | set(range(8, max_running + 1, 8)) | {max_running}
+    """1, 2, 4, 8, 16, 32, then every multiple of 32 up to max_running (and max_running itself):
+    a padded row costs little in a memory-bound decode step, a captured size costs capture time."""
+    sizes = {s for s in (1, 2, 4, 8, 16) if s <= max_running} | set(range(32, max_running + 1, 32)) | {max_running}
     return sorted(sizes)
 
 
+def batch_size_problems(sizes, max_running: int | None) -> list[str]:
+    """What is wrong with a `graph_batch_sizes` setting (a non-empty collection of distinct
+    positive integers, none above the running-batch limit)."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__") or not list(sizes):
+        return [f"graph_batch_sizes must be a non-empty list of integers, got {sizes!r}"]
+    sizes = list(sizes)
+    p = []
+    bad = [s for s in sizes if not isinstance(s, int) or isinstance(s, bool) or s < 1]
+    if bad:
+        p.append(f"graph_batch_sizes must be integers >= 1, got {bad}")
+    elif len(set(sizes)) != len(sizes):
+        p.append(f"graph_batch_sizes has duplicates: {sizes}")
+    elif max_running is not None and max(sizes) > max_running:
+        p.append(f"graph_batch_sizes {max(sizes)} exceeds the running-batch limit {max_running} "
+                 "(min of max_running and max_batch_tokens)")
+    return p
+
+
+def pick_size(sizes: list[int], batch: int) -> int:
+    """The smallest captured size that holds `batch` rows (sizes sorted ascending)."""
+    for s in sizes:
+        if s >= batch:
+            return s
+    raise ValueError(f"no captured graph holds {batch} rows (largest {sizes[-1]})")
+
+
+class SharedGraphBuffers:
+    """The buffers every captured size shares: token ids, positions and the float32 logits.
+    Size `bs` uses the first `bs` rows of each (views, so one allocation serves all sizes)."""
+
+    def __init__(self, max_batch: int, vocab: int, device: torch.device):
+        self.ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.logits = torch.zeros(max_batch, vocab, dtype=torch.float32, device=device)
+
+    def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.ids[:bs], self.positions[:bs], self.logits[:bs]
+
+    def load(self, ids: torch.Tensor, positions: torch.Tensor, bs: int) -> None:
+        """Stage a step's B <= bs rows; the padding rows get token 0 at position 0."""
+        b = len(ids)
+        self.ids[:b].copy_(ids)
+        self.ids[b:bs].zero_()
+        self.positions[:b].copy_(positions)
+        self.positions[b:bs].zero_()
+
+
 class DecodeGraphs:
-    """Captured decode graphs for a whole (TP-sharded) model over one page pool."""
+    """Captured decode graphs for a whole model (TP = 1) over one page pool."""
 
     def __init__(self, model: torch.nn.Module, pool: PagePool, heads: tuple[int, int, int],
-                 workspace: torch.Tensor, batch_sizes: list[int]):
-        self.model, self.pool, self.heads, self.workspace = model, pool, heads, workspace
+                 workspace: torch.Tensor, int_workspace: torch.Tensor, batch_sizes: list[int]):
+        self.model, self.pool, self.heads = model, pool, heads
+        self.workspace, self.int_workspace = workspace, int_workspace
         self.batch_sizes = sorted(set(batch_sizes))
+        vocab = model.lm_head.weight.shape[0]  # this rank's vocab slice
+        self.buffers = SharedGraphBuffers(self.max_batch, vocab, pool.kv[0].device)
         self.mempool = torch.cuda.graph_pool_handle()
         self.graphs: dict[int, tuple] = {}
         for bs in reversed(self.batch_sizes):  # largest first: the smaller ones reuse its memory
@@ -36,18 +92,14 @@ class DecodeGraphs:
     def max_batch(self) -> int:
         return self.batch_sizes[-1]
 
-    def _pad(self, spans: list[tuple[list[int], int, int]], bs: int) -> list[tuple[list[int], int, int]]:
-        return spans + [([self.pool.scratch_page], 0, 1)] * (bs - len(spans))
-
     def _capture(self, bs: int) -> tuple:
         dev = self.pool.kv[0].device
-        ids = torch.zeros(bs, dtype=torch.int64, device=dev)
-        positions = torch.zeros(bs, dtype=torch.int64, device=dev)
-        attn = GraphDecodeAttention(self.pool, *self.heads, self.workspace, bs)
-        attn.plan(build_meta(self._pad([], bs), self.pool.page_size, dev))
+        ids, positions, logits = self.buffers.views(bs)
+        attn = GraphDecodeAttention(self.pool, *self.heads, self.workspace, self.int_workspace, bs)
+        attn.plan(build_meta([([self.pool.scratch_page], 0, 1)] * bs, self.pool.page_size, dev))
 
-        def forward() -> torch.Tensor:
-            return self.model.logits(self.model.stage(ids, positions, attn))
+        def forward() -> None:
+            logits.copy_(self.model.logits(self.model.stage(ids, positions, attn), fp32=True))
 
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -57,18 +109,16 @@ class DecodeGraphs:
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            out = forward()
-        return graph, ids, positions, attn, out
+            forward()
+        return graph, attn
 
-    def run(self, spans: list[tuple[list[int], int, int]], ids: torch.Tensor) -> torch.Tensor:
-        """Logits [B, V_local] for B one-token spans `(block_table, start, 1)` with token ids `ids` [B]."""
-        b = len(spans)
-        bs = next(s for s in self.batch_sizes if s >= b)
-        graph, static_ids, static_pos, attn, out = self.graphs[bs]
-        meta = build_meta(self._pad(spans, bs), self.pool.page_size, static_ids.device)
-        static_ids[:b].copy_(ids)
-        static_ids[b:].zero_()
-        static_pos.copy_(meta.positions)
+    def run(self, meta: StepMeta, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [B, V_local] (float32, a view of the shared buffer: read before the next replay)
+        for a decode step of B sequences with token ids `ids` [B]."""
+        b = len(ids)
+        bs = pick_size(self.batch_sizes, b)
+        graph, attn = self.graphs[bs]
+        self.buffers.load(ids, meta.positions, bs)
         attn.plan(meta)
         graph.replay()
-        return out[:b]
+        return self.buffers.logits[:b]

@@ -19,19 +19,21 @@ the same per-request seeds, so all ranks stay in lockstep without shipping token
 from __future__ import annotations
 
 import random
+import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+import numpy as np
 import torch
 
 from hexrl.model.decoder import Decoder
 
-from .attention import build_meta
+from .attention import StepMeta, step_meta
 from .pages import PagePool, page_bytes
-from .sampler import sample_tokens
+from .sampler import SlotParams
 from .scheduler import Chunk, Scheduler
 from .sequence import Finished, Request, Sequence
-from .torch_paged import TorchPagedAttention
+from .torch_paged import TorchPagedBackend
 from .tp import broadcast_from_leader, gather_vocab, min_across
 
 Weights = dict[str, torch.Tensor] | Callable[[Decoder], None]
@@ -49,8 +51,8 @@ class EngineConfig:
     max_batch_tokens: int = 8192  # tokens per forward pass (prefill chunks + decodes)
     max_running: int = 256  # sequences in the running batch (at most max_batch_tokens)
     attention: str = "auto"  # "auto" (FlashInfer when usable, else torch) | "torch" | "flashinfer"
-    cuda_graphs: bool = True  # decode graphs; GPU + FlashInfer only
-    graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, multiples of 8, max_running
+    cuda_graphs: bool = True  # decode graphs; GPU + FlashInfer, TP = 1 only
+    graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 32, multiples of 32, max_running
 
     def problems(self) -> list[str]:
         p = []
@@ -63,6 +65,12 @@ class EngineConfig:
             p.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
         if self.attention not in ("auto", "torch", "flashinfer"):
             p.append(f"attention must be 'auto', 'torch' or 'flashinfer', got {self.attention!r}")
+        if self.graph_batch_sizes is not None:
+            from .cuda_graph import batch_size_problems
+
+            p += batch_size_problems(self.graph_batch_sizes, min(self.max_running, self.max_batch_tokens)
+                                     if isinstance(self.max_running, int) and isinstance(self.max_batch_tokens, int)
+                                     else None)
         return p
 
 
@@ -104,6 +112,8 @@ class Engine:
         self.pool = PagePool(range(*model.layer_range), self._num_pages(), self.config.page_size,
                              self.heads[1], cfg.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(self.pool, self.config.max_batch_tokens, self.config.max_running)
+        self.params = SlotParams(self.scheduler.max_running, self.device)
+        self._pinned_in = self._pinned_out = self._h2d_done = None
         self.backend, self.graphs = self._make_backend()
 
     # ------------------------------------------------------------------ setup
@@ -135,25 +145,35 @@ class Engine:
         return n
 
     def _make_backend(self):
-        from .flashinfer_backend import WORKSPACE_BYTES, FlashInferAttention, flashinfer_usable
+        """(attention backend, decode graphs or None). On CUDA a missing or broken FlashInfer is an
+        error for attention='flashinfer' and a loud warning naming the fallback for 'auto'."""
+        from .flashinfer_backend import FlashInferAttention, flashinfer_problem, float_workspace_bytes
 
-        kind = self.config.attention
-        if kind == "auto":
-            kind = "flashinfer" if flashinfer_usable(self.device, self.dtype) else "torch"
-        if kind == "torch":
-            return None, None
-        if not flashinfer_usable(self.device, self.dtype):
-            raise ValueError(f"attention='flashinfer' needs a CUDA model in fp16/bf16 and the flashinfer package "
-                             f"(model is {self.dtype} on {self.device})")
-        workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=self.device)
+        kind, cuda = self.config.attention, self.device.type == "cuda"
+        problem = flashinfer_problem(self.device, self.dtype) if kind != "torch" else None
+        if kind == "flashinfer" and problem:
+            raise ValueError(f"attention='flashinfer' needs a CUDA model in fp16/bf16 and the flashinfer package: "
+                             f"{problem}")
+        if kind == "auto" and problem and cuda:
+            warnings.warn(f"FlashInfer unusable ({problem}): falling back to torch paged attention WITHOUT CUDA "
+                          "graphs, many times slower; set attention='torch' to silence this", RuntimeWarning,
+                          stacklevel=3)
+        if kind == "torch" or problem:
+            return TorchPagedBackend(self.pool), None
+        workspace = torch.zeros(float_workspace_bytes(*self.heads, self.scheduler.max_running), dtype=torch.uint8,
+                                device=self.device)
         backend = FlashInferAttention(self.pool, *self.heads, workspace)
         graphs = None
-        if self.config.cuda_graphs:
+        if self.config.cuda_graphs and self.tp is not None:
+            warnings.warn("CUDA graphs are off for TP > 1 (the all-reduce inside a captured graph is not yet "
+                          "covered by a GPU test): decode runs eagerly", RuntimeWarning, stacklevel=3)
+        elif self.config.cuda_graphs:
             from .cuda_graph import DecodeGraphs, default_batch_sizes
 
-            sizes = self.config.graph_batch_sizes or default_batch_sizes(self.config.max_running)
+            sizes = self.config.graph_batch_sizes or default_batch_sizes(self.scheduler.max_running)
             with torch.no_grad():
-                graphs = DecodeGraphs(self.model, self.pool, self.heads, workspace, list(sizes))
+                graphs = DecodeGraphs(self.model, self.pool, self.heads, workspace, backend.int_workspace,
+                                      list(sizes))
         return backend, graphs
 
     # ------------------------------------------------------------------ public API
@@ -249,69 +269,133 @@ class Engine:
     @torch.no_grad()
     def _step(self, new: list[Request]) -> list[Finished]:
         for r in new:
-            self.scheduler.add(Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids)))
+            self.scheduler.add(self._sequence(r))
+        decodes = self.scheduler.decode_only()
+        step = self._decode_inputs(decodes) if decodes is not None else self._schedule()
+        if step is None:
+            return []
+        logits = self._forward(step)
+        tokens, logprobs = self._sample(logits, step)
+        self.stats.steps += 1
+        self.stats.preemptions = self.scheduler.preemptions
+        self.stats.prefill_tokens += step.meta.num_tokens - len(step.sampling)
+        self.stats.generated_tokens += len(step.sampling)
+        return self._append(step.sampling, tokens, logprobs)
+
+    def _schedule(self) -> "StepInputs | None":
+        """The general step: chunks of prefills, decodes and admissions."""
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.has_work():  # requests are checked to fit the pool, so the oldest can always run
                 raise RuntimeError("the scheduler made no progress with work queued (a bug)")
-            return []
-        sampling = [c for c in chunks if c.samples]
-        logits = self._forward(chunks)
-        tokens, logprobs = self._sample(logits, sampling)
-        self.stats.steps += 1
-        self.stats.preemptions = self.scheduler.preemptions
-        self.stats.prefill_tokens += sum(c.n for c in chunks) - len(sampling)
-        self.stats.generated_tokens += len(sampling)
-        for c in chunks:
-            c.seq.num_cached = c.start + c.n
-        return [f for c, t, lp in zip(sampling, tokens, logprobs) if (f := self._append(c.seq, t, lp))]
+            return None
+        if self.scheduler.admitted:
+            self.params.admit(self.scheduler.admitted)
+        step = self._inputs(chunks)
+        for c in chunks:  # sampling sequences are marked cached in _append
+            if c.start + c.n < len(c.seq.tokens):
+                c.seq.num_cached = c.start + c.n
+        return step
 
-    def _forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Logits [S, V] (full vocab) of the last token of each sampling chunk."""
-        spans = [(c.seq.pages, c.start, c.n) for c in chunks]
-        ids = torch.tensor([t for c in chunks for t in c.seq.tokens[c.start:c.start + c.n]], device=self.device)
-        rows = [i for i, c in enumerate(chunks) if c.samples]
-        if self.graphs is not None and len(ids) == len(chunks) and len(chunks) <= self.graphs.max_batch:
-            logits = self.graphs.run(spans, ids)[rows]
+    def _sequence(self, r: Request) -> Sequence:
+        stops = set(r.stop_ids) | (set() if r.ignore_eos else self.eos_ids)
+        return Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids), stop_ids=frozenset(stops),
+                        max_tokens=len(r.prompt_ids) + r.max_new_tokens)
+
+    def _decode_inputs(self, seqs: list[Sequence]) -> "StepInputs | None":
+        """A decode step's inputs: slots and lengths in one host-to-device copy; the tokens are each
+        slot's last sample, already on the device; the page table is the scheduler's device table."""
+        if not seqs:
+            return None
+        b, kv_lens = len(seqs), [len(s.tokens) for s in seqs]
+        rows_d, kv_d = self._h2d([s.slot for s in seqs] + kv_lens).split([b, b])
+        meta = step_meta(self.pool.page_size, [1] * b, kv_lens, self.scheduler.tables.flush(), rows_d, kv_d - 1)
+        return StepInputs(meta, self.params.last_token[rows_d], seqs, rows_d, kv_d, None)
+
+    def _inputs(self, chunks: list[Chunk]) -> "StepInputs":
+        """Any step's inputs from its chunks (host lists -> one host-to-device copy)."""
+        if all(c.n == 1 and c.start + 1 == len(c.seq.tokens) for c in chunks):
+            return self._decode_inputs([c.seq for c in chunks])
+        b, ns = len(chunks), [c.n for c in chunks]
+        kv_lens = [c.start + c.n for c in chunks]
+        ids, positions = [], []
+        for c in chunks:
+            ids += c.seq.tokens[c.start:c.start + c.n]
+            positions += range(c.start, c.start + c.n)
+        picks = [i for i, c in enumerate(chunks) if c.start + c.n == len(c.seq.tokens)]
+        t = len(ids)
+        host = ids + positions + [c.seq.slot for c in chunks] + ns + kv_lens + picks
+        ids_d, pos_d, rows_d, ns_d, kv_d, picks_d = self._h2d(host).split([t, t, b, b, b, len(picks)])
+        token_rows = torch.repeat_interleave(rows_d, ns_d, output_size=t)
+        meta = step_meta(self.pool.page_size, ns, kv_lens, self.scheduler.tables.flush(), rows_d, pos_d, token_rows)
+        last = (torch.cumsum(ns_d, 0) - 1)[picks_d]  # each sampling chunk's last token
+        return StepInputs(meta, ids_d, [chunks[i].seq for i in picks], rows_d[picks_d], kv_d[picks_d], last)
+
+    def _h2d(self, values: list[int]) -> torch.Tensor:
+        """One int64 host-to-device copy (through a reused pinned buffer on CUDA)."""
+        host = torch.from_numpy(np.array(values, dtype=np.int64))
+        if self.device.type != "cuda":
+            return host
+        if self._pinned_in is None or len(self._pinned_in) < len(values):
+            self._pinned_in = torch.empty(max(2 * len(values), 4096), dtype=torch.int64, pin_memory=True)
+        elif self._h2d_done is not None:
+            self._h2d_done.synchronize()  # the last copy out of the buffer has finished
+        buf = self._pinned_in[:len(values)]
+        buf.copy_(host)
+        out = buf.to(self.device, non_blocking=True)
+        self._h2d_done = torch.cuda.Event()
+        self._h2d_done.record()
+        return out
+
+    def _forward(self, step: "StepInputs") -> torch.Tensor:
+        """Logits [S, V] (full vocab, float32) of the last token of each sampling chunk."""
+        meta, n = step.meta, len(step.sampling)
+        if self.graphs is not None and step.last is None and n <= self.graphs.max_batch:
+            logits = self.graphs.run(meta, step.ids)
             self.stats.graph_steps += 1
         else:
-            meta = build_meta(spans, self.pool.page_size, self.device)
-            attn = self.backend.begin(meta) if self.backend else TorchPagedAttention(self.pool, meta)
-            hidden = self.model.stage(ids, meta.positions, attn)
-            last = (torch.cumsum(torch.tensor([c.n for c in chunks]), 0) - 1)[rows]  # each chunk's last token
-            logits = self.model.logits(hidden[last.to(self.device)]) if rows else hidden.new_empty(0, 0)
-        if self.tp and rows:
+            hidden = self.model.stage(step.ids, meta.positions, self.backend.begin(meta))
+            if not n:
+                return hidden.new_empty(0, 0)
+            logits = self.model.logits(hidden if step.last is None else hidden[step.last], fp32=True)
+        if self.tp:
             logits = gather_vocab(logits, self.tp)
         return logits
 
-    def _sample(self, logits: torch.Tensor, sampling: list[Chunk]) -> tuple[list[int], list[float]]:
-        if not sampling:
+    def _sample(self, logits: torch.Tensor, step: "StepInputs") -> tuple[list[int], list[float]]:
+        """Sampled tokens and their behaviour log-probs, read back in one copy."""
+        if not step.sampling:
             return [], []
-        reqs = [c.seq.req for c in sampling]
-        dev = logits.device
+        tokens, logprobs = self.params.sample(logits, step.rows, step.kv_lens)
+        self.params.last_token[step.rows] = tokens  # the next decode step's input, without a host round trip
+        if self.device.type != "cuda":
+            return tokens.tolist(), logprobs.tolist()
+        packed = torch.stack([tokens.to(torch.int32), logprobs.view(torch.int32)])
+        if self._pinned_out is None or self._pinned_out.shape[1] < packed.shape[1]:
+            self._pinned_out = torch.empty(2, max(packed.shape[1], self.scheduler.max_running), dtype=torch.int32,
+                                           pin_memory=True)
+        out = self._pinned_out[:, :packed.shape[1]]
+        out.copy_(packed, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        host = out.numpy()
+        return host[0].tolist(), host[1].view(np.float32).tolist()
 
-        def col(values, dtype):
-            return torch.tensor(values, dtype=dtype).to(dev, non_blocking=True)
-
-        tokens, logprobs = sample_tokens(
-            logits, col([r.temperature for r in reqs], torch.float32), col([r.top_k for r in reqs], torch.int64),
-            col([r.top_p for r in reqs], torch.float32), col([c.seq.seed for c in sampling], torch.int64),
-            col([len(c.seq.tokens) - c.seq.num_prompt for c in sampling], torch.int64),
-        )
-        return tokens.tolist(), logprobs.tolist()
-
-    def _append(self, seq: Sequence, token: int, logprob: float) -> Finished | None:
-        """Record a sampled token; finish the sequence if it should stop."""
-        seq.tokens.append(token)
-        seq.logprobs.append(logprob)
-        seq.versions.append(self.version)
-        reason = self._stop_reason(seq, token)
-        if reason is None:
-            return None
-        self.scheduler.finish(seq)
-        self._live.discard(seq.req.id)
-        self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
-        return seq.finish(reason)
+    def _append(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[Finished]:
+        """Record the sampled tokens; finish the sequences that should stop (cheap test first)."""
+        done, version = [], self.version
+        for seq, token, lp in zip(seqs, tokens, logprobs):
+            seq.num_cached = len(seq.tokens)  # the sampled chunk ended at the last token
+            seq.tokens.append(token)
+            seq.logprobs.append(lp)
+            seq.versions.append(version)
+            if token in seq.stop_ids or len(seq.tokens) >= seq.max_tokens or seq.req.stop_strings:
+                reason = self._stop_reason(seq, token)
+                if reason is not None:
+                    self.scheduler.finish(seq)
+                    self._live.discard(seq.req.id)
+                    self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
+                    done.append(seq.finish(reason))
+        return done
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         req = seq.req
@@ -321,12 +405,24 @@ class Engine:
             return "stop"
         if req.stop_strings:
             window = max(len(s) for s in req.stop_strings) + 8  # tokens: enough to hold any stop string
-            tail = self.tokenizer.decode(seq.output[-window:])
+            tail = self.tokenizer.decode(seq.tokens[max(seq.num_prompt, len(seq.tokens) - window):])
             if any(s in tail for s in req.stop_strings):
                 return "stop"
-        if len(seq.output) >= req.max_new_tokens:
+        if len(seq.tokens) >= seq.max_tokens:
             return "length"
         return None
+
+
+@dataclass
+class StepInputs:
+    """One step's device inputs: tokens, attention metadata, and which rows sample."""
+
+    meta: StepMeta
+    ids: torch.Tensor  # [T] token ids
+    sampling: list[Sequence]  # the sequences that sample this step (their chunk ends at their last token)
+    rows: torch.Tensor  # [S] slot of each sampling chunk
+    kv_lens: torch.Tensor  # [S] tokens of each sampling sequence (its sampling offset + prompt)
+    last: torch.Tensor | None  # [S] token index of each sampling row; None: every token samples (decode)
 
 
 def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

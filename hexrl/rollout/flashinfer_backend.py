@@ -15,7 +15,17 @@ from .attention import StepMeta, write_kv
 from .pages import PagePool
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-kv partial results)
+INT_WORKSPACE_BYTES = 8 << 20  # FlashInfer's own default for the int (plan) workspace
+MAX_KV_SPLITS = 32  # split-kv chunks per sequence we size the float workspace for
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def float_workspace_bytes(num_qo_heads: int, num_kv_heads: int, head_dim: int, max_running: int) -> int:
+    """The float workspace for split-kv partial outputs and log-sum-exps of up to `max_running`
+    sequences: at least FlashInfer's 128 MiB, more for wide models at large batch (a 14B model
+    overflows 128 MiB above ~310 sequences)."""
+    per_seq = num_qo_heads * (head_dim + 1) * 4 * MAX_KV_SPLITS  # fp32 output + lse per split
+    return max(WORKSPACE_BYTES, max_running * per_seq)
 
 
 def import_flashinfer():
@@ -28,15 +38,22 @@ def import_flashinfer():
     return flashinfer
 
 
-def flashinfer_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the FlashInfer backend can run here (CUDA, fp16/bf16, package importable)."""
-    if device.type != "cuda" or dtype not in SUPPORTED_DTYPES:
-        return False
+def flashinfer_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why the FlashInfer backend cannot run here (None when it can)."""
+    if device.type != "cuda":
+        return f"the model is on {device}, FlashInfer needs CUDA"
+    if dtype not in SUPPORTED_DTYPES:
+        return f"the model is {dtype}, FlashInfer needs float16 or bfloat16"
     try:
         import_flashinfer()
-    except ImportError:
-        return False
-    return True
+    except Exception as e:  # ImportError, or a broken install failing at import
+        return f"importing flashinfer failed: {e}"
+    return None
+
+
+def flashinfer_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the FlashInfer backend can run here (CUDA, fp16/bf16, package importable)."""
+    return flashinfer_problem(device, dtype) is None
 
 
 def _use_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
@@ -44,16 +61,23 @@ def _use_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
 
 
 class FlashInferAttention:
-    """Eager FlashInfer backend; `begin(meta)` plans a step and returns the attention callable."""
+    """Eager FlashInfer backend; `begin(meta)` plans a step and returns the attention callable.
+    Its int workspace is shared with the CUDA-graph wrappers (only one plan is live at a time)."""
+
+    name = "flashinfer"
 
     def __init__(self, pool: PagePool, num_qo_heads: int, num_kv_heads: int, head_dim: int,
                  workspace: torch.Tensor):
         fi = import_flashinfer()
         self.pool, self.dtype = pool, pool.kv[0].dtype
         self.heads = (num_qo_heads, num_kv_heads, head_dim)
+        self.int_workspace = torch.zeros(INT_WORKSPACE_BYTES, dtype=torch.uint8, device=workspace.device)
         tc = _use_tensor_cores(num_qo_heads, num_kv_heads)
         self.decode = fi.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD", use_tensor_cores=tc)
-        self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD")
+        # fa2 explicitly: "auto" picks FA3 on H100, a second long JIT build for no gain at our sizes
+        self.prefill = fi.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
+        for w in (self.decode, self.prefill):
+            w.reset_workspace_buffer(workspace, self.int_workspace)
         self.meta: StepMeta | None = None
         self._wrapper = None
 
@@ -81,7 +105,7 @@ class GraphDecodeAttention:
     """Decode attention for exactly `batch_size` sequences, planned into static buffers."""
 
     def __init__(self, pool: PagePool, num_qo_heads: int, num_kv_heads: int, head_dim: int,
-                 workspace: torch.Tensor, batch_size: int):
+                 workspace: torch.Tensor, int_workspace: torch.Tensor, batch_size: int):
         fi = import_flashinfer()
         dev = pool.kv[0].device
         self.pool, self.dtype, self.batch_size = pool, pool.kv[0].dtype, batch_size
@@ -96,18 +120,36 @@ class GraphDecodeAttention:
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
             paged_kv_last_page_len_buffer=self.last_page_len,
         )
+        self.wrapper.reset_workspace_buffer(workspace, int_workspace)
 
     def plan(self, meta: StepMeta) -> None:
-        """Point the static buffers at this step's (padded) batch; call before replaying the graph."""
-        if len(meta.q_lens) != self.batch_size or not meta.is_decode:
-            raise ValueError(f"graph decode expects {self.batch_size} one-token rows, got q_lens={meta.q_lens}")
-        csr = meta.csr()
+        """Point the static buffers at this step's decode batch (B <= batch_size rows; the rest are
+        padding on the pool's scratch page); call before replaying the graph."""
+        b = len(meta.q_lens)
+        if b > self.batch_size or not meta.is_decode:
+            raise ValueError(f"graph decode expects <= {self.batch_size} one-token rows, got q_lens={meta.q_lens}")
+        csr = pad_csr(meta.csr(), self.batch_size, self.pool.scratch_page)
         self.wrapper.plan(csr["kv_indptr"], csr["kv_indices"], csr["kv_last_page_len"], *self.heads,
                           meta.page_size, q_data_type=self.dtype, kv_data_type=self.dtype)
-        self.slot_pages.copy_(meta.slot_pages, non_blocking=True)
-        self.slot_offsets.copy_(meta.slot_offsets, non_blocking=True)
+        self.slot_pages[:b].copy_(meta.slot_pages, non_blocking=True)
+        self.slot_pages[b:].fill_(self.pool.scratch_page)
+        self.slot_offsets[:b].copy_(meta.slot_offsets, non_blocking=True)
+        self.slot_offsets[b:].zero_()
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.pool.layer(layer)
         write_kv(cache, self.slot_pages, self.slot_offsets, k, v)
         return self.wrapper.run(q.contiguous(), cache)
+
+
+def pad_csr(csr: dict[str, torch.Tensor], batch_size: int, scratch_page: int) -> dict[str, torch.Tensor]:
+    """Extend a decode step's page-table arrays to `batch_size` rows; each padding row attends to one
+    token on the scratch page (what it computes is never read)."""
+    pad = batch_size - len(csr["kv_last_page_len"])
+    if pad <= 0:
+        return csr
+    indptr, indices = csr["kv_indptr"], csr["kv_indices"]
+    return dict(qo_indptr=torch.arange(batch_size + 1, dtype=torch.int32),
+                kv_indptr=torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=indptr.dtype)]),
+                kv_indices=torch.cat([indices, indices.new_full((pad,), scratch_page)]),
+                kv_last_page_len=torch.cat([csr["kv_last_page_len"], torch.ones(pad, dtype=torch.int32)]))

@@ -68,3 +68,39 @@ class PagePool:
             return False
         pages.extend(self.alloc(need))
         return True
+
+
+class BlockTable:
+    """The device-side page table: row r holds the pages of the sequence in slot r.
+
+    The scheduler appends pages as it grows a sequence (`append`); `flush` writes everything
+    appended since the last flush in one indexed copy, so a step never rebuilds the table from
+    host lists. Entries past a sequence's length are stale and never read. The width doubles
+    when a sequence outgrows it (rare: only long sequences)."""
+
+    def __init__(self, rows: int, device: str | torch.device, width: int = 64):
+        self.table = torch.zeros(rows, width, dtype=torch.int64, device=device)
+        self._rows: list[int] = []
+        self._cols: list[int] = []
+        self._pages: list[int] = []
+
+    def append(self, row: int, col: int, pages: list[int]) -> None:
+        """Pages `pages` go to row `row` from column `col` on (applied at the next flush)."""
+        n = len(pages)
+        self._rows += [row] * n
+        self._cols += range(col, col + n)
+        self._pages += pages
+
+    def flush(self) -> torch.Tensor:
+        """Apply the pending appends; returns the table."""
+        if self._pages:
+            need = max(self._cols) + 1
+            if need > self.table.shape[1]:
+                wider = self.table.new_zeros(self.table.shape[0], max(need, 2 * self.table.shape[1]))
+                wider[:, :self.table.shape[1]] = self.table
+                self.table = wider
+            idx = torch.tensor([self._rows, self._cols, self._pages], dtype=torch.int64)
+            idx = idx.to(self.table.device, non_blocking=True)
+            self.table[idx[0], idx[1]] = idx[2]
+            self._rows, self._cols, self._pages = [], [], []
+        return self.table

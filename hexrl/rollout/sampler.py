@@ -1,4 +1,5 @@
-"""The one place the engine gets its sampler from (`kernels.sampling.sample`).
+"""The one place the engine gets its sampler from (`kernels.sampling.sample`), and the per-slot
+sampling parameters it feeds it.
 
 On CPU tensors the kernel's own torch reference is called directly: same semantics and same
 draws, without the Triton interpreter, which exists to test the kernel and is slow per call.
@@ -10,9 +11,41 @@ import torch
 from kernels.reference import sample_torch
 from kernels.sampling import sample
 
+from .sequence import Sequence
+
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  seeds: torch.Tensor, offsets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens [B] int64, behaviour logprobs [B] float32); row r draws with (seeds[r], offsets[r])."""
+                  seeds: torch.Tensor, offsets: torch.Tensor, check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B] int64, behaviour logprobs [B] float32); row r draws with (seeds[r], offsets[r]).
+    check=False (the engine's hot path): requests were validated when added, and the value checks
+    would wait for the device."""
     fn = sample if logits.is_cuda else sample_torch
-    return fn(logits, temperature, top_k, top_p, seeds, offsets)
+    return fn(logits, temperature, top_k, top_p, seeds, offsets, check=check)
+
+
+class SlotParams:
+    """Each slot's sampling parameters and last token as persistent device tensors, written once on
+    admission; `last_token` then follows every sample (a decode step's input never leaves the device)."""
+
+    def __init__(self, slots: int, device: torch.device):
+        self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.num_prompt = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(slots, dtype=torch.int64, device=device)
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Write the parameters of newly admitted sequences into their slots (one copy per column)."""
+        rows = torch.tensor([s.slot for s in seqs]).to(self.seed.device, non_blocking=True)
+        reqs = [s.req for s in seqs]
+        for t, values in ((self.temperature, [r.temperature for r in reqs]), (self.top_k, [r.top_k for r in reqs]),
+                          (self.top_p, [r.top_p for r in reqs]), (self.seed, [s.seed for s in seqs]),
+                          (self.num_prompt, [s.num_prompt for s in seqs]),
+                          (self.last_token, [s.tokens[-1] for s in seqs])):
+            t[rows] = torch.tensor(values, dtype=t.dtype).to(t.device, non_blocking=True)
+
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor):
+        """Sample one token per logits row; row i belongs to slot rows[i] and has kv_lens[i] tokens."""
+        return sample_tokens(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seed[rows],
+                             kv_lens - self.num_prompt[rows])

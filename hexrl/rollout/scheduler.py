@@ -1,6 +1,8 @@
 """Continuous batching: which sequences run this step, and how many of their tokens.
 
-A step is a list of chunks `(seq, start, n)`: run tokens [start, start + n) of `seq` through the
+Every running sequence holds a slot (a row of the device-side `BlockTable` and of the engine's
+per-slot sampling parameters) from admission until it finishes or is preempted. Scheduling is
+O(running): no list searches. A step is a list of chunks `(seq, start, n)`: run tokens [start, start + n) of `seq` through the
 model. Decode (one uncached token) and prefill (many, chunked under the token budget) are the
 same thing; a sequence is sampled when its chunk reaches its last token. Running decodes go
 first, then running prefills, then waiting sequences are admitted (oldest first) while pages,
@@ -12,11 +14,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from .pages import PagePool, pages_for
+from .pages import BlockTable, PagePool, pages_for
 from .sequence import Sequence
 
 
-@dataclass
+@dataclass(slots=True)
 class Chunk:
     seq: Sequence
     start: int  # == seq.num_cached when scheduled
@@ -29,15 +31,19 @@ class Chunk:
 
 
 class Scheduler:
-    """Waiting queue + running list over one page pool."""
+    """Waiting queue + running set over one page pool."""
 
     def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int):
         self.pool, self.max_batch_tokens = pool, max_batch_tokens
         self.max_running = min(max_running, max_batch_tokens)  # so every running sequence decodes each step
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []  # in admission order: the newest last
+        self.running: dict[Sequence, None] = {}  # an ordered set, in admission order: the newest last
+        self.tables = BlockTable(self.max_running, pool.kv[0].device)
+        self.admitted: list[Sequence] = []  # sequences given a slot by the last schedule()
+        self._all_decoding = True  # after the last step, every running sequence has one uncached token
         self.preemptions = 0
         self._arrivals = 0
+        self._free_slots = list(range(self.max_running - 1, -1, -1))
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -47,62 +53,107 @@ class Scheduler:
 
     def schedule(self) -> list[Chunk]:
         """Pick this step's chunks and give their sequences the pages they need."""
+        decodes = self.decode_only()
+        if decodes is not None:
+            return [Chunk(s, s.num_cached, 1) for s in decodes]
         chunks: list[Chunk] = []
-        scheduled: set[int] = set()
-        budget, preempted = self.max_batch_tokens, False
-        decodes = [s for s in self.running if s.num_uncached == 1]
-        for seq in decodes + [s for s in self.running if s.num_uncached > 1]:
-            if budget == 0 or seq not in self.running:  # out of tokens, or preempted just now
-                continue
-            n = min(seq.num_uncached, budget)
-            while not self.pool.grow(seq.pages, seq.num_cached + n):
-                victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
-                self.preempt(victim)
-                preempted = True
-                if victim is seq:
-                    break
-            else:
-                chunks.append(Chunk(seq, seq.num_cached, n))
-                scheduled.add(id(seq))
-                budget -= n
+        self.admitted = []
+        decodes = [s for s in self.running if len(s.tokens) - s.num_cached == 1]  # decodes go first
+        preempted = self._schedule_running(decodes, chunks, self.max_batch_tokens)
         if not preempted:  # admitting now would only evict someone next step
-            budget = self._admit(chunks, budget)
+            self._admit(chunks, self.max_batch_tokens - sum(c.n for c in chunks))
+        self._all_decoding = len(chunks) == len(self.running) and all(c.samples for c in chunks)
         return chunks
 
-    def _admit(self, chunks: list[Chunk], budget: int) -> int:
+    def decode_only(self) -> list[Sequence] | None:
+        """The common step, in O(running) with no per-step objects: every running sequence decodes one
+        token, nobody can be admitted, pages suffice. Returns the running sequences (pages grown), or
+        None when the general schedule() is needed."""
+        if not self._all_decoding or (self.waiting and len(self.running) < self.max_running):
+            return None
+        ps = self.pool.page_size
+        growing = [s for s in self.running if s.num_cached >= len(s.pages) * ps]  # starting a new page
+        if len(growing) > self.pool.num_free:
+            return None
+        for s in growing:
+            self._grow(s, s.num_cached + 1)
+        self.admitted = []
+        return list(self.running)
+
+    def _schedule_running(self, decodes: list[Sequence], chunks: list[Chunk], budget: int) -> bool:
+        """Running sequences in order (decodes, then prefills), preempting the newest unscheduled
+        ones when pages run out; returns whether anyone was preempted."""
+        scheduled: set[Sequence] = set()
+        preempted, ps = False, self.pool.page_size
+        for seq in decodes + [s for s in self.running if len(s.tokens) - s.num_cached > 1]:
+            if budget == 0:
+                break
+            if seq.slot < 0:  # preempted just now
+                continue
+            n = min(len(seq.tokens) - seq.num_cached, budget)
+            end = seq.num_cached + n
+            if end > len(seq.pages) * ps:
+                while not self._grow(seq, end):
+                    victim = next(s for s in reversed(self.running) if s not in scheduled)
+                    self.preempt(victim)
+                    preempted = True
+                    if victim is seq:
+                        break
+                if seq.slot < 0:
+                    continue
+            chunks.append(Chunk(seq, seq.num_cached, n))
+            scheduled.add(seq)
+            budget -= n
+        return preempted
+
+    def _admit(self, chunks: list[Chunk], budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_running:
             seq = self.waiting[0]
             n = min(seq.num_uncached, budget)
             need = pages_for(seq.num_cached + n, self.pool.page_size) - len(seq.pages)
             if need + len(self.running) > self.pool.num_free:  # keep a page of growth per running seq
                 break
-            self.pool.grow(seq.pages, seq.num_cached + n)
             self.waiting.popleft()
+            seq.slot = self._free_slots.pop()
+            self._grow(seq, seq.num_cached + n)
             seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
-            self.running.append(seq)
+            self.running[seq] = None
+            self.admitted.append(seq)
             chunks.append(Chunk(seq, seq.num_cached, n))
             budget -= n
-        return budget
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Give `seq` pages for `num_tokens` tokens, mirrored into the device table; False if none left."""
+        old = len(seq.pages)
+        if not self.pool.grow(seq.pages, num_tokens):
+            return False
+        if len(seq.pages) > old:
+            self.tables.append(seq.slot, old, seq.pages[old:])
+        return True
 
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages and put it first in line for recompute."""
-        self.running.remove(seq)
+        del self.running[seq]
         self._drop_kv(seq)
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        del self.running[seq]
         self._drop_kv(seq)
 
     def drop_all_kv(self) -> None:
         """Weights changed: every cached k/v is stale. Re-queue all running sequences, in order,
         ahead of the waiting ones, as prefills of everything they hold so far."""
-        for seq in self.running:
+        running = list(self.running)
+        for seq in running:
             self._drop_kv(seq)
-        self.waiting.extendleft(reversed(self.running))
-        self.running = []
+        self.waiting.extendleft(reversed(running))
+        self.running = {}
+        self._all_decoding = False
 
     def _drop_kv(self, seq: Sequence) -> None:
         self.pool.free(seq.pages)
-        seq.pages, seq.num_cached = [], 0
+        if seq.slot >= 0:
+            self._free_slots.append(seq.slot)
+        seq.pages, seq.num_cached, seq.slot = [], 0, -1

@@ -60,7 +60,7 @@ class Finished:
     finish_reason: str  # "eos" | "stop" | "length"
 
 
-@dataclass(eq=False)  # identity semantics: `seq in running` must not compare token lists
+@dataclass(eq=False)  # identity semantics: hashed and compared by identity, never by token lists
 class Sequence:
     """A request in flight: its tokens so far, its KV pages, and how many of its tokens are cached."""
 
@@ -72,6 +72,9 @@ class Sequence:
     pages: list[int] = field(default_factory=list)  # block table
     num_cached: int = 0  # tokens whose k/v are in `pages`
     arrival: int = 0  # admission order; the newest are preempted first
+    slot: int = -1  # row in the engine's per-slot tables while running, else -1
+    stop_ids: frozenset = frozenset()  # token ids that end it (EOS unless ignored, and req.stop_ids)
+    max_tokens: int = 0  # prompt + max_new_tokens
 
     @property
     def num_prompt(self) -> int:

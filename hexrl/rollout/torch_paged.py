@@ -24,11 +24,7 @@ class TorchPagedAttention:
         q_lens = torch.tensor(meta.q_lens)
         kv_lens = torch.tensor(meta.kv_lens)
         j = torch.arange(max_kv)
-        table = torch.zeros(b, -(-max_kv // ps), dtype=torch.int64)
-        for row, pages in enumerate(meta.block_tables):
-            n = -(-meta.kv_lens[row] // ps)
-            table[row, :n] = torch.tensor(pages[:n])
-        self.kv_pages = table.gather(1, (j // ps).expand(b, -1)).to(dev)  # [B, max_kv]
+        self.kv_pages = meta.block_table.gather(1, (j // ps).to(dev).expand(b, -1))  # [B, max_kv]
         self.kv_offsets = (j % ps).expand(b, -1).to(dev)
         i = torch.arange(max_q)
         self.q_valid = (i[None, :] < q_lens[:, None]).to(dev)  # [B, max_q]
@@ -48,3 +44,15 @@ class TorchPagedAttention:
             attn_mask=self.mask, enable_gqa=True,
         )
         return out.transpose(1, 2)[self.q_valid]  # back to [T, Hq, D], sequence after sequence
+
+
+class TorchPagedBackend:
+    """The backend object the engine holds when attention is plain torch: `begin(meta)` per step."""
+
+    name = "torch"
+
+    def __init__(self, pool: PagePool):
+        self.pool = pool
+
+    def begin(self, meta: StepMeta) -> TorchPagedAttention:
+        return TorchPagedAttention(self.pool, meta)
