@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import warm_start  # noqa: E402
 
 from hexrl.nodes import address_problems, placement_problems, plan_digest
-from hexrl.schema import load_plan
+from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.watchdog import Watchdog
 from dist_utils import free_port
 from runtime_utils import ROOT, metrics, torchrun, torchrun_node, wait_for, worker_pids, write_job
@@ -98,6 +98,15 @@ def test_a_multi_node_plan_needs_one_address_per_node_and_one_plan(tmp_path):
     reordered = tmp_path / "same.json"
     reordered.write_text(json.dumps(dict(reversed(json.loads(path.read_text()).items())), indent=3))
     assert plan_digest(reordered, None) == plan_digest(path, None)  # content, not formatting
+
+
+def test_a_node_address_is_never_a_wildcard():
+    job = {"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 10}},
+           "cluster": {"nodes": [{"name": "A", "gpu_type": "cpu", "gpus": 2, "address": "0.0.0.0"}]}}
+    with pytest.raises(ConfigError) as e:
+        load_job(job)
+    assert "cluster.nodes[0].address: must be the node's own address or hostname, not the wildcard '0.0.0.0'" \
+        in str(e.value)
 
 
 def test_watchdog_names_a_lost_nodes_ranks_together():
