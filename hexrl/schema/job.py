@@ -416,6 +416,8 @@ def _read_node(r: Reader, n, i: int) -> NodeSpec | None:
         r.bad(f"{where}.gpu_type", f"unknown GPU type {raw_type!r} (known: {known_types()})")
     gpus = r.num(n, "gpus", where, integer=True, lo=1, required=True)
     address = r.text(n, "address", where, "127.0.0.1")
+    if address in ("0.0.0.0", "*", "::", ""):  # peers connect to it, and the controller binds only it
+        r.bad(f"{where}.address", f"must be the node's own address or hostname, not the wildcard {address!r}")
     if gpu_type is None or gpus is None:
         return None
     return NodeSpec(name, gpu_type, gpus, address)
