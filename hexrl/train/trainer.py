@@ -231,6 +231,7 @@ class Trainer:
         x = mb.input_ids if model.is_first else x
         if not (self.config.activation_checkpointing and torch.is_grad_enabled()):
             return model.stage(x, mb.positions, attn)
+        model.reset_rotary()
         h = model.model.embed_tokens(x) if model.is_first else x  # Decoder.stage, layer by layer
         for layer in model.model.layers.values():
             h = activation_checkpoint(layer, h, mb.positions, attn, use_reentrant=False)
