@@ -10,11 +10,22 @@ Topology: the controller binds a `RouterChannel`; each rollout leader connects a
 trajectories, heartbeats and stats go dealer -> router. Endpoints travel through a
 torch.distributed Store (`publish_endpoint` / `lookup_endpoint`). A channel belongs to one
 thread: ZeroMQ sockets are not thread-safe.
+
+Trust: any local process can connect to a TCP port, so every message carries an auth frame,
+`[len(name)][name][seq: 8 bytes][HMAC-SHA256(secret, everything before it + payload)]`, under a
+per-job secret that rank 0 generates and hands out through the torchrun store (never env or
+argv, which other local users can read). A peer's name is what its valid auth frame says, never
+its ZeroMQ routing id (no ROUTER_HANDOVER: a newcomer cannot take a replica's place); `seq` must
+grow per sender, so a replayed frame is refused. Frames are checked before msgpack sees them, and
+ZeroMQ's MAXMSGSIZE disconnects a peer that sends an oversize frame.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 import math
+import secrets
 import socket
 import time
 from collections import Counter
@@ -31,6 +42,8 @@ from hexrl.trajectory import Trajectory
 SCHEMA_VERSION = 1
 MAX_MESSAGE_BYTES = 64 << 20  # a 32k-token trajectory is well under 1 MiB
 DEFAULT_HWM = 10_000  # messages queued per peer before senders wait (never silently dropped)
+CONTROLLER = "controller"  # the router's name in its auth frames (no replica may claim it)
+_TAG = 32  # bytes of an HMAC-SHA256
 
 log = logging.getLogger("hexrl.comm")
 
@@ -258,15 +271,64 @@ def msg_to_trajectory(msg: dict) -> Trajectory:
                       meta=dict(msg.get("meta") or {}))
 
 
+# ---------------------------------------------------------------- authentication
+
+
+def new_secret() -> bytes:
+    """A fresh per-job secret (rank 0 makes it; `publish_secret` hands it to the job's ranks)."""
+    return secrets.token_bytes(32)
+
+
+class Auth:
+    """Seals outgoing payloads under the job's secret as `name`; opens (checks) incoming ones."""
+
+    def __init__(self, secret: bytes, name: str):
+        if not isinstance(secret, bytes) or len(secret) < 16:
+            raise ValueError("the channel secret must be at least 16 random bytes (see new_secret)")
+        raw = name.encode()
+        if not raw or len(raw) > 255:
+            raise ValueError(f"name must be 1..255 bytes, got {name!r}")
+        self.key, self.name, self.seq = secret, raw, 0
+        self.last_seq: dict[bytes, int] = {}  # sender name -> highest seq accepted
+
+    def _tag(self, head: bytes, payload) -> bytes:
+        mac = hmac.new(self.key, head, hashlib.sha256)
+        mac.update(payload)
+        return mac.digest()
+
+    def seal(self, payload) -> bytes:
+        """The auth frame for `payload` (each call takes the next sequence number)."""
+        self.seq += 1
+        head = bytes([len(self.name)]) + self.name + self.seq.to_bytes(8, "big")
+        return head + self._tag(head, payload)
+
+    def open(self, auth, payload) -> str:
+        """The sender's name if `auth` is a valid, fresh seal of `payload`; else MessageError
+        ("bad_auth" or "replay")."""
+        auth = bytes(auth)
+        if not auth or len(auth) != 1 + auth[0] + 8 + _TAG:
+            raise MessageError("bad_auth", f"auth frame of {len(auth)} bytes is malformed")
+        head, tag = auth[:-_TAG], auth[-_TAG:]
+        if not hmac.compare_digest(tag, self._tag(head, payload)):
+            raise MessageError("bad_auth", "wrong MAC (not a member of this job, or altered)")
+        name, seq = head[1:-8], int.from_bytes(head[-8:], "big")
+        if seq <= self.last_seq.get(name, 0):
+            raise MessageError("replay", f"{name!r} seq {seq} <= {self.last_seq.get(name, 0)} already seen")
+        self.last_seq[name] = seq
+        return name.decode("utf-8", "replace")
+
+
 # ---------------------------------------------------------------- channels
 
 
 class _Channel:
     """A ZeroMQ socket sending/receiving validated messages; counts what it rejects."""
 
-    def __init__(self, kind: int, hwm: int, max_bytes: int, ctx: zmq.Context | None):
+    def __init__(self, kind: int, secret: bytes, name: str, hwm: int, max_bytes: int, ctx: zmq.Context | None):
+        self.auth = Auth(secret, name)
         self.sock = (ctx or zmq.Context.instance()).socket(kind)
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_bytes + 1024)  # a bigger frame drops its sender
         self.sock.setsockopt(zmq.SNDHWM, hwm)
         self.sock.setsockopt(zmq.RCVHWM, hwm)
         self.sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
@@ -300,8 +362,11 @@ class _Channel:
         return {"sent": self.sent, "received": self.received, "send_failed": self.send_failed,
                 "rejected": dict(self.rejected)}
 
-    def _send_frames(self, frames: list, timeout_s: float) -> bool:
-        """Send without ever blocking past `timeout_s`; False when the peer is unknown or full."""
+    def _send_frames(self, route: list, msg: dict, timeout_s: float) -> bool:
+        """Encode, seal and send without ever blocking past `timeout_s`; False when the peer is
+        unknown or full. `route`: the frames before the auth frame (a router's peer id)."""
+        payload = encode(msg, self.max_bytes)
+        frames = [*route, self.auth.seal(payload), payload]
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -328,13 +393,14 @@ class _Channel:
                 return None
             frames = self.sock.recv_multipart(copy=False)
             try:
-                head, payload = self._split(frames)
+                head, auth, payload = self._split(frames)
+                name = self.auth.open(auth.buffer, payload.buffer)  # before msgpack sees a byte
                 msg = decode(payload.buffer, self.max_bytes)
             except MessageError as e:
                 self._reject(e)
                 continue
             self.received += 1
-            return head, msg
+            return head, name, msg
 
     def _reject(self, e: MessageError) -> None:
         self.rejected[e.reason] += 1
@@ -346,58 +412,77 @@ class _Channel:
 
 
 class RouterChannel(_Channel):
-    """Controller side: one socket talking to many named peers (rollout replica leaders)."""
+    """Controller side: one socket talking to many named peers (rollout replica leaders).
 
-    def __init__(self, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES, ctx: zmq.Context | None = None):
-        super().__init__(zmq.ROUTER, hwm, max_bytes, ctx)
+    A peer is known by the name in its first valid auth frame; replies go to the connection
+    that sent it (the newest valid one, should a member reconnect)."""
+
+    def __init__(self, secret: bytes, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES,
+                 ctx: zmq.Context | None = None):
+        super().__init__(zmq.ROUTER, secret, CONTROLLER, hwm, max_bytes, ctx)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # unknown peer -> error, not a silent drop
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted peer with the same name takes over
-        self.peers: set[str] = set()  # names heard from so far
+        self.routes: dict[str, bytes] = {}  # authenticated name -> ZeroMQ routing id
+
+    @property
+    def peers(self) -> set[str]:
+        """Names heard from (authenticated) so far."""
+        return set(self.routes)
 
     def send(self, msg: dict, to: str, timeout_s: float = 5.0) -> bool:
         """Send `msg` to peer `to`; False if it is unknown or its queue stays full for `timeout_s`."""
-        return self._send_frames([to.encode(), encode(msg, self.max_bytes)], timeout_s)
+        route = self.routes.get(to)
+        if route is None:
+            self.send_failed += 1
+            return False
+        return self._send_frames([route], msg, timeout_s)
 
     def recv(self, timeout_s: float) -> tuple[str, dict] | None:
         """(peer name, message) of the next valid message within `timeout_s`, else None."""
-        got = self._recv_frames(timeout_s)
-        if got is None:
-            return None
-        peer = got[0].decode("utf-8", "replace")
-        self.peers.add(peer)
-        return peer, got[1]
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while (got := self._recv_frames(deadline - time.monotonic())) is not None:
+            route, name, msg = got
+            if name == CONTROLLER:  # a controller's own frame sent back at it
+                self._reject(MessageError("bad_auth", "a peer used the controller's name"))
+                continue
+            self.routes[name] = route
+            return name, msg
+        return None
 
     def _split(self, frames):
-        if len(frames) != 2:
-            raise MessageError("bad_frames", f"expected [peer, payload], got {len(frames)} frames")
-        return frames[0].bytes, frames[1]
+        if len(frames) != 3:
+            raise MessageError("bad_frames", f"expected [peer, auth, payload], got {len(frames)} frames")
+        return frames[0].bytes, frames[1], frames[2]
 
 
 class DealerChannel(_Channel):
     """Rollout side: talks to the controller's RouterChannel under the name `identity`."""
 
-    def __init__(self, identity: str, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES,
+    def __init__(self, identity: str, secret: bytes, hwm: int = DEFAULT_HWM, max_bytes: int = MAX_MESSAGE_BYTES,
                  ctx: zmq.Context | None = None):
         raw = identity.encode()
-        if not raw or len(raw) > 255 or raw[0] == 0:
-            raise ValueError(f"identity must be 1..255 bytes not starting with NUL, got {identity!r}")
-        super().__init__(zmq.DEALER, hwm, max_bytes, ctx)
+        if not raw or len(raw) > 255 or raw[0] == 0 or identity == CONTROLLER:
+            raise ValueError(f"identity must be 1..255 bytes, not starting with NUL, not {CONTROLLER!r}; "
+                             f"got {identity!r}")
+        super().__init__(zmq.DEALER, secret, identity, hwm, max_bytes, ctx)
         self.identity = identity
-        self.sock.setsockopt(zmq.ROUTING_ID, raw)
 
     def send(self, msg: dict, timeout_s: float = 5.0) -> bool:
         """Send `msg` to the router; False if not connected or its queue stays full for `timeout_s`."""
-        return self._send_frames([encode(msg, self.max_bytes)], timeout_s)
+        return self._send_frames([], msg, timeout_s)
 
     def recv(self, timeout_s: float) -> dict | None:
-        """The next valid message within `timeout_s`, else None."""
-        got = self._recv_frames(timeout_s)
-        return None if got is None else got[1]
+        """The next valid message from the controller within `timeout_s`, else None."""
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        while (got := self._recv_frames(deadline - time.monotonic())) is not None:
+            if got[1] == CONTROLLER:
+                return got[2]
+            self._reject(MessageError("bad_auth", f"a message signed by {got[1]!r}, not the controller"))
+        return None
 
     def _split(self, frames):
-        if len(frames) != 1:
-            raise MessageError("bad_frames", f"expected one payload frame, got {len(frames)}")
-        return None, frames[0]
+        if len(frames) != 2:
+            raise MessageError("bad_frames", f"expected [auth, payload], got {len(frames)} frames")
+        return None, frames[0], frames[1]
 
 
 # ---------------------------------------------------------------- endpoint exchange
@@ -420,6 +505,23 @@ def lookup_endpoint(store, name: str, timeout_s: float = 60.0) -> str:
     except RuntimeError as e:  # DistStoreError is a RuntimeError
         raise TimeoutError(f"no endpoint {name!r} published within {timeout_s}s ({e})") from None
     return store.get(key).decode()
+
+
+_SECRET_KEY = "hexrl/secret"
+
+
+def publish_secret(store, secret: bytes) -> None:
+    """Hand the job's channel secret to its ranks through the torchrun store (rank 0 only)."""
+    store.set(_SECRET_KEY, secret)
+
+
+def lookup_secret(store, timeout_s: float = 300.0) -> bytes:
+    """The job's channel secret, waiting up to `timeout_s` for rank 0 to publish it."""
+    try:
+        store.wait([_SECRET_KEY], timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise TimeoutError(f"no channel secret published within {timeout_s}s ({e})") from None
+    return store.get(_SECRET_KEY)
 
 
 def broadcast_bytes(payload: bytes | None, src: int, group, device="cpu") -> bytes:

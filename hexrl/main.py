@@ -2,7 +2,9 @@
 
     torchrun --nnodes N --nproc_per_node G -m hexrl.main plan.json [--run-dir DIR] [--resume DIR]
 
-The plan is checked against the torchrun world before any collective. Then every rank
+The plan is checked against the torchrun world before any collective. After the default
+group exists (its store carries failures to every node), each rank checks that torchrun put
+it on the node the plan says (`hexrl.nodes`) and that every node read the same plan. Then every rank
 creates the same process groups in the same order (the trainer grid, one weight-sync group
 per pipeline stage, one TP group per rollout replica), starts the watchdog, and runs
 `hexrl.train.worker.run_trainer` or `hexrl.rollout.worker.run_rollout`.
@@ -20,7 +22,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hexrl import dist_rules
 from hexrl.data import dataset_problems
+from hexrl.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
+from hexrl.preflight import input_problems
 from hexrl.schema import ConfigError, Plan, TrainerLayout, load_plan
 from hexrl.watchdog import Watchdog, describe_exception
 
@@ -56,7 +61,8 @@ def build_groups(plan: Plan) -> tuple[list, dict]:
     """Weight-sync groups (stage source + every rollout rank) and rollout replica TP groups.
 
     Every rank calls new_group for every group in the same order (torch requires it); only
-    members get a communicator.
+    members get a communicator. The first use of each is a collective of all its members (a
+    broadcast; the engine's page-count agreement), never p2p (rules: hexrl/dist_rules.py).
     """
     rollout = plan.rollout_ranks()
     sync = []
@@ -77,6 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--run-dir", default=None, help="metrics, checkpoints, final model (default: the job's out_dir)")
     p.add_argument("--resume", default=None, help="a checkpoint directory (or its parent) to continue from")
     p.add_argument("--steps", type=int, default=None, help="override rl.steps")
+    p.add_argument("--node-name", default=None, help="this launcher's plan node (name or address in cluster.nodes); "
+                   "checked against torchrun's node rank (default: the plan node's address must be this machine's)")
     return p.parse_args(argv)
 
 
@@ -88,11 +96,14 @@ def world_from_env() -> tuple[int, int, int, int]:
     return tuple(int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
 
 
-def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None) -> Plan:
-    """The plan, validated against this world before any collective; exits 2 with every problem."""
+def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None,
+                      resume: str | None = None) -> Plan:
+    """The plan and the run's input files (tokenizer, every prompt, the checkpoint to resume),
+    validated against this world before any collective; exits 2 with every problem."""
     try:
         plan = load_plan(path, world=(world, local_world))
-        if problems := dataset_problems(plan.job.data.synthetic):
+        if problems := (dataset_problems(plan.job.data.synthetic) + address_problems(plan)
+                        + input_problems(plan.job, resume)):
             raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         if rank == 0:
@@ -113,24 +124,61 @@ def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
 
 
 def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
+    """The process group, and this rank's compute device declared to hexrl.dist_rules (whose strict
+    mode, under HEXRL_STRICT_COLLECTIVES=1, checks every collective against the NCCL rules)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)
-        # gloo for CPU tensors (control data), NCCL for CUDA tensors (weights, gradients)
+        # NCCL for CUDA tensors (every collective of the run); gloo only for the teardown barrier
         dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        return torch.device("cuda", local_rank)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-    return torch.device("cpu")
+        device = torch.device("cuda", local_rank)
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        device = torch.device("cpu")
+    dist_rules.maybe_install(device)
+    return device
+
+
+def same_plan_problems(store, rank: int, digest: str, describe: dict[int, str]) -> list[str]:
+    """Every node must run the same plan (and --steps): compare this rank's digest with rank 0's."""
+    store.set(f"hexrl/plan/{rank}", digest)
+    store.wait(["hexrl/plan/0"], timedelta(minutes=5))
+    first = store.get("hexrl/plan/0").decode()
+    if first == digest:
+        return []
+    return [f"rank {rank} ({describe[rank]}) read a plan different from rank 0's ({describe[0]}): digest "
+            f"{digest} vs {first}; give every node the same plan.json and the same hexrl.main flags"]
+
+
+def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdog: Watchdog) -> None:
+    """End the job (exit 2, every rank told why) if this rank is not where the plan puts it."""
+    digest = plan_digest(args.plan, args.steps)
+    problems = placement_problems(plan, rank, local_rank, node_rank_from_env(), args.node_name)
+    if not problems:
+        problems = same_plan_problems(store, rank, digest, watchdog.describe)
+    if problems:
+        print("hexrl.main: " + "\n  ".join(problems), file=sys.stderr, flush=True)
+        watchdog.report_failure("; ".join(problems))
+        os._exit(2)
+
+
+def is_peer_loss(e: BaseException) -> bool:
+    """A collective broken from the other side (a peer's process or node died), not a bug here."""
+    text = str(e)
+    return isinstance(e, RuntimeError) and any(
+        k in text for k in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
-    plan = load_checked_plan(args.plan, rank, world, local_world, args.steps)
+    plan = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
     device = init_distributed(rank, world, local_rank)
     store = dist.distributed_c10d._get_default_store()  # the job-wide store torchrun set up
-    describe = {r.rank: f"{r.role} on node {r.node}, local rank {r.local_rank}" for r in plan.ranks}
-    watchdog = Watchdog(store, rank, world, describe).start()
+    describe = {r.rank: f"{r.role} on {node_label(plan, r.node)}, local rank {r.local_rank}" for r in plan.ranks}
+    nodes = {r.rank: node_label(plan, r.node) for r in plan.ranks}
+    watchdog = Watchdog(store, rank, world, describe, nodes=nodes).start()
+    check_placement(args, plan, store, rank, local_rank, watchdog)
     role = plan.ranks[rank].role
     try:
         from hexrl.train.grid import build_grid
@@ -152,13 +200,16 @@ def main(argv=None) -> None:
             run_rollout(ctx)
     except BaseException as e:  # noqa: BLE001 - any failure must end the whole job, named
         cause = describe_exception(e)
-        print(f"[hexrl] rank {rank} ({describe[rank]}) failed: {cause}\n{traceback.format_exc()}",
-              file=sys.stderr, flush=True)
+        # a collective broken by a lost peer: name the ranks that went silent, not this one
+        lost = watchdog.lost_peers() if is_peer_loss(e) else None
+        print(f"[hexrl] rank {rank} ({describe[rank]}) failed: {cause}\n{traceback.format_exc()}"
+              + (f"[hexrl] because {lost}\n" if lost else ""), file=sys.stderr, flush=True)
         watchdog.report_failure(cause)
         os._exit(1)  # skip destructors that could block in a collective
     # Every rank done with its collectives before any tears gloo down (else it can SIGABRT); a CPU
     # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL.
-    dist.all_reduce(torch.zeros(1))
+    with dist_rules.host_collective():
+        dist.all_reduce(torch.zeros(1))
     watchdog.finish()
     dist.destroy_process_group()
 

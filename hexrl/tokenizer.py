@@ -114,7 +114,10 @@ def _read_json(path: Path) -> dict:
     """A JSON object from `path`, or {} when the file is absent."""
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text())
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as e:  # bad JSON or not UTF-8
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -216,6 +219,10 @@ class HFTokenizer:
 # ----------------------------------------------------------------------------- loading
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be read; the message names the file."""
+
+
 def load_tokenizer(path_or_name: str | Path) -> CharTokenizer | HFTokenizer:
     """`"char"` -> CharTokenizer; a directory with hexrl_tokenizer.json -> CharTokenizer;
     a directory with tokenizer.json -> HFTokenizer. Anything else is a clear error."""
@@ -228,10 +235,14 @@ def load_tokenizer(path_or_name: str | Path) -> CharTokenizer | HFTokenizer:
         raise FileNotFoundError(f"tokenizer path {p} does not exist (and is not the name 'char')")
     if not p.is_dir():
         raise ValueError(f"tokenizer path {p} is not a directory")
-    if (p / CHAR_TOKENIZER_FILE).is_file():
-        return CharTokenizer.load(p)
-    if (p / HF_TOKENIZER_FILE).is_file():
-        return HFTokenizer(p)
+    for name, kind in ((CHAR_TOKENIZER_FILE, CharTokenizer.load), (HF_TOKENIZER_FILE, HFTokenizer)):
+        if (p / name).is_file():
+            try:
+                return kind(p)
+            except (OSError, ValueError) as e:
+                raise TokenizerError(f"{p / name}: not a usable tokenizer ({type(e).__name__}: {e})") from None
+            except Exception as e:  # the `tokenizers` library raises its own Exception type on garbage
+                raise TokenizerError(f"{p / name}: not a valid tokenizer file ({e})") from None
     raise FileNotFoundError(
         f"no tokenizer in {p}: expected {CHAR_TOKENIZER_FILE} (hexrl char tokenizer) or "
         f"{HF_TOKENIZER_FILE} (Hugging Face)")

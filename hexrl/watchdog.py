@@ -4,6 +4,10 @@ A crashing rank writes its cause under `hexrl/failed`; a killed rank stops refre
 heartbeat. Rank 0 watches every heartbeat, every rank watches rank 0 and the failure key,
 so any death ends the whole job within `timeout_s` with the failing rank named (O(world)
 store traffic, not O(world^2)). The store lives in torchrun's agent, so it outlives workers.
+
+Across nodes the store lives in node 0's launcher. When another node's launcher (or machine)
+dies, all its ranks go silent together: the message names them grouped by node, and a rank
+whose collective broke because of it names the silent ranks, not itself (`lost_peers`).
 """
 from __future__ import annotations
 
@@ -28,9 +32,11 @@ class Watchdog:
     """Background thread: heartbeat this rank, end the process when any other rank has failed."""
 
     def __init__(self, store, rank: int, world_size: int, describe: dict[int, str],
-                 interval_s: float = 2.0, timeout_s: float = 30.0, on_failure=None):
+                 interval_s: float = 2.0, timeout_s: float = 30.0, on_failure=None,
+                 nodes: dict[int, str] | None = None):
         self.store, self.rank, self.world = store, rank, world_size
         self.describe, self.interval, self.timeout = describe, interval_s, timeout_s
+        self.nodes = nodes or {}  # rank -> its node's label, to name a lost node's ranks together
         self.on_failure = on_failure or _exit_now
         self._stop = threading.Event()
         self._started = time.time()
@@ -66,26 +72,57 @@ class Watchdog:
         if self.store.check([FAILED]):
             return self.store.get(FAILED).decode()
         watched = range(self.world) if self.rank == 0 else [0]
-        now = time.time()
+        now, silent, never = time.time(), {}, []
         for r in watched:
             if r == self.rank or self.store.check([_done_key(r)]):
                 continue
             if not self.store.check([_hb_key(r)]):
                 if now - self._started > self.timeout:
-                    return self._dead(r, "never sent a heartbeat")
+                    never.append(r)
                 continue
             age = now - float(self.store.get(_hb_key(r)).decode())
             if age > self.timeout:
-                return self._dead(r, f"no heartbeat for {age:.0f} s (killed or hung)")
-        return None
+                silent[r] = age
+        if silent:  # every silent rank at once: a lost node's ranks all stop together
+            return self._dead(sorted(silent), f"no heartbeat for {max(silent.values()):.0f} s (killed or hung)")
+        return self._dead(never, "never sent a heartbeat") if never else None
 
-    def _dead(self, r: int, why: str) -> str:
-        msg = f"rank {r} ({self.describe.get(r, '?')}) is gone: {why}"
+    def lost_peers(self, wait_s: float | None = None) -> str | None:
+        """After a broken collective: which other ranks stopped beating over `wait_s`? A message
+        naming them (written as the job's failure) or None when every other rank is alive."""
+        def beats():
+            return {r: self.store.get(_hb_key(r)) for r in range(self.world) if r != self.rank
+                    and self.store.check([_hb_key(r)]) and not self.store.check([_done_key(r)])}
+        before = beats()
+        time.sleep(wait_s if wait_s is not None else 3 * self.interval)
+        after = beats()
+        silent = [r for r in before if after.get(r) == before[r]]
+        if not silent:
+            return None
+        return self._dead(silent, f"no heartbeat since rank {self.rank}'s collective with them broke")
+
+    def name_ranks(self, ranks: list[int]) -> str:
+        """'rank 2 (rollout on ...)' or, for several, 'ranks 2, 3 on node 1 'B' (127.0.0.2) (all its ranks)'."""
+        if len(ranks) == 1:
+            return f"rank {ranks[0]} ({self.describe.get(ranks[0], '?')})"
+        by_node: dict[str, list[int]] = {}
+        for r in sorted(ranks):
+            by_node.setdefault(self.nodes.get(r, "an unknown node"), []).append(r)
+        parts = []
+        for node, rs in by_node.items():
+            whole = len(rs) == sum(1 for v in self.nodes.values() if v == node)
+            parts.append(f"ranks {', '.join(map(str, rs))} on {node}" + (" (all its ranks)" if whole else ""))
+        return "; ".join(parts)
+
+    def _dead(self, ranks: list[int], why: str) -> str:
+        """Write (first report wins) and return the job's failure message naming `ranks`."""
+        msg = f"{self.name_ranks(ranks)} {'is' if len(ranks) == 1 else 'are'} gone: {why}"
         try:
-            self.store.set(FAILED, msg)
+            if not self.store.check([FAILED]):
+                self.store.set(FAILED, msg)
+            return self.store.get(FAILED).decode()
         except Exception:
-            pass
-        return msg
+            return msg
 
     def _run(self) -> None:
         while not self._stop.wait(self.interval):

@@ -1,13 +1,16 @@
 """Weight sync from trainer to rollout ranks over torch.distributed broadcast groups.
 
-For each pipeline stage, the stage's (dp=0, tp=0) trainer rank holds the stage's full
-(TP-gathered) weights and broadcasts them, packed into large flat buckets, to every rollout
-rank. Both sides derive the tensor list (names, shapes, order) from the model config and
-the stage's layer range, so nothing but raw numbers crosses the wire.
+For each pipeline stage, the stage's (dp=0, tp=0) trainer rank broadcasts the stage's full
+(TP-gathered) weights, packed into large flat buckets, to every rollout rank. Both sides derive
+the tensor list (names, shapes, order) from the model config and the stage's layer range, so
+nothing but raw numbers crosses the wire. Device to device, one bucket at a time: the sender
+gathers a bucket's tensors on its GPU, the receivers copy each bucket into their weights in
+place as it arrives; no whole-stage copy on either side and nothing through host memory.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,7 +19,7 @@ from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from .model.parallel import TPGroup, shard_dim_of
 
-BUCKET_BYTES = 64 << 20  # big enough to amortise per-call latency, small enough to stage on host
+BUCKET_BYTES = 64 << 20  # big enough to amortise per-call latency, small enough to hold one extra
 
 
 @dataclass
@@ -52,21 +55,28 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def broadcast_stage(state: dict[str, torch.Tensor] | None, specs: list[TensorSpec], src: int, group,
-                    dtype: torch.dtype, device: torch.device | str) -> dict[str, torch.Tensor]:
-    """Broadcast a stage's weights from `src` (which passes `state`) to the group; all return them."""
+def send_stage(full: Callable[[str], torch.Tensor | None], specs: list[TensorSpec], src: int, group,
+               dtype: torch.dtype) -> None:
+    """Sender side: `full(name)` gives a full tensor on the compute device (on `src`; it may be a
+    collective over the stage's TP group, so every TP rank calls this and gets None elsewhere)."""
     elem = torch.empty((), dtype=dtype).element_size()
-    received = {}
+    for idx in _buckets(specs, elem):
+        parts = [full(specs[i].name) for i in idx]
+        if dist.get_rank() == src:
+            flat = torch.cat([p.detach().to(dtype).reshape(-1) for p in parts])
+            dist.broadcast(flat, src=src, group=group)
+
+
+def receive_stage(specs: list[TensorSpec], src: int, group, dtype: torch.dtype, device: torch.device,
+                  consume: Callable[[dict[str, torch.Tensor]], None]) -> None:
+    """Receiver side: each bucket lands in a buffer on `device` and goes to `consume` (name -> view)
+    before the next one is received."""
+    elem = torch.empty((), dtype=dtype).element_size()
     for idx in _buckets(specs, elem):
         sizes = [_numel(specs[i].shape) for i in idx]
-        if state is not None:
-            flat = torch.cat([state[specs[i].name].detach().to(device, dtype).reshape(-1) for i in idx])
-        else:
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
+        flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         dist.broadcast(flat, src=src, group=group)
-        for i, part in zip(idx, torch.split(flat, sizes)):
-            received[specs[i].name] = part.view(specs[i].shape)
-    return received
+        consume({specs[i].name: part.view(specs[i].shape) for i, part in zip(idx, torch.split(flat, sizes))})
 
 
 def shard_for(model: Decoder, name: str, full: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:

@@ -20,6 +20,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from hexrl.dist_rules import maybe_install
+
 
 class WorldError(RuntimeError):
     """A rank of a spawned world failed, died or timed out."""
@@ -37,6 +39,7 @@ def _entry(fn, rank: int, world_size: int, port: int, results, args) -> None:
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=120))
+        maybe_install(torch.device("cpu"))  # strict collectives (HEXRL_STRICT_COLLECTIVES, set by conftest)
         value = fn(rank, world_size, *args)
         buf = io.BytesIO()
         torch.save(value, buf)  # as bytes: queued tensors would otherwise be shared-memory handles

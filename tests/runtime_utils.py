@@ -13,8 +13,12 @@ from hexrl.model.tiny import make_tiny_model
 
 
 def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2,
-              heldout: int = 0, **rl) -> Path:
-    """A tiny CPU job (2 trainer ranks + 1 rollout rank by default), planned into plan.json."""
+              heldout: int = 0, runtime: dict | None = None, nodes: list[dict] | None = None,
+              layout: dict | None = None, **rl) -> Path:
+    """A tiny CPU job (2 trainer ranks + 1 rollout rank by default), planned into plan.json.
+
+    runtime: the job's runtime overrides; nodes: cluster.nodes (default one node of `nproc`);
+    layout: a fixed layout (default `train_gpus` data-parallel trainer ranks, the rest rollout)."""
     model = tmp / "model"
     if not model.exists():
         make_tiny_model(model, tokenizer="char")
@@ -25,8 +29,9 @@ def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, tr
         "reward": {"name": "exact", "timeout_s": 5},
         "rl": {"batch_size": 2, "group_size": 2, "eta": eta, "lr": 1e-3, "max_new_tokens": 3, "steps": steps,
                "seed": 0, "filter_equal_groups": False, **rl},
-        "cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": nproc}]},
-        "layout": {"train_gpus": train_gpus, "dp": train_gpus},
+        "cluster": {"nodes": nodes or [{"name": "local", "gpu_type": "cpu", "gpus": nproc}]},
+        "layout": layout or {"train_gpus": train_gpus, "dp": train_gpus},
+        **({"runtime": runtime} if runtime else {}),
     }
     (tmp / "job.json").write_text(json.dumps(job))
     subprocess.run([sys.executable, "-m", "hexrl.plan", str(tmp / "job.json"), "-o", str(tmp / "plan.json")],
@@ -37,6 +42,18 @@ def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, tr
 def torchrun(plan: Path, run_dir: Path, *args: str, nproc: int = 3) -> subprocess.Popen:
     """Start `torchrun --standalone -m hexrl.main` in its own process group."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "hexrl.main", str(plan), "--run-dir", str(run_dir), *args]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def torchrun_node(plan: Path, run_dir: Path, node_rank: int, nnodes: int, nproc: int, rdzv: str, address: str,
+                  *args: str) -> subprocess.Popen:
+    """One node's launcher of a multi-node job (static rendezvous at `rdzv`, node rank given),
+    in its own process group, its output captured."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
+           f"--node-rank={node_rank}", "--rdzv-backend=static", f"--rdzv-endpoint={rdzv}", f"--local-addr={address}",
            "-m", "hexrl.main", str(plan), "--run-dir", str(run_dir), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

@@ -120,10 +120,13 @@ def bad_payloads() -> dict[str, list[bytes]]:
     }
 
 
+SECRET = b"s" * 32  # a real job draws one with comm.new_secret()
+
+
 def connected_pair():
-    router = RouterChannel(max_bytes=4096)
+    router = RouterChannel(SECRET, max_bytes=4096)
     endpoint = router.bind("127.0.0.1")
-    dealer = DealerChannel("replica-0", max_bytes=4096)
+    dealer = DealerChannel("replica-0", SECRET, max_bytes=4096)
     dealer.connect(endpoint)
     return router, dealer
 
@@ -153,18 +156,19 @@ def test_router_rejects_bad_input_and_keeps_receiving():
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(router.endpoint)
+    member = comm.Auth(SECRET, "replica-7")  # a member of the job sending bad payloads
     try:
         expected = {}
         for reason, payloads in bad_payloads().items():
             for p in payloads:
-                raw.send(p)
+                raw.send_multipart([member.seal(p), p])
             expected[reason] = len(payloads)
-        raw.send_multipart([b"a", b"b"])  # two frames where one is expected
+        raw.send_multipart([b"a", b"b", b"c"])  # three frames where two are expected
         expected["bad_frames"] = 1
-        good = message("heartbeat", rank=9, time=2.0)
-        raw.send(comm.encode(good))
+        good = comm.encode(message("heartbeat", rank=9, time=2.0))
+        raw.send_multipart([member.seal(good), good])
         got = router.recv(timeout_s=10)
-        assert got is not None and same(good, got[1])
+        assert got is not None and got[0] == "replica-7" and got[1]["rank"] == 9
         assert dict(router.rejected) == expected
         assert router.received == 1
     finally:
@@ -173,23 +177,78 @@ def test_router_rejects_bad_input_and_keeps_receiving():
         dealer.close()
 
 
+def test_router_refuses_outsiders_forgeries_and_replays():
+    """No secret, a wrong secret, an altered payload, a replayed frame, a spoofed routing id:
+    each is refused by reason; the real peer keeps talking."""
+    router, dealer = connected_pair()
+    spoof = zmq.Context.instance().socket(zmq.DEALER)
+    spoof.setsockopt(zmq.LINGER, 0)
+    spoof.setsockopt(zmq.ROUTING_ID, b"replica-0")  # the real dealer's name as its ZeroMQ identity
+    spoof.connect(router.endpoint)
+    try:
+        assert dealer.send(message("heartbeat", rank=0, time=0.0))
+        assert router.recv(timeout_s=10)[0] == "replica-0"
+        hb = comm.encode(message("heartbeat", rank=5, time=1.0))
+        err = comm.encode(message("error", rank=0, cause="forged"))
+        spoof.send(err)  # no auth frame at all
+        spoof.send_multipart([comm.Auth(b"w" * 32, "replica-0").seal(err), err])  # wrong secret
+        sealed = comm.Auth(SECRET, "replica-9").seal(hb)
+        spoof.send_multipart([sealed, err])  # a member's seal on another payload
+        spoof.send_multipart([sealed, hb])  # valid: accepted once...
+        spoof.send_multipart([sealed, hb])  # ...and refused when replayed
+        spoof.send_multipart([comm.Auth(SECRET, comm.CONTROLLER).seal(hb), hb])  # the controller's name
+        got = router.recv(timeout_s=10)
+        assert got[0] == "replica-9" and got[1]["rank"] == 5
+        assert dealer.send(message("heartbeat", rank=0, time=3.0))  # the real replica is not cut off
+        got = router.recv(timeout_s=10)
+        assert got[0] == "replica-0" and got[1]["time"] == 3.0
+        assert router.recv(timeout_s=0.5) is None  # the rest is refused
+        assert dict(router.rejected) == {"bad_frames": 1, "bad_auth": 3, "replay": 1}
+        assert router.send(message("stop", reason="x"), to="replica-0")
+        assert dealer.recv(timeout_s=10)["reason"] == "x"  # replies still reach the real one
+    finally:
+        spoof.close()
+        router.close()
+        dealer.close()
+
+
+def test_oversize_frame_drops_its_sender_not_the_job():
+    router, dealer = connected_pair()  # max_bytes 4096
+    big = zmq.Context.instance().socket(zmq.DEALER)
+    big.setsockopt(zmq.LINGER, 0)
+    big.connect(router.endpoint)
+    try:
+        big.send_multipart([b"x" * 100, b"y" * 100_000])
+        assert dealer.send(message("heartbeat", rank=0, time=0.0))
+        assert router.recv(timeout_s=10)[0] == "replica-0"
+        assert router.recv(timeout_s=0.3) is None  # the big frame never reached the channel
+    finally:
+        big.close()
+        router.close()
+        dealer.close()
+
+
 def test_dealer_rejects_bad_input_and_keeps_receiving():
     raw = zmq.Context.instance().socket(zmq.ROUTER)
     raw.setsockopt(zmq.LINGER, 0)
     port = raw.bind_to_random_port("tcp://127.0.0.1")
-    dealer = DealerChannel("replica-1", max_bytes=4096)
+    dealer = DealerChannel("replica-1", SECRET, max_bytes=4096)
     dealer.connect(f"tcp://127.0.0.1:{port}")
+    controller = comm.Auth(SECRET, comm.CONTROLLER)
     try:
         assert dealer.send(message("heartbeat", rank=1, time=0.0))
-        ident, _ = raw.recv_multipart()  # learn the dealer's routing id
-        assert ident == b"replica-1"
+        ident, auth, payload = raw.recv_multipart()  # learn the dealer's routing id
+        assert comm.Auth(SECRET, comm.CONTROLLER).open(auth, payload) == "replica-1"
         for payloads in bad_payloads().values():
             for p in payloads:
-                raw.send_multipart([ident, p])
+                raw.send_multipart([ident, controller.seal(p), p])
+        other = comm.encode(message("stop", reason="from another replica"))
+        raw.send_multipart([ident, comm.Auth(SECRET, "replica-2").seal(other), other])
         good = message("prompt", group_id=1, problem_id=0, prompt_ids=[3], n=2, sampling={}, version=0)
-        raw.send_multipart([ident, comm.encode(good)])
+        payload = comm.encode(good)
+        raw.send_multipart([ident, controller.seal(payload), payload])
         assert same(good, dealer.recv(timeout_s=10))
-        assert dict(dealer.rejected) == {r: len(p) for r, p in bad_payloads().items()}
+        assert dict(dealer.rejected) == {**{r: len(p) for r, p in bad_payloads().items()}, "bad_auth": 1}
     finally:
         raw.close()
         dealer.close()
@@ -198,12 +257,14 @@ def test_dealer_rejects_bad_input_and_keeps_receiving():
 def test_endpoint_exchange_through_tcpstore():
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
-    router = RouterChannel()
+    router = RouterChannel(SECRET)
     try:
         comm.publish_endpoint(master, "controller", router.bind("127.0.0.1"))
+        comm.publish_secret(master, SECRET)
+        assert comm.lookup_secret(client, timeout_s=10) == SECRET
         endpoint = comm.lookup_endpoint(client, "controller", timeout_s=10)
         assert endpoint == router.endpoint and endpoint.startswith("tcp://127.0.0.1:")
-        dealer = DealerChannel("replica-2")
+        dealer = DealerChannel("replica-2", SECRET)
         dealer.connect(endpoint)
         assert dealer.send(message("heartbeat", rank=2, time=0.0))
         assert router.recv(timeout_s=10)[0] == "replica-2"
@@ -217,8 +278,8 @@ def test_endpoint_exchange_through_tcpstore():
 
 
 def test_wildcard_bind_advertises_a_connectable_address():
-    router = RouterChannel()
-    dealer = DealerChannel("replica-3")
+    router = RouterChannel(SECRET)
+    dealer = DealerChannel("replica-3", SECRET)
     try:
         endpoint = router.bind("0.0.0.0", advertise="127.0.0.1")
         assert endpoint.startswith("tcp://127.0.0.1:")
@@ -229,7 +290,9 @@ def test_wildcard_bind_advertises_a_connectable_address():
         router.close()
         dealer.close()
     with pytest.raises(ValueError, match="identity"):
-        DealerChannel("")
+        DealerChannel("", SECRET)
+    with pytest.raises(ValueError, match="secret"):
+        DealerChannel("replica-0", b"short")
 
 
 def test_endpoint_exchange_through_hashstore():

@@ -53,7 +53,7 @@ def test_resume_is_bit_identical(tmp_path, model_path):
     for k, v in weights(a).items():
         assert torch.equal(v, weights(b)[k]), k
     two_stages = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 1, "layers": [1, 2]}]})
-    with pytest.raises(ValueError, match="resume needs the same layout"):
+    with pytest.raises(ValueError, match="resume needs the same stages"):
         ckpt.load(tmp_path / "ck", Grid(two_stages, rank=0, stage=0, dp_rank=0, tp_rank=0))
 
 
@@ -134,6 +134,48 @@ def test_process_killed_mid_write_keeps_previous_checkpoint(tmp_path, model_path
     assert not (root / ".tmp-step00000002").exists() and ckpt.resolve(root).name == "step00000002"
 
 
+KILLED_AT_POINT = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import torch
+torch.set_num_threads(1)
+from hexrl.train import TrainConfig, Trainer
+from hexrl.train import checkpoint as ckpt
+from test_train_parallel import make_batch
+root = {root!r}
+t = Trainer({model!r}, {layout!r}, TrainConfig(**{cfg!r}))
+for i in range(2):
+    t.step(make_batch(i))
+    t.save(root)  # step00000001, step00000002; latest names the second
+if {resave!r}:
+    t.load(os.path.join(root, "step00000001"))  # back to version 1: the next save re-saves version 2
+t.step(make_batch(2))
+ckpt._at_point = lambda name: os.kill(os.getpid(), signal.SIGKILL) if name == {point!r} else None
+t.save(root)
+"""
+
+
+@pytest.mark.parametrize("resave", [False, True], ids=["new-version", "re-save"])
+@pytest.mark.parametrize("point", ["extra_written", "files_written", "renamed", "latest_written"])
+def test_kill_9_at_any_point_of_a_save_leaves_a_loadable_latest(tmp_path, model_path, point, resave):
+    root = tmp_path / "ck"
+    script = KILLED_AT_POINT.format(tests=str(ROOT / "tests"), model=str(model_path), layout=SINGLE, cfg=CFG,
+                                    root=str(root), resave=resave, point=point)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == -9, proc.stderr  # killed at `point`, not finished
+    t = Trainer(model_path, SINGLE, TrainConfig(**CFG))
+    t.load(root)  # follows `latest`: it must name a complete checkpoint
+    committed = point == "latest_written"
+    assert t.version == (2 if resave else 3 if committed else 2)
+    assert ckpt.resolve(root).name == ("step00000002.1" if resave and committed else
+                                       "step00000003" if committed else "step00000002")
+    t.step(make_batch(3))
+    t.save(root)  # and saving goes on: stale temp directories go, superseded twins go after commit
+    assert not list(root.glob(".tmp-*"))
+    assert len({ckpt._version_key(p)[0] for p in root.glob("step*")}) == len(list(root.glob("step*")))
+
+
 def test_export_hf_round_trips(tmp_path, model_path):
     t = Trainer(model_path, SINGLE, TrainConfig(**CFG))
     t.step(make_batch(0))
@@ -164,3 +206,26 @@ def test_bf16_params_with_fp32_master_weights():
         assert p.dtype == torch.bfloat16 and m.dtype == torch.float32
         torch.testing.assert_close(m, r.detach(), rtol=0, atol=1e-6)  # decay on the matrix only
         assert torch.equal(p.detach(), m.bfloat16())
+
+
+def resume_dp2_worker(rank, world, model_path, ck):
+    t = Trainer(model_path, {"dp": 2, "stages": [{"tp": 1, "layers": [0, 2]}]}, TrainConfig(**CFG))
+    t.load(ck)  # saved by a DP=1 trainer: both replicas load replica 0's shard
+    loaded = weights(t)
+    t.step(make_batch(1))
+    return loaded, weights(t), t.optimizer.steps
+
+
+def test_resume_with_a_different_dp_degree(tmp_path, model_path):
+    from dist_utils import run_world
+
+    a = Trainer(model_path, SINGLE, TrainConfig(**CFG))
+    a.step(make_batch(0))
+    a.save(tmp_path / "ck")
+    saved = weights(a)
+    a.step(make_batch(1))
+    for loaded, after, steps in run_world(resume_dp2_worker, 2, model_path, tmp_path / "ck"):
+        assert all(torch.equal(loaded[k], v) for k, v in saved.items())
+        assert steps == 2 * CFG["ppo_minibatches"]  # the optimizer state came back too
+        for k, v in weights(a).items():  # DP=2 continues as DP=1 would (up to summation order)
+            torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-6)

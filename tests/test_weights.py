@@ -7,7 +7,7 @@ from dist_utils import run_world
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from hexrl.model.parallel import TPGroup
-from hexrl.weights import broadcast_stage, load_into, stage_specs
+from hexrl.weights import load_into, receive_stage, send_stage, stage_specs
 
 from hexrl.model.tiny import tiny_config
 
@@ -33,11 +33,11 @@ def sync_worker(rank, world):
     w.BUCKET_BYTES = BUCKET
     if rank == 0:
         state = dict(trained_model().named_parameters())
-        broadcast_stage(state, specs, 0, everyone, torch.float32, "cpu")
+        send_stage(state.get, specs, 0, everyone, torch.float32)
         return None
     model = Decoder(CFG, tp=TPGroup(replica, rank - 1, 2))
     model.init_weights(seed=0)
-    load_into(model, broadcast_stage(None, specs, 0, everyone, torch.float32, "cpu"))
+    receive_stage(specs, 0, everyone, torch.float32, torch.device("cpu"), lambda part: load_into(model, part))
     with torch.no_grad():
         local = model.logits(model.stage(IDS, torch.arange(5), CausalAttention([5])))
         parts = [torch.empty_like(local) for _ in range(2)]

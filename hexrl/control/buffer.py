@@ -103,15 +103,24 @@ class ReplayBuffer:
             return "equal_rewards"
         return None
 
+    def drop_stale(self, trainer_version: int) -> list[int]:
+        """Drop (as "stale", counted by the gate) ready groups more than eta versions behind
+        `trainer_version`; returns their group ids. A no-op without a gate."""
+        if self.gate is None:
+            return []
+        stale = [g for g in self.ready if self.gate.is_too_stale(g.oldest_version, trainer_version)]
+        for g in stale:
+            self._drop_ready(g, "stale")
+        return [g.group_id for g in stale]
+
     def pop_batch(self, batch_size: int, trainer_version: int | None = None) -> list[Group] | None:
         """B ready groups, oldest (by oldest token version, then completion) first; None if fewer.
 
-        With a gate and `trainer_version`, ready groups more than eta versions old are dropped
-        as "stale" first (and counted by the gate), never returned.
+        With a gate and `trainer_version`, stale groups are dropped first (see `drop_stale`),
+        never returned.
         """
-        if self.gate is not None and trainer_version is not None:
-            for g in [g for g in self.ready if self.gate.is_too_stale(g.oldest_version, trainer_version)]:
-                self._drop_ready(g, "stale")
+        if trainer_version is not None:
+            self.drop_stale(trainer_version)
         if len(self.ready) < batch_size:
             return None
         self.ready.sort(key=lambda g: (g.oldest_version, g.seq))
@@ -155,6 +164,20 @@ class ReplayBuffer:
     def pending(self) -> int:
         """Trajectories held: in open groups plus in ready groups."""
         return sum(len(g.trajectories) for g in self.open.values()) + sum(g.n for g in self.ready)
+
+    def counters(self) -> dict:
+        """Cumulative counts without the work still held (open and ready groups), for a
+        checkpoint: a resume redoes that work, so it will be produced and accepted again."""
+        ready = sum(g.n for g in self.ready)
+        return {"produced": self.produced - self.pending, "accepted": self.accepted - ready,
+                "trained": self.trained, "filtered": dict(self.filtered), "dropped": dict(self.dropped)}
+
+    def load_counters(self, c: dict) -> None:
+        """Continue the counts saved by `counters()` (missing keys count from zero)."""
+        self.produced, self.accepted = c.get("produced", 0), c.get("accepted", 0)
+        self.trained = c.get("trained", 0)
+        self.filtered.update(c.get("filtered", {}))
+        self.dropped.update(c.get("dropped", {}))
 
     def accounting(self) -> dict:
         """Trajectory counts; `balanced` says produced == trained + filtered + dropped + pending."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass
 
 from hexrl.comm import RouterChannel, message, msg_to_trajectory
+from hexrl.control.admission import Dispatched, trajectory_problem
 from hexrl.control.buffer import Group, ReplayBuffer
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
@@ -32,15 +33,16 @@ class ReplicaInfo:
 
 
 class ControllerFailure(RuntimeError):
-    """A rollout replica reported an error or went silent."""
+    """A rollout replica reported an error or went silent, or the controller thread crashed."""
 
 
 class Controller:
     """Prompt dispatch, staleness gate, replay buffer and version bookkeeping (see module doc)."""
 
     def __init__(self, rl, cursor: DatasetCursor, encode_prompt, replicas: list[ReplicaInfo],
-                 router: RouterChannel, heartbeat_timeout_s: float = 60.0):
+                 router: RouterChannel, vocab_size: int, heartbeat_timeout_s: float = 60.0):
         self.rl, self.cursor, self.encode_prompt, self.router = rl, cursor, encode_prompt, router
+        self.vocab_size = vocab_size  # token ids at or above it are refused (the trainer has no row for them)
         self.replicas = {r.id: r for r in replicas}
         self.by_name = {r.name: r.id for r in replicas}
         self.gate = StalenessGate(rl.batch_size, rl.eta, rl.max_running)
@@ -50,9 +52,12 @@ class Controller:
         self.version = 0
         self.next_group = 0
         self.in_flight: dict[int, int] = {}  # group id -> dataset index, until trained or given up
+        self.dispatched: dict[int, Dispatched] = {}  # group id -> what was sent to whom, until it completes
+        self.delivered = 0  # newest version every live replica was told about
         self.redo: deque[int] = deque()  # dataset indices to hand out again first (after a resume)
         self.completion_tokens = 0  # counted as trajectories arrive, for rollout tokens/s
         self.failure: str | None = None
+        self.rejected: Counter[str] = Counter()  # messages refused here (the router counts its own)
         self.lock = threading.Condition()
         self.outbox: queue.Queue[dict] = queue.Queue()  # broadcast to every replica by this thread
         self._stop = threading.Event()
@@ -72,13 +77,24 @@ class Controller:
             while True:
                 if self.failure:
                     raise ControllerFailure(self.failure)
-                batch = self.buffer.pop_batch(self.rl.batch_size, trainer_version=self.version)
+                for gid in self.buffer.drop_stale(self.version):
+                    self.in_flight.pop(gid, None)  # consumed: a resume must not hand it out again
+                batch = self.buffer.pop_batch(self.rl.batch_size)
                 if batch is not None:
                     for g in batch:
                         self.in_flight.pop(g.group_id, None)
                     return batch
                 if deadline is not None and time.monotonic() > deadline:
                     raise TimeoutError(f"no batch of {self.rl.batch_size} groups within {timeout_s} s")
+                self.lock.wait(0.5)
+
+    def wait_delivered(self, version: int) -> None:
+        """Block until every live replica was told to join the broadcast of `version` (so the
+        trainer enters the collective only when they will too); raise if the rollouts failed."""
+        with self.lock:
+            while self.delivered < version:
+                if self.failure:
+                    raise ControllerFailure(self.failure)
                 self.lock.wait(0.5)
 
     def publish_version(self, version: int) -> None:
@@ -98,22 +114,43 @@ class Controller:
             self.buffer.drain("shutdown")
 
     def state(self) -> dict:
-        """What a checkpoint needs so a resume neither repeats nor skips a prompt."""
+        """What a checkpoint needs so a resume neither repeats nor skips a prompt, lets the gate run
+        exactly as far ahead as an uninterrupted run, and continues every counter.
+
+        Work not yet trained (open and ready groups) is redone after a resume, so the saved
+        counters leave it out, as if it had never been produced.
+        """
         with self.lock:
+            ready = self.buffer.ready
             return {"cursor": self.cursor.state(), "next_group": self.next_group,
-                    "redo": sorted(set(self.in_flight.values()) | set(self.redo)), "version": self.version}
+                    "redo": sorted(set(self.in_flight.values()) | set(self.redo)), "version": self.version,
+                    # gate.accepted counts trained + ready groups; the ready ones will be redone
+                    "gate": {"accepted": self.gate.accepted - len(ready), "released": dict(self.gate.released),
+                             "too_stale": self.gate.too_stale},
+                    "counters": {**self.buffer.counters(), "completion_tokens": self.completion_tokens,
+                                 "rejected": dict(self.rejected)}}
 
     def load_state(self, state: dict) -> None:
+        """Continue from `state()` of a checkpoint (older checkpoints lack "gate"/"counters")."""
         self.cursor.load_state(state["cursor"])
         self.next_group = state["next_group"]
         self.redo = deque(state["redo"])
         self.version = state["version"]
+        gate = state.get("gate", {"accepted": self.version * self.rl.batch_size})  # trained groups
+        self.gate.accepted = gate["accepted"]
+        self.gate.released.update(gate.get("released", {}))
+        self.gate.too_stale = gate.get("too_stale", 0)
+        counters = state.get("counters", {})
+        self.buffer.load_counters(counters)
+        self.completion_tokens = counters.get("completion_tokens", 0)
+        self.rejected.update(counters.get("rejected", {}))
 
     def counters(self) -> dict:
         with self.lock:
             acc = self.buffer.accounting()
+            rejected = self.rejected + self.router.rejected
             return {**acc, "completion_tokens": self.completion_tokens, "too_stale": self.gate.too_stale,
-                    "rejected_messages": sum(self.router.rejected.values())}
+                    "rejected_messages": sum(rejected.values()), "rejected_reasons": dict(rejected)}
 
     # ------------------------------------------------------------------ controller thread
     def _run(self) -> None:
@@ -139,6 +176,10 @@ class Controller:
             for r in live:
                 if not self.router.send(msg, to=r.name, timeout_s=30):
                     self._fail(f"could not deliver {msg['type']} to {r.name}")
+            if msg["type"] == "weights":
+                with self.lock:
+                    self.delivered = max(self.delivered, msg["version"])
+                    self.lock.notify_all()
 
     def _dispatch(self) -> None:
         while self.gate.capacity(self.version) > 0:
@@ -147,8 +188,8 @@ class Controller:
                 return  # no live replica has connected yet
             index = self.redo.popleft() if self.redo else self.cursor.next_indexed()[0]
             problem = self.cursor.problems[index]
-            gid = self.next_group
-            msg = message("prompt", group_id=gid, problem_id=problem.id, prompt_ids=self.encode_prompt(problem.prompt),
+            gid, prompt_ids = self.next_group, self.encode_prompt(problem.prompt)
+            msg = message("prompt", group_id=gid, problem_id=problem.id, prompt_ids=prompt_ids,
                           n=self.rl.group_size, sampling=self._sampling(gid), version=self.version,
                           answer=str(problem.answer), **({"tests": problem.tests} if problem.tests else {}))
             if not self.router.send(msg, to=self.replicas[replica].name, timeout_s=5):
@@ -157,6 +198,7 @@ class Controller:
             self.gate.try_acquire(self.version)
             self.buffer.expect(gid, self.rl.group_size, problem.id)
             self.dispatcher.assign(gid)
+            self.dispatched[gid] = Dispatched(replica, problem.id, list(prompt_ids))
             self.in_flight[gid] = index
             self.next_group += 1
 
@@ -174,32 +216,52 @@ class Controller:
     def _handle(self, peer: str, msg: dict) -> None:
         replica = self.by_name.get(peer)
         if replica is None:
-            self.router.rejected["unknown_peer"] += 1
+            self.rejected["unknown_peer"] += 1
             return
         self.heartbeats.beat(replica)
         kind = msg["type"]
         if kind == "trajectory":
             with self.lock:
-                traj = msg_to_trajectory(msg)
-                self.completion_tokens += len(traj.completion_ids)
-                status = self.buffer.add(traj)
-                if status != "pending":
-                    self.dispatcher.done(traj.group_id)
-                    if status != "accepted":
-                        self.in_flight.pop(traj.group_id, None)
+                self._admit(replica, msg)
                 self.lock.notify_all()
         elif kind == "error":
             self._fail(f"rollout rank {msg['rank']} ({peer}) failed: {msg['cause']}")
+
+    def _admit(self, replica: int, msg: dict) -> None:
+        """File a trajectory from `replica` if it is one it was asked for (see admission.py)."""
+        gid = msg["group_id"]
+        sent = self.dispatched.get(gid)
+        why = trajectory_problem(msg, sent, replica, self.vocab_size, self.rl.max_new_tokens, self.version)
+        if why is not None:
+            self.rejected[why] += 1
+            if why != "not_dispatched":  # the group cannot complete as sent: give it up
+                self.buffer.abandon(gid, f"rejected_{why}")
+                self._group_done(gid, trained=False)
+            return
+        traj = msg_to_trajectory(msg)
+        self.completion_tokens += len(traj.completion_ids)
+        status = self.buffer.add(traj)
+        if status != "pending":
+            self._group_done(gid, trained=status == "accepted")
+
+    def _group_done(self, gid: int, trained: bool) -> None:
+        """A group left the replica: it is complete (kept for training) or will never be trained."""
+        self.dispatcher.done(gid)
+        self.dispatched.pop(gid, None)
+        if not trained:
+            self.in_flight.pop(gid, None)
 
     def _check_replicas(self) -> None:
         for replica in self.heartbeats.dead():
             with self.lock:
                 for gid in self.dispatcher.mark_dead(replica):
                     self.buffer.abandon(gid, "replica_dead")
+                    self.dispatched.pop(gid, None)
                     self.redo.append(self.in_flight.pop(gid))
                 self.heartbeats.forget(replica)
-                if len(self.dispatcher.dead) == len(self.replicas):
-                    self._fail("every rollout replica stopped sending heartbeats")
+                # its ranks are in every weight broadcast: without them the next sync would hang
+                self._fail(f"rollout replica {self.replicas[replica].name} sent nothing for "
+                           f"{self.heartbeats.timeout_s:.0f} s (hung, or cut off from the controller)")
 
     def _fail(self, why: str) -> None:
         with self.lock:

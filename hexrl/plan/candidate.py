@@ -81,6 +81,7 @@ def candidate(cm: CostModel, per_node: tuple[int, ...], train: TrainPlan, roll: 
         edge = cm.head_params() * ((i == 0) + (i == train.pp - 1)) * 2
         stage_bytes.append((s.slots[0][0], s.layers * layer_bytes + edge))
     sync = cm.sync_s(stage_bytes, {r.node for r in roll.replicas})
-    reward = cm.reward_s()
-    step = cm.step_s(train.time_s, roll.gen_s + reward, sync)
-    return Candidate(per_node, train, roll, train.time_s, roll.gen_s, reward, sync, step)
+    reward = roll.reward_s
+    gen = cm.gen_s(roll.gen_s + reward, roll.wave_s + reward, train.time_s, sync) - reward
+    step = cm.step_s(train.time_s, gen + reward, sync)
+    return Candidate(per_node, train, roll, train.time_s, gen, reward, sync, step)

@@ -9,6 +9,8 @@ here, so a measured profile (profiles/<gpu>.json) is the way to make predictions
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from hexrl.plan.lengths import output_lengths
 from hexrl.schema import Job
 from hexrl.gpus import GPU, gpu
@@ -18,6 +20,9 @@ WORKSPACE_BYTES = 1.5e9  # allocator slack, kernels' scratch, CUDA context
 ALLREDUCE_LATENCY_S = 8e-6  # one small NVLink all-reduce (decode-time TP)
 MAX_DECODE_BATCH = 1024  # engine cap on running sequences per replica
 REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5}
+# The rollout leader scores a finished group in its RewardPool (hexrl/rollout/worker.py, default
+# reward_workers=2) before it decodes on: a group's G rewards stall its replica ceil(G / 2) rewards.
+REWARD_WORKERS = 2
 
 
 @dataclass(frozen=True)
@@ -30,6 +35,7 @@ class Workload:
     mean_out: float
     max_out: float
     max_seq: int  # prompt + max_new_tokens: a micro-batch holds at least one whole sequence
+    micro_tokens: int  # tokens per training micro-batch: max_seq unless the job's runtime knobs say
     ctx_decode: float  # time-averaged context length of a decoding sequence
     ctx_attn: float  # average causal attention context of a trained token
     tokens: float  # tokens trained per step (prompt + output)
@@ -55,6 +61,7 @@ def workload_of(job: Job) -> Workload:
     return Workload(
         samples=rl.batch_size * rl.group_size, group=rl.group_size, prompt_len=wl.prompt_len,
         mean_out=mean, max_out=d.max(), max_seq=wl.prompt_len + rl.max_new_tokens,
+        micro_tokens=job.runtime.get("trainer", {}).get("micro_batch_tokens", wl.prompt_len + rl.max_new_tokens),
         ctx_decode=wl.prompt_len + second / (2 * mean),
         ctx_attn=seq_second / (2 * seq_mean),
         tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta, minibatches=rl.ppo_minibatches,
@@ -94,6 +101,10 @@ class CostModel:
         self.gpn = self.cluster.gpus_per_node
         self._decode_cache: dict = {}
         self._stage_cache: dict = {}
+        knobs = job.runtime.get("trainer", {})
+        # the trainer all-reduces its float32 gradient buckets (plan.trainer.grad_reduce_dtype)
+        self.grad_reduce_bytes = 4.0 if knobs.get("grad_reduce_dtype", "float32") == "float32" else 2.0
+        self.decode_batch_cap = job.runtime.get("rollout", {}).get("max_running", MAX_DECODE_BATCH)
         self.layer_params = self.m.layer_params()  # hot in the searches: compute once
         q_dim = self.m.num_attention_heads * self.m.head_dim
         self.layer_fwd_flops = 2 * self.layer_params + 4 * q_dim * self.w.ctx_attn
@@ -123,7 +134,7 @@ class CostModel:
     def microbatches(self, dp: int) -> int:
         """Micro-batches per PPO minibatch per DP replica (each holds up to max_seq tokens)."""
         w = self.w
-        return max(1, math.ceil(w.tokens / (w.minibatches * dp * w.max_seq)))
+        return max(1, math.ceil(w.tokens / (w.minibatches * dp * w.micro_tokens)))
 
     def stage_coeffs(self, gpu_type: str, tp: int, dp: int, pp: int, index: int, dp_nodes: int,
                      send_GBps: float | None, recompute: bool) -> StageCoeffs:
@@ -151,12 +162,12 @@ class CostModel:
         if tp > 1:  # 2 all-reduces of activations per forward-like pass, 4 per backward
             n_ar = 2 * (passes - 1)
             tp_comm = n_ar * tok * h * 2 * 2 * (tp - 1) / tp / nvlink
-        grad_bytes = 2.0 / tp  # bf16 gradients per parameter on one GPU
+        grad_bytes = self.grad_reduce_bytes / tp  # gradient bytes per parameter on one GPU
         dp_per_param = 0.0
         if dp > 1:
             dp_per_param = 2 * (dp - 1) / dp * grad_bytes / nvlink
             if dp_nodes > 1:  # the node's NIC carries a whole copy of the stage's gradients
-                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * 2.0 / (self.cluster.inter_node_GBps * 1e9)
+                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / (self.cluster.inter_node_GBps * 1e9)
         opt_per_param = 2 * 16 / tp / g.hbm_Bps  # read + write weights, grads, Adam state
         per_layer = bubble * (compute + tp_comm) + k * (dp_per_param + opt_per_param) * self.layer_params
         fixed = 0.0
@@ -173,7 +184,7 @@ class CostModel:
 
     def _max_layers(self, gpu_type, tp, pp, index, mb, recompute, edge_params) -> int:
         m, w = self.m, self.w
-        h, tokens = m.hidden_size, w.max_seq
+        h, tokens = m.hidden_size, w.micro_tokens
         inflight = min(mb, pp - index)  # 1F1B keeps pp - index micro-batches alive on stage index
         bpp = BYTES_PER_PARAM_TRAIN + (2 if self.job.rl.kl_coef > 0 else 0)
         full_act = tokens * h * (10 + 24 / tp)  # one layer's activations (flash attention)
@@ -215,7 +226,7 @@ class CostModel:
         kv = self.kv_bytes_per_token(tp)
         if room < kv * self.w.max_seq:
             return 0
-        return int(min(MAX_DECODE_BATCH, room // (kv * self.w.ctx_decode)))
+        return int(min(self.decode_batch_cap, room // (kv * self.w.ctx_decode)))
 
     def decode_point(self, gpu_type: str, tp: int, batch: int) -> DecodePoint:
         key = (gpu_type, tp, batch)
@@ -229,15 +240,21 @@ class CostModel:
         A roofline per kernel family: weight matmuls read the weights once for the whole batch,
         attention reads every sequence's KV; the two run one after the other.
         """
+        g = self.gpus[gpu_type]
+        bw, peak = g.hbm_Bps * g.hbm_efficiency, tp * g.flops * g.decode_mfu
+        c = max(self.kv_bytes_per_token(tp) / bw, self.attn_flops_per_pos() / peak)
+        return float(self.decode_fixed_s(gpu_type, tp, b)), c
+
+    def decode_fixed_s(self, gpu_type: str, tp: int, b):
+        """The context-free part `a` of a decode step at batch b (a number or a numpy array)."""
         g, m = self.gpus[gpu_type], self.m
         n = self.matmul_params()
         bw, peak = g.hbm_Bps * g.hbm_efficiency, tp * g.flops * g.decode_mfu
-        a = g.decode_overhead_s + max(2 * n / tp / bw, 2 * n * b / peak)
+        a = g.decode_overhead_s + np.maximum(2 * n / tp / bw, 2 * n * np.asarray(b, dtype=float) / peak)
         if tp > 1:
             nvlink = self.cluster.intra_GBps(gpu_type) * 1e9
-            a += 2 * m.num_hidden_layers * (ALLREDUCE_LATENCY_S + b * m.hidden_size * 2 * 2 * (tp - 1) / tp / nvlink)
-        c = max(self.kv_bytes_per_token(tp) / bw, self.attn_flops_per_pos() / peak)
-        return a, c
+            a = a + 2 * m.num_hidden_layers * (ALLREDUCE_LATENCY_S + b * m.hidden_size * 2 * 2 * (tp - 1) / tp / nvlink)
+        return a
 
     def attn_flops_per_pos(self) -> float:
         """Attention FLOPs of one token per context position, all layers (scores and values)."""
@@ -269,21 +286,68 @@ class CostModel:
             sizes = sorted({1 << i for i in range(int(math.log2(bmax)) + 1)} | {bmax})
         return [self.decode_point(gpu_type, tp, b) for b in sizes]
 
-    def rollout_tail_s(self, solo_step_s: float, busy_step_s: float) -> float:
-        """Least generation time per step that the long tail and the staleness gate allow.
+    def _survival(self) -> tuple[np.ndarray, float]:
+        """P(L >= j) for j = 1..max output length, as the simulator samples lengths (rounded,
+        at least 1), and E[prompt * L + L (L - 1) / 2]: the context a sequence's decode steps read."""
+        if not hasattr(self, "_surv"):
+            d = self.lengths
+            L = np.maximum(1, np.rint(d.lengths)).astype(int)
+            p = np.asarray(d.probs, dtype=float) / sum(d.probs)
+            pmf = np.bincount(L, weights=p, minlength=L.max() + 1)
+            surv = np.cumsum(pmf[::-1])[::-1][1:]  # surv[j - 1] = P(L >= j)
+            ctx = float((p * (self.w.prompt_len * L + L * (L - 1) / 2)).sum())
+            self._surv = (np.minimum(surv, 1.0), ctx)
+        return self._surv
 
-        Two limits, both spread over the eta + 1 steps the gate lets overlap: the longest of the
-        step's B*G sequences, decoding alone at the end (solo_step_s per token); and Little's
-        law on prompt groups: at most (eta + 1) * B groups are in flight and a group is done
-        when its longest sample is, decoding in a full batch (busy_step_s per token).
+    def drain_s(self, gpu_type: str, tp: int, n: float) -> float:
+        """Expected seconds for n sequences that start decoding together to all finish, none joining.
+
+        Decode step j runs while any sequence is longer than j - 1 tokens (probability
+        1 - (1 - S_j)^n) with the sequences still alive (n S_j on average, given one is); every
+        sequence reads its context once per step it decodes.
         """
-        w = self.w
-        if w.eta is None:
+        surv, ctx = self._survival()
+        alive = 1 - (1 - surv) ** n
+        batch = np.maximum(1.0, n * surv / np.maximum(alive, 1e-300))
+        a = self.decode_fixed_s(gpu_type, tp, batch)
+        c = self.decode_coeffs(gpu_type, tp, 1)[1]
+        return float((alive * a).sum() + c * n * ctx)
+
+    def wave_s(self, gpu_type: str, tp: int, batch: int, n: float) -> float:
+        """Seconds for one replica (at most `batch` running) to generate n sequences handed to it at
+        once: a full batch while sequences wait, then the last `batch` drain with nobody joining."""
+        if n <= 0:
             return 0.0
-        d = self.lengths
-        longest = d.expected_max(w.samples) * solo_step_s
-        group = d.expected_max(w.group) * busy_step_s
-        return max(longest, group) / (w.eta + 1)
+        first = min(n, batch)
+        t = self.prefill_s(gpu_type, tp, first * self.w.prompt_len, self.w.prompt_len / 2) + self.drain_s(gpu_type, tp, first)
+        if n > batch:
+            t += (n - batch) * self.w.mean_out / self.decode_point(gpu_type, tp, batch).tokens_per_s
+        return t
+
+    def rollout_wave(self, replicas) -> tuple[float, float]:
+        """(wave_s, reward_s) for replicas (objects with gpu_type, tp, batch, share): the time an idle
+        rollout needs to generate one step's B groups dealt out by share, and the longest reward
+        stall of one replica over a step (its groups times group_reward_s)."""
+        active = [r for r in replicas if r.share > 0] or list(replicas)
+        wave = max(self.wave_s(r.gpu_type, r.tp, r.batch, r.share * self.w.samples) for r in active)
+        groups = self.w.samples / self.w.group
+        return wave, max(r.share for r in active) * groups * self.group_reward_s()
+
+    def gen_s(self, theta_s: float, wave_s: float, train_s: float, sync_s: float) -> float:
+        """Generation time of a step as the staleness gate lets it overlap training (reward included).
+
+        theta_s: the throughput makespan; wave_s: one step's groups generated from idle (the long
+        tail drains with nothing to overlap). eta = 0 waits for the whole wave every step. With
+        eta >= 1 the groups of step v + eta are handed out when step v's training ends, and must
+        be done before step v + eta + 1 trains: (eta + 1) steps take train + sync + wave, so a
+        step takes at least (train + sync + wave) / (eta + 1).
+        """
+        eta = self.w.eta
+        if eta == 0:
+            return wave_s
+        if eta is None:
+            return theta_s
+        return max(theta_s, (train_s + sync_s + wave_s) / (eta + 1) - sync_s)
 
     # ------------------------------------------------------------------ sync, reward
     def sync_s(self, stage_bytes: list[tuple[int, float]], rollout_nodes: set[int]) -> float:
@@ -299,9 +363,9 @@ class CostModel:
             per_node[node] = per_node.get(node, 0.0) + nbytes / bw + gather
         return max(per_node.values(), default=0.0)
 
-    def reward_s(self) -> float:
-        """Reward time not hidden behind decoding: the last group's samples on one worker."""
-        return self.w.reward_s * self.w.group
+    def group_reward_s(self) -> float:
+        """Seconds a replica stalls to score one finished group (G samples on REWARD_WORKERS)."""
+        return math.ceil(self.w.group / REWARD_WORKERS) * self.w.reward_s
 
     def step_s(self, train_s: float, gen_s: float, sync_s: float) -> float:
         """Step time: async overlaps generation and training; eta=0 runs them back to back."""

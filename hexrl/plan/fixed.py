@@ -4,7 +4,7 @@ rest (layer split, shares, predictions) and checks it, reporting every problem a
 Forms (all fields optional, combined as given):
   {"train_gpus": N, "train_gpu_type": T, "tp": t, "pp": p, "dp": d, "rollout_tp": r}
   {"train_ranks": [...], "trainer": {"dp": D, "stages": [{"gpu_type", "tp", "layers"}]},
-   "rollout_replicas": [{"tp", "ranks", "share", "max_batch"}]}
+   "rollout_replicas": [{"tp", "ranks", "share", "max_running"}]}
 Training ranks fill the trainer grid stage by stage, dp-major, tp-minor.
 """
 
@@ -14,7 +14,7 @@ from hexrl.schema import ConfigError, Plan, Stage, TrainerLayout
 from hexrl.plan.cost import CostModel
 from hexrl.plan.candidate import Candidate, candidate
 from hexrl.plan.rollout_milp import RolloutPlan, RolloutReplica
-from hexrl.plan.train_search import TrainPlan, cost_layout
+from hexrl.plan.train_search import TrainPlan, cost_layout_fitting
 
 
 def fixed_candidate(cm: CostModel, layout: dict) -> Candidate:
@@ -37,7 +37,7 @@ def plan_candidate(cm: CostModel, plan: Plan) -> Candidate:
     t, p = plan.trainer, []
     chunks = [(st.gpu_type, st.tp, [divmod(r, cm.gpn) for r in t.stage_ranks(s)]) for s, st in enumerate(t.stages)]
     tplan = _train_plan(cm, chunks, t.dp, [b - a for a, b in (st.layers for st in t.stages)], p)
-    reps = [(r.gpu_type, r.tp, r.ranks, r.share, r.max_batch) for r in plan.replicas]
+    reps = [(r.gpu_type, r.tp, r.ranks, r.share, r.knobs.max_running) for r in plan.replicas]
     rplan = _rollout_plan(cm, reps, p)
     if p or tplan is None or rplan is None:
         raise ConfigError(p or ["plan: cannot be costed"], "invalid plan")
@@ -138,7 +138,7 @@ def _check_layers(cm: CostModel, layers, where: str, p: list[str]) -> list[int] 
 
 
 def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
-    """Rollout replicas as (type, tp, ranks, share or None, max_batch or None)."""
+    """Rollout replicas as (type, tp, ranks, share or None, max_running or None)."""
     if "rollout_replicas" in layout:
         out, seen = [], []
         for i, r in enumerate(layout["rollout_replicas"]):
@@ -153,7 +153,7 @@ def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
             if len({x // cm.gpn for x in ranks}) > 1:
                 p.append(f"{w}.ranks: {ranks} span nodes; a replica's TP stays inside a node")
             seen += ranks
-            out.append((ranks, r.get("share"), r.get("max_batch")))
+            out.append((ranks, r.get("share"), r.get("max_running")))
         if sorted(seen) != rest:
             p.append(f"layout.rollout_replicas: replicas cover ranks {sorted(seen)} but the ranks "
                      f"left after training are {rest}")
@@ -169,19 +169,19 @@ def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
                 return None
             out += [(mine[i:i + tp], None, None) for i in range(0, len(mine), tp)]
     reps = []
-    for i, (ranks, share, max_batch) in enumerate(out):
+    for i, (ranks, share, max_running) in enumerate(out):
         kind, tp = _type(cm, ranks[0]), len(ranks)
         if cm.m.num_attention_heads % tp:
             p.append(f"rollout replica {i}: tp={tp} does not divide num_attention_heads {cm.m.num_attention_heads}")
         elif cm.max_decode_batch(kind, tp) < 1:
             p.append(f"rollout replica {i}: {tp} x {kind} cannot hold the weights plus the KV cache of "
                      f"one longest sequence ({cm.w.max_seq} tokens)")
-        reps.append((kind, tp, ranks, share, max_batch))
+        reps.append((kind, tp, ranks, share, max_running))
     return reps
 
 
 def _train_plan(cm: CostModel, chunks, dp, layers, p: list[str]) -> TrainPlan | None:
-    plan = cost_layout(cm, chunks, dp, False, layers) or cost_layout(cm, chunks, dp, True, layers)
+    plan = cost_layout_fitting(cm, chunks, dp, layers)
     if plan is None:
         need = cm.train_memory_floor() / 1e9
         p.append(f"layout: the trainer's {sum(dp * tp for _, tp, _ in chunks)} GPUs cannot hold the model "
@@ -189,11 +189,11 @@ def _train_plan(cm: CostModel, chunks, dp, layers, p: list[str]) -> TrainPlan | 
     return plan
 
 
-def _rollout_plan(cm: CostModel, reps, p: list[str], rounds: int = 8) -> RolloutPlan | None:
+def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
     """Makespan of fixed replicas at their largest (or given) batch; shares as given or by throughput."""
     if p:
         return None
-    # running sequences per replica: KV memory, the given max_batch, and the gate's share of
+    # running sequences per replica: KV memory, the given max_running, and the gate's share of
     # the (eta + 1) * B * G sequences it lets run at once
     gate = math.inf if cm.w.eta is None else math.ceil((cm.w.eta + 1) * cm.w.samples / len(reps))
     pts = [cm.decode_point(k, tp, int(min(cm.max_decode_batch(k, tp), mb or math.inf, gate)))
@@ -202,21 +202,22 @@ def _rollout_plan(cm: CostModel, reps, p: list[str], rounds: int = 8) -> Rollout
     if any(s is not None for s in given) and any(s is None for s in given):
         p.append("layout.rollout_replicas: give a share for every replica or for none")
         return None
-    period = None
-    for _ in range(rounds):  # fixed point: KV recompute once per step of length `period`
-        rates = [pt.tokens_per_s * (1.0 if period is None else max(1e-9, 1 - pt.recompute_s / period))
-                 for pt in pts]
-        shares = [float(s) for s in given] if given[0] is not None else rates
-        total = sum(shares)
-        shares = [s / total for s in shares]
-        theta = max(s * cm.w.gen_tokens / r for s, r in zip(shares, rates) if s > 0)
-        if period is not None and abs(theta - period) <= 1e-3 * period:
-            break
-        period = theta if period is not None else theta + max(pt.recompute_s for pt in pts)
+    # each replica loses its KV recompute R once per step and decodes at h otherwise
+    h, R, tokens = [pt.tokens_per_s for pt in pts], [pt.recompute_s for pt in pts], cm.w.gen_tokens
+    if given[0] is not None:
+        total = sum(float(s) for s in given)
+        shares = [float(s) / total for s in given]
+        theta = max(s * tokens / hj + rj for s, hj, rj in zip(shares, h, R) if s > 0)
+    else:  # shares by throughput: all used replicas finish together
+        used = set(range(len(pts)))
+        while True:
+            theta = (tokens + sum(h[j] * R[j] for j in used)) / sum(h[j] for j in used)
+            late = {j for j in used if R[j] >= theta}
+            if not late or late == used:
+                break
+            used -= late
+        shares = [h[j] * (theta - R[j]) / tokens if j in used else 0.0 for j in range(len(pts))]
     replicas = [RolloutReplica(k, tp, pt.batch, ranks[0] // cm.gpn, [r % cm.gpn for r in ranks],
                                pt.tokens_per_s, s)
                 for (k, tp, ranks, _, _), pt, s in zip(reps, pts, shares)]
-    active = [r for r in replicas if r.share > 0] or replicas
-    solo = min(cm.decode_point(r.gpu_type, r.tp, 1).step_s for r in active)
-    busy = max(cm.decode_point(r.gpu_type, r.tp, r.batch).step_s for r in active)
-    return RolloutPlan(replicas, theta, max(theta, cm.rollout_tail_s(solo, busy)), cm.w.gen_tokens / theta)
+    return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))

@@ -79,7 +79,7 @@ def lower_bounds(ev: Evaluator, types: list[str], grid: np.ndarray) -> np.ndarra
     dec = (total - grid) @ np.array([cm.decode_rate_bound(t) for t in types])
     with np.errstate(divide="ignore"):
         lb_t = np.where((train_rate > 0) & (mem >= cm.train_memory_floor()), cm.train_flops() / train_rate, np.inf)
-        lb_g = np.where(dec > 0, cm.w.gen_tokens / dec, np.inf) + cm.reward_s()
+        lb_g = np.where(dec > 0, cm.w.gen_tokens / dec, np.inf)
     return lb_t + lb_g if cm.w.eta == 0 else np.maximum(lb_t, lb_g)
 
 

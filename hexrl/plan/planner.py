@@ -7,6 +7,7 @@ from hexrl.plan.budget import affordable_subsets
 from hexrl.plan.cost import CostModel
 from hexrl.plan.candidate import Candidate, Evaluator
 from hexrl.plan.fixed import fixed_candidate
+from hexrl.plan.knobs import replica_knobs, train_knobs
 
 METHODS = {
     "two-phase": partition.two_phase,
@@ -100,7 +101,8 @@ def _plan(job: Job, method: str, use_profiles: bool) -> Plan:
 
 
 def materialize(cm: CostModel, cand: Candidate, info: dict) -> Plan:
-    """Turn a candidate into a Plan: every global rank's role and coordinates, plus predictions."""
+    """Turn a candidate into a Plan: every global rank's role and coordinates, the runtime knobs
+    the cost model assumed (hexrl.plan.knobs), plus predictions."""
     gpn = cm.gpn
     roles: dict[int, RankInfo] = {}
     stages = []
@@ -116,11 +118,12 @@ def materialize(cm: CostModel, cand: Candidate, info: dict) -> Plan:
         ranks = [r.node * gpn + loc for loc in r.locals]
         for k, rank in enumerate(ranks):
             roles[rank] = RankInfo(rank, r.node, r.locals[k], r.gpu_type, "rollout", tp=k, replica=r_i)
-        replicas.append(Replica(r_i, r.gpu_type, r.tp, ranks, round(r.share, 6), r.batch))
+        replicas.append(Replica(r_i, r.gpu_type, r.tp, ranks, round(r.share, 6),
+                                replica_knobs(cm, r.gpu_type, r.tp, r.batch)))
     _fix_shares(replicas)
     ranks = [roles[k] for k in sorted(roles)]
     trainer = TrainerLayout(cand.train.dp, stages)
-    return Plan(cm.job, ranks, trainer, replicas, predictions(cm, cand, info))
+    return Plan(cm.job, ranks, trainer, replicas, predictions(cm, cand, info), train_knobs(cm, cand.train))
 
 
 def _fix_shares(replicas: list[Replica]) -> None:

@@ -42,8 +42,10 @@ class RolloutReplica:
 class RolloutPlan:
     replicas: list[RolloutReplica]
     theta_s: float  # makespan of one step's rollouts, KV recompute after the weight update included
-    gen_s: float  # generation part of C_I: the makespan, or the long tail if that is longer
+    gen_s: float  # the throughput makespan (the gate's long tail is added in candidate.py)
     tokens_per_s: float  # generated tokens/s of all replicas
+    wave_s: float = 0.0  # one step's groups generated from idle (CostModel.rollout_wave)
+    reward_s: float = 0.0  # the longest reward stall of one replica per step
 
 
 def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):
@@ -62,12 +64,14 @@ def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):
     return cols, all_batches
 
 
-def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4) -> RolloutPlan | None:
+def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 6) -> RolloutPlan | None:
     """The rollout plan with the shortest makespan on these free GPUs (None if nothing fits).
 
     After each weight update a replica re-prefills its running batch (KV recompute, R_psi
     seconds), so over a step of length T it decodes at h_psi * (1 - R_psi / T). T is the
-    makespan itself: a short fixed-point iteration on T, one MILP per round.
+    makespan itself: a fixed point on T, one MILP per round. For a fixed choice of replicas the
+    fixed point has a closed form, T = (tokens + sum h R) / sum h (each replica loses R once
+    per step), which is the next round's T: the replica choice settles in two or three rounds.
     """
     w = cm.w
     concurrency = float("inf") if w.eta is None else (w.eta + 1) * w.samples
@@ -82,13 +86,11 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4) -> R
         if y_new is None:
             break
         y, sol, theta = y_new, sol_new, w.gen_tokens / sol_new[-1]
-        if period is None:  # the first round ignored recompute: start from makespan + its recompute
-            period = theta + max(cols[j][1].recompute_s for j in range(len(cols)) if y[j] > 0)
-            y = None  # not a valid answer on its own
-            continue
-        if abs(theta - period) <= 1e-2 * period:
+        if period is not None and abs(theta - period) <= 1e-3 * period:
             break
-        period = theta
+        used = [j for j in range(len(cols)) if sol[len(cols) + j] > 1e-9 * sol[-1]]
+        h = sum(y[j] * cols[j][1].tokens_per_s for j in used)
+        period = (w.gen_tokens + sum(y[j] * cols[j][1].tokens_per_s * cols[j][1].recompute_s for j in used)) / h
     return None if y is None else _assemble(cm, classes, cols, y, sol, theta)
 
 
@@ -183,8 +185,4 @@ def _assemble(cm: CostModel, classes, cols, y, sol, theta: float) -> RolloutPlan
     total = sum(r.share for r in replicas)  # replicas the gate leaves idle keep share 0
     for r in replicas:
         r.share /= total
-    active = [r for r in replicas if r.share > 0] or replicas
-    solo = min(cm.decode_point(r.gpu_type, r.tp, 1).step_s for r in active)
-    busy = max(cm.decode_point(r.gpu_type, r.tp, r.batch).step_s for r in active)
-    gen = max(theta, cm.rollout_tail_s(solo, busy))
-    return RolloutPlan(replicas, theta, gen, U)
+    return RolloutPlan(replicas, theta, theta, U, *cm.rollout_wave(replicas))

@@ -3,11 +3,15 @@
 Rollout replicas decode sequences of sampled lengths with continuous batching; a decode step
 of b sequences with total context S takes a_b + c * S seconds (the planner's cost model), so
 between two events (a sequence finishing, a weight update) a replica's steps are summed in
-closed form. The controller hands out prompt groups while the staleness gate allows,
-capacity = (eta + v + 1) * B - (accepted + running), to the least-loaded replica by share.
-The trainer takes B finished groups per step (time: the plan's C_T scaled by the batch's
-tokens), then publishes weights: every replica stops at its next step boundary, joins the
-broadcast (C_sync), recomputes the KV of its running sequences, and decodes on.
+closed form. The control side is the runtime's own code, imported, not re-implemented: the
+StalenessGate (hexrl/control/gate.py) decides when a prompt group may be handed out, the
+Dispatcher (control/dispatch.py) picks its replica (least in flight per share), and the
+ReplayBuffer (control/buffer.py) hands the trainer B groups oldest first and drops groups
+more than eta versions old. A finished group stalls its replica while its rewards are scored
+(as hexrl/rollout/worker.py does), then enters the buffer. The trainer takes B groups per
+step (time: the plan's C_T scaled by the batch's tokens), then publishes weights: every
+replica stops at its next step boundary, joins the broadcast (C_sync), recomputes the KV of
+its running sequences, and decodes on.
 """
 
 import heapq
@@ -17,9 +21,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hexrl.control.buffer import ReplayBuffer
+from hexrl.control.dispatch import Dispatcher
+from hexrl.control.gate import StalenessGate
 from hexrl.schema import Plan
 from hexrl.plan.cost import CostModel
 from hexrl.plan.fixed import plan_candidate
+from hexrl.trajectory import Trajectory
 
 
 class Replica:
@@ -32,7 +40,7 @@ class Replica:
         self.ver = np.zeros(0, dtype=np.int64)  # weight version of the oldest token
         self.grp = np.zeros(0, dtype=np.int64)
         self.queue: deque = deque()  # (group, length)
-        self.outstanding = 0  # queued + running sequences
+        self.stall = 0.0  # reward scoring owed before the next decode step
         self.chunk = None  # (compute_start, k steps, a, c, S0, b)
         self.chunk_id = 0
         self.busy = 0.0  # seconds decoding, prefilling or recomputing
@@ -62,7 +70,8 @@ class SimResult:
     rollout_busy: float  # GPU-weighted fraction of the window the rollout GPUs compute
     idle: dict  # GPU-weighted idle fraction per role
     staleness: dict  # staleness (versions) -> trajectories trained on
-    violations: int  # trajectories staler than eta (must be 0)
+    violations: int  # trajectories trained although staler than eta (0: the buffer dropped them)
+    dropped_stale: int  # trajectories the buffer dropped as more than eta versions old
     predicted_step_s: float
     gantt: list = field(default_factory=list)  # (lane, kind, t0, t1) of the first steps
 
@@ -73,19 +82,23 @@ class Simulation:
         self.cm = cm = CostModel(plan.job, use_profiles)
         self.cand = plan_candidate(cm, plan)
         self.rng = np.random.default_rng(seed)
-        self.B, self.G, self.eta = self.job.rl.batch_size, self.job.rl.group_size, self.job.rl.eta
+        rl = self.job.rl
+        self.B, self.G, self.eta = rl.batch_size, rl.group_size, rl.eta
         self.prompt = cm.w.prompt_len
-        self.replicas = []
+        self.reward_s = cm.group_reward_s()
+        self.replicas = {}
         for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
-            self.replicas.append(Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm))
+            self.replicas[r.id] = Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm)
+        self.gate = StalenessGate(self.B, self.eta, rl.max_running)
+        self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=False)
+        self.dispatcher = Dispatcher({i: r.share for i, r in self.replicas.items() if r.share > 0})
         self.events: list = []
         self.order = 0
         self.trained = 0  # finished training steps = the gate's version
         self.live = 0  # weight version the replicas decode with
         self.issued = 0
-        self.groups: dict[int, dict] = {}
-        self.buffer: deque = deque()  # finished groups, oldest first
-        self.trainer_busy_until = 0.0
+        self.group_tokens: dict[int, int] = {}
+        self.done: dict[int, list] = {}  # group -> trajectories finished so far
         self.training = False
         self.syncing = False
         self.step_ends: list[float] = []
@@ -106,52 +119,64 @@ class Simulation:
             self.gantt.append((lane, kind, t0, t1))
 
     # ------------------------------------------------------------------ controller
-    def capacity(self) -> float:
-        if self.eta is None:
-            return math.inf
-        return (self.eta + self.trained + 1) * self.B - self.issued
-
     def dispatch(self, t: float):
-        """Hand out prompt groups while the gate allows and some replica has room."""
-        while self.capacity() > 0:
-            open_ = [r for r in self.replicas if r.share > 0 and r.outstanding + self.G <= 2 * r.max_batch + self.G]
-            if not open_:
-                return
-            r = min(open_, key=lambda x: x.outstanding / x.share)
+        """Hand out prompt groups while the gate allows, as the runtime controller does."""
+        while self.gate.capacity(self.trained) > 0:
             gid = self.issued
+            rid = self.dispatcher.assign(gid)
+            if rid is None:
+                return
+            self.gate.try_acquire(self.trained)
+            self.buffer.expect(gid, self.G)
             self.issued += 1
-            lengths = self.cm.lengths.sample(self.rng, self.G)
-            self.groups[gid] = {"left": self.G, "tokens": 0, "ver": []}
-            r.queue.extend((gid, int(n)) for n in lengths)
-            r.outstanding += self.G
+            r = self.replicas[rid]
+            self.group_tokens[gid] = 0
+            self.done[gid] = []
+            r.queue.extend((gid, int(n)) for n in self.cm.lengths.sample(self.rng, self.G))
             if r.chunk is None and not r.paused:
                 self.start(r, t)
 
+    def accept(self, t: float, gid: int):
+        """A scored group reaches the controller: file its trajectories, maybe train."""
+        for traj in self.done.pop(gid):
+            status = self.buffer.add(traj)
+        if status != "pending":
+            self.dispatcher.done(gid)
+        if status != "accepted":
+            self.group_tokens.pop(gid, None)
+        self.try_train(t)
+        self.dispatch(t)
+
     # ------------------------------------------------------------------ rollout
     def start(self, r: Replica, t: float):
-        """Admit queued sequences (their prefill first), then run steps until one finishes."""
+        """Score finished groups (a stall), admit queued sequences (their prefill), then run
+        decode steps until one finishes."""
         room = r.max_batch - len(r.rem)
         new = [r.queue.popleft() for _ in range(min(room, len(r.queue)))]
-        pre = 0.0
+        pre, stall = 0.0, r.stall
+        r.stall = 0.0
         if new:
             pre = self.cm.prefill_s(r.gpu_type, r.tp, len(new) * self.prompt, self.prompt / 2)
             r.rem = np.concatenate([r.rem, [n for _, n in new]])
             r.ctx = np.concatenate([r.ctx, np.full(len(new), self.prompt)])
             r.ver = np.concatenate([r.ver, np.full(len(new), self.live)])
             r.grp = np.concatenate([r.grp, [g for g, _ in new]])
+        self.mark(f"R{r.idx}", "reward", t, t + stall)
+        self.mark(f"R{r.idx}", "prefill", t + stall, t + stall + pre)
         b = len(r.rem)
         if b == 0:
             r.chunk = None
+            if stall:  # nothing to decode: the stall still occupies the replica
+                r.busy += stall
             return
         k = int(r.rem.min())
         a, c = r.coeffs(b)
         s0 = float(r.ctx.sum())
         dur = Replica.elapsed(k, a, c, s0, b)
-        r.chunk = (t + pre, k, a, c, s0, b)
+        r.chunk = (t + stall + pre, k, a, c, s0, b)
         r.chunk_id += 1
-        r.busy += pre
-        self.mark(f"R{r.idx}", "prefill", t, t + pre)
-        self.push(t + pre + dur, "chunk", r, r.chunk_id)
+        r.busy += stall + pre
+        self.push(t + stall + pre + dur, "chunk", r, r.chunk_id)
 
     def advance(self, r: Replica, t_end: float, j: int):
         """Apply j decode steps of the chunk in flight, ending at t_end; handle finished sequences."""
@@ -164,21 +189,19 @@ class Simulation:
         done = r.rem <= 0
         if done.any():
             for g, n, v in zip(r.grp[done], r.ctx[done], r.ver[done]):
-                grp = self.groups[int(g)]
-                grp["left"] -= 1
-                grp["tokens"] += int(n)
-                grp["ver"].append(int(v))
-                if grp["left"] == 0:
-                    self.push(t_end + self.cm.w.reward_s, "accept", int(g))
+                g = int(g)
+                self.group_tokens[g] += int(n)
+                self.done[g].append(Trajectory(g, [], [0], [0.0], [int(v)]))  # oldest token's version
+                if len(self.done[g]) == self.G:  # scored on the replica, then sent
+                    r.stall += self.reward_s
+                    self.push(t_end + r.stall, "accept", g)
             keep = ~done
             r.rem, r.ctx, r.ver, r.grp = r.rem[keep], r.ctx[keep], r.ver[keep], r.grp[keep]
-            r.outstanding -= int(done.sum())
 
     def on_chunk(self, t: float, r: Replica, chunk_id: int):
         if chunk_id != r.chunk_id or r.chunk is None:
             return  # cut short by a weight update
         self.advance(r, t, r.chunk[1])
-        self.dispatch(t)  # may already have restarted r with newly handed-out prompts
         if r.chunk is None and not r.paused:
             self.start(r, t)
 
@@ -187,7 +210,7 @@ class Simulation:
         if r.chunk is None:
             return t
         cs, k, a, c, s0, b = r.chunk
-        if t <= cs:  # still prefilling: the prefill completes, no decode step is taken
+        if t <= cs:  # still scoring or prefilling: that completes, no decode step is taken
             self.advance(r, cs, 0)
             return cs
         # smallest j with elapsed(j) >= t - cs: the root of c*b/2 j^2 + (a + c*s0 - c*b/2) j = t - cs
@@ -202,18 +225,19 @@ class Simulation:
 
     # ------------------------------------------------------------------ trainer
     def try_train(self, t: float):
-        if self.training or self.syncing or len(self.buffer) < self.B:
+        if self.training or self.syncing:
             return
-        batch = [self.buffer.popleft() for _ in range(self.B)]
+        batch = self.buffer.pop_batch(self.B, trainer_version=self.trained)  # drops stale groups
+        if batch is None:
+            self.dispatch(t)  # dropped groups gave their slots back
+            return
         tokens = 0
         for g in batch:
-            grp = self.groups.pop(g)
-            tokens += grp["tokens"]
-            for v in grp["ver"]:
-                s = self.trained - v
+            tokens += self.group_tokens.pop(g.group_id)
+            for traj in g.trajectories:
+                s = self.trained - traj.oldest_version
                 self.staleness[s] = self.staleness.get(s, 0) + 1
-                if self.eta is not None and s > self.eta:
-                    self.violations += 1
+                self.violations += self.eta is not None and s > self.eta
         dur = self.cand.C_T * tokens / self.cm.w.tokens
         self.training = True
         self.train_time += dur
@@ -227,20 +251,21 @@ class Simulation:
         self.step_ends.append(t)
         self.syncing = True
         start = t
-        for r in self.replicas:
+        for r in self.replicas.values():
             r.paused = True
             start = max(start, self.interrupt(r, t))
         end = start + self.cand.C_sync
         self.sync_time += end - t
         self.mark("trainer", "sync", t, end)
-        for r in self.replicas:
+        for r in self.replicas.values():
             self.mark(f"R{r.idx}", "sync", start, end)
         self.push(end, "synced")
+        self.dispatch(t)  # the controller opens the gate as soon as the version is published
 
     def on_synced(self, t: float):
         self.syncing = False
         self.live = self.trained
-        for r in self.replicas:  # paused until its recompute is done
+        for r in self.replicas.values():  # paused until its recompute is done
             resume = t
             if len(r.rem):  # KV recompute of every running sequence with the new weights
                 ctx = float(r.ctx.sum())
@@ -249,7 +274,6 @@ class Simulation:
                 self.mark(f"R{r.idx}", "recompute", t, t + rec)
                 resume = t + rec
             self.push(resume, "resume", r)
-        self.dispatch(t)
         self.try_train(t)
 
     def on_resume(self, t: float, r: Replica):
@@ -261,7 +285,7 @@ class Simulation:
     def run(self, steps: int = 12, warmup: int = 2, gantt_steps: int = 3) -> SimResult:
         handlers = {
             "chunk": self.on_chunk,
-            "accept": lambda t, g: (self.buffer.append(g), self.try_train(t)),
+            "accept": self.accept,
             "trained": self.on_trained,
             "synced": self.on_synced,
             "resume": self.on_resume,
@@ -284,8 +308,8 @@ class Simulation:
         gen = tokens - (n - warmup) * self.B * self.G * self.prompt
         # busy time is accumulated over the whole run: scale by the window's share of it
         span = t1
-        roll_gpus = sum(r.tp for r in self.replicas)
-        roll_busy = sum(r.busy * r.tp for r in self.replicas) / roll_gpus / span
+        roll_gpus = sum(r.tp for r in self.replicas.values())
+        roll_busy = sum(r.busy * r.tp for r in self.replicas.values()) / roll_gpus / span
         train_busy = self.train_time / span
         sync = self.sync_time / span
         return SimResult(
@@ -294,6 +318,7 @@ class Simulation:
             rollout_busy=roll_busy,
             idle={"train": max(0.0, 1 - train_busy - sync), "rollout": max(0.0, 1 - roll_busy - sync)},
             staleness=dict(sorted(self.staleness.items())), violations=self.violations,
+            dropped_stale=self.buffer.dropped.get("stale", 0),
             predicted_step_s=self.cand.step_s, gantt=self.gantt,
         )
 

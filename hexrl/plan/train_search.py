@@ -110,7 +110,19 @@ def _layout(cm: CostModel, order, tps, dp, slots_by_type) -> TrainPlan | None:
         size = dp * tps[t]
         s = slots_by_type[t]
         chunks += [(t, tps[t], s[i:i + size]) for i in range(0, len(s), size)]
-    return cost_layout(cm, chunks, dp, False) or cost_layout(cm, chunks, dp, True)
+    return cost_layout_fitting(cm, chunks, dp)
+
+
+def cost_layout_fitting(cm: CostModel, chunks: list[tuple[str, int, list]], dp: int,
+                        layers: list[int] | None = None) -> TrainPlan | None:
+    """`cost_layout` without activation recompute if that fits, else with it; a job that sets
+    runtime.trainer.activation_checkpointing gets only that choice."""
+    forced = cm.job.runtime.get("trainer", {}).get("activation_checkpointing")
+    for recompute in (False, True) if forced is None else (forced,):
+        plan = cost_layout(cm, chunks, dp, recompute, layers)
+        if plan is not None:
+            return plan
+    return None
 
 
 def search_train(cm: CostModel, per_node: tuple[int, ...]) -> TrainPlan | None:

@@ -1,36 +1,34 @@
-"""Code reward: run a completion's Python program against test cases in a sandboxed process.
+"""Code reward: run a completion's program in the sandbox; the reward process decides pass/fail.
 
-Each test runs in its own `python -I` process, in a fresh temporary directory, with limits on
-address space, CPU time, file size and wall time; the whole process group is killed on timeout.
-A test is either `{"input": stdin, "output": expected stdout}` or an assert statement (string).
+A test is one of:
+- `"assert f(args) == value"` where args and value are constants: the sandboxed harness calls
+  `f(*args)` and returns the result as a plain value; the expected value never enters the
+  sandbox, and the comparison is type-strict (`True != 1`, `1 != 1.0`, `[1] != (1,)`);
+- any other assert string (`assert abs(f(x) - 1.5) < 1e-6`), or a HumanEval-style
+  `{"check": test code, "entry_point": name, "setup": prompt code}`: the trusted test code runs
+  in a second sandbox (the judge), where the solution's functions are proxies returning plain
+  values relayed by this process; the solution never sees the test code;
+- `{"input": stdin, "output": expected stdout}`: this process compares the output;
+- `{"all": [plain assert strings]}`: one test that passes when every assert in it passes.
+Nothing the program prints, patches, or exits with decides the score: a value either equals
+the expected one or the test fails. See README "Reward safety" for what remains possible.
 """
 
 from __future__ import annotations
 
-import os
+import ast
+import builtins
+import json
 import re
-import secrets
-import signal
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
-# Limits are set by a tiny launcher inside the child rather than in `preexec_fn`, because
-# preexec_fn is unsafe when the parent has threads (rollout workers do).
-_LAUNCHER = """\
-import resource, runpy, sys
-mem, cpu, fsize = (int(x) for x in sys.argv[1:4])
-resource.setrlimit(resource.RLIMIT_AS, (mem, mem))
-resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
-resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-sys.argv = ["main.py"]
-del resource, mem, cpu, fsize
-runpy.run_path("main.py", run_name="__main__")
-"""
-_MAX_FILE_BYTES = 16 << 20
-_MAX_OUTPUT_BYTES = 1 << 20  # more output than this is never a correct answer anyway
+from hexrl.rewards.harness import CodecError, decode, encode, strict_equal
+from hexrl.rewards.sandbox import Limits, Sandbox, check_isolation, python_argv, run_program
+
+_HARNESS = Path(__file__).with_name("harness.py").read_text()
+_FAIL = object()  # a call that raised, crashed, timed out or returned a non-plain value
+_MAX_CONST = 10_000  # size cap when folding constant expressions in tests (3 * 19, 'a' + 'b')
 
 
 def extract_code(completion: str) -> str:
@@ -45,17 +43,151 @@ def extract_code(completion: str) -> str:
     return completion
 
 
+def _is_stdio(t) -> bool:
+    return isinstance(t, dict) and isinstance(t.get("input", ""), str) and isinstance(t.get("output"), str)
+
+
+def _is_check(t) -> bool:
+    return (isinstance(t, dict) and isinstance(t.get("check"), str) and isinstance(t.get("entry_point"), str)
+            and isinstance(t.get("setup", ""), str))
+
+
+def _is_group(t) -> bool:
+    return isinstance(t, dict) and isinstance(t.get("all"), list) and bool(t["all"]) and all(
+        isinstance(a, str) for a in t["all"])
+
+
 def validate_tests(tests) -> list:
     """The tests as a list; ValueError naming every malformed entry."""
     if not isinstance(tests, (list, tuple)) or not tests:
         raise ValueError(f"code tests must be a non-empty list, got {type(tests).__name__}")
-    bad = [i for i, t in enumerate(tests) if not (
-        isinstance(t, str) or (isinstance(t, dict) and isinstance(t.get("input", ""), str)
-                               and isinstance(t.get("output"), str)))]
+    bad = [i for i, t in enumerate(tests)
+           if not (isinstance(t, str) or _is_stdio(t) or _is_check(t) or _is_group(t))]
     if bad:
-        raise ValueError(f"code tests {bad} are neither an assert string nor "
-                         '{"input": str, "output": str}')
+        raise ValueError(f"code tests {bad} are neither an assert string, "
+                         '{"input": str, "output": str}, {"check": str, "entry_point": str}, '
+                         'nor {"all": [assert strings]}')
     return list(tests)
+
+
+# ----------------------------------------------------------------------------- assert parsing
+
+
+def _const(node: ast.AST):
+    """The value of a constant expression (literals, containers, arithmetic); ValueError otherwise."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div, ast.Pow,
+                                                            ast.FloorDiv, ast.Mod)):
+        a, b = _const(node.left), _const(node.right)
+        numbers = all(type(v) in (int, float) for v in (a, b))
+        if not (numbers or (type(a) is type(b) is str and isinstance(node.op, ast.Add))):
+            raise ValueError("not a constant")
+        if isinstance(node.op, ast.Pow) and abs(b) > 64:
+            raise ValueError("exponent too large")
+        value = {ast.Add: lambda: a + b, ast.Sub: lambda: a - b, ast.Mult: lambda: a * b, ast.Div: lambda: a / b,
+                 ast.Pow: lambda: a ** b, ast.FloorDiv: lambda: a // b, ast.Mod: lambda: a % b}[type(node.op)]()
+        if len(repr(value)) > _MAX_CONST:
+            raise ValueError("constant too large")
+        return value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        v = _const(node.operand)
+        if type(v) not in (int, float):
+            raise ValueError("not a number")
+        return -v if isinstance(node.op, ast.USub) else v
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        items = [_const(e) for e in node.elts]
+        return {ast.List: list, ast.Tuple: tuple, ast.Set: set}[type(node)](items)
+    if isinstance(node, ast.Dict) and None not in node.keys:
+        return {_const(k): _const(v) for k, v in zip(node.keys, node.values)}
+    return ast.literal_eval(node)
+
+
+def plain_call(test: str) -> tuple[str, tuple, object] | None:
+    """(function name, args, expected) for `assert f(args) == value` with constant args and value."""
+    try:
+        tree = ast.parse(test.strip())
+    except (SyntaxError, ValueError, RecursionError):
+        return None
+    if len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert) or tree.body[0].msg is not None:
+        return None
+    t = tree.body[0].test
+    if not (isinstance(t, ast.Compare) and len(t.ops) == 1 and isinstance(t.ops[0], ast.Eq)):
+        return None
+    call, value = t.left, t.comparators[0]
+    if not (isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and not call.keywords):
+        return None
+    try:
+        args = tuple(_const(a) for a in call.args)
+        expected = _const(value)
+        encode(args), encode(expected)  # the harness must be able to carry both
+    except (ValueError, TypeError, SyntaxError, ArithmeticError, CodecError, RecursionError, MemoryError):
+        return None
+    return call.func.id, args, expected
+
+
+def _proxy_names(tests: list[str]) -> tuple[list[str], list[str]]:
+    """(called names the solution must define, stdlib modules the tests use without importing)."""
+    called, modules = set(), set()
+    for test in tests:
+        for node in ast.walk(ast.parse(test)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                called.add(node.func.id)
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in sys.stdlib_module_names):
+                modules.add(node.value.id)
+    return sorted(called - set(dir(builtins)) - modules), sorted(modules)
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def _player(code: str, limits: Limits, unsafe: bool) -> Sandbox:
+    files = {"harness.py": _HARNESS, "solution.py": code}
+    return Sandbox(python_argv("harness.py", "player", "/in/solution.py"), files, limits, unsafe=unsafe)
+
+
+def _reply_value(line: bytes | None):
+    """The plain value in a player's reply line, or _FAIL."""
+    try:
+        reply = json.loads(line)
+        return decode(reply["ok"]) if type(reply) is dict and set(reply) == {"ok"} else _FAIL
+    except (TypeError, ValueError, KeyError, RecursionError, OverflowError):
+        return _FAIL
+
+
+def _call(player: Sandbox, fn: str, args) -> object:
+    if not player.send_line({"fn": fn, "args": args}):
+        return _FAIL
+    return _reply_value(player.read_line())
+
+
+def run_calls(code: str, calls: list[tuple[str, tuple]], limits: Limits, unsafe: bool = False) -> list:
+    """The solution's return value for each (function name, args), or _FAIL; one sandbox for all."""
+    with _player(code, limits, unsafe) as player:
+        results = []
+        for fn, args in calls:
+            results.append(_call(player, fn, encode(args)))
+            if results[-1] is _FAIL and player._eof:
+                break
+    return results + [_FAIL] * (len(calls) - len(results))
+
+
+def run_judged(code: str, spec: dict, limits: Limits, unsafe: bool = False) -> list[bool]:
+    """Pass/fail of each test in `spec` (see harness._judge), relaying the judge's calls."""
+    n = len(spec["tests"])
+    files = {"harness.py": _HARNESS, "tests.json": json.dumps(spec)}
+    verdicts: dict[int, bool] = {}
+    with _player(code, limits, unsafe) as player, \
+            Sandbox(python_argv("harness.py", "judge", "/in/tests.json"), files, limits, unsafe=unsafe) as judge:
+        if _call(player, None, encode(())) is _FAIL:  # a solution that does not load fails every test
+            return [False] * n
+        while len(verdicts) < n and (line := judge.read_line()) is not None:
+            msg = json.loads(line)  # the judge runs trusted code only
+            if "test" in msg:
+                verdicts[msg["test"]] = msg["passed"] is True
+                continue
+            value = _call(player, msg["call"], msg["args"])
+            judge.send_line({"error": "the call failed"} if value is _FAIL else {"ok": encode(value)})
+    return [verdicts.get(i, False) for i in range(n)]
 
 
 def _same_output(got: str, expected: str) -> bool:
@@ -68,63 +200,71 @@ def _same_output(got: str, expected: str) -> bool:
     return lines(got) == lines(expected)
 
 
-def run_sandboxed(source: str, stdin: str, *, timeout_s: float, memory_mb: int) -> tuple[int | None, str]:
-    """Run `source` as main.py in a temp dir; return (exit code, or None on timeout; stdout).
-
-    stdin and stdout are files in the temp dir, so RLIMIT_FSIZE bounds a runaway print loop.
-    """
-    with tempfile.TemporaryDirectory(prefix="hexrl_code_") as tmp:
-        Path(tmp, "main.py").write_text(source)
-        Path(tmp, "stdin.txt").write_text(stdin)
-        limits = [str(memory_mb << 20), str(int(timeout_s) + 1), str(_MAX_FILE_BYTES)]
-        with open(Path(tmp, "stdin.txt"), "rb") as fin, open(Path(tmp, "stdout.txt"), "wb") as fout:
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _LAUNCHER, *limits], cwd=tmp, stdin=fin, stdout=fout,
-                stderr=subprocess.DEVNULL, start_new_session=True,
-                env={"PATH": os.environ.get("PATH", ""), "HOME": tmp, "PYTHONHASHSEED": "0"})
-            try:
-                rc = proc.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                rc = None
-            _kill_group(proc)  # on timeout, and any grandchildren it left behind
-            proc.wait()
-        with open(Path(tmp, "stdout.txt"), "rb") as f:
-            out = f.read(_MAX_OUTPUT_BYTES)
-        return rc, ("" if rc is None else out.decode(errors="replace"))
+def _stdio_passes(code: str, test: dict, limits: Limits, unsafe: bool) -> bool:
+    status, out = run_program(python_argv("main.py"), {"main.py": code}, test.get("input", ""), limits, unsafe)
+    return status == {"status": "exited", "rc": 0} and out is not None and _same_output(
+        out.decode(errors="replace"), test["output"])
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
+def _with_setup(code: str, checks: list[dict]) -> str:
+    """HumanEval completions may continue the prompt's signature: prepend the prompt then."""
+    for t in checks:
+        if t.get("setup") and not re.search(rf"^def\s+{re.escape(t['entry_point'])}\s*\(", code, re.M):
+            return t["setup"] + code
+    return code
 
 
-def _passes(code: str, test, timeout_s: float, memory_mb: int) -> bool:
-    if isinstance(test, str):
-        # The nonce printed after the assert proves the assert ran (an early exit() cannot fake it).
-        nonce = secrets.token_hex(8)
-        source = f"{code}\n\n{test}\nprint({nonce!r})\n"
-        rc, out = run_sandboxed(source, "", timeout_s=timeout_s, memory_mb=memory_mb)
-        return rc == 0 and out.rstrip("\n").rsplit("\n", 1)[-1] == nonce
-    rc, out = run_sandboxed(code, test.get("input", ""), timeout_s=timeout_s, memory_mb=memory_mb)
-    return rc == 0 and _same_output(out, test["output"])
+def outcomes(code: str, tests: list, limits: Limits, unsafe: bool = False) -> list[bool]:
+    """Pass/fail of every test, in order (a group passes when all its asserts do)."""
+    groups = [(i, len(t["all"])) for i, t in enumerate(tests) if _is_group(t)]
+    if groups:
+        flat = [a for t in tests for a in (t["all"] if _is_group(t) else [t])]
+        flat_passed, out, k = outcomes(code, flat, limits, unsafe), [], 0
+        for t in tests:
+            n = len(t["all"]) if _is_group(t) else 1
+            out.append(all(flat_passed[k:k + n]))
+            k += n
+        return out
+    plain = {i: p for i, t in enumerate(tests) if isinstance(t, str) and (p := plain_call(t))}
+    judged = [i for i, t in enumerate(tests) if isinstance(t, str) and i not in plain]
+    checks = [i for i, t in enumerate(tests) if _is_check(t)]
+    code = _with_setup(code, [tests[i] for i in checks])
+    passed = [False] * len(tests)
+    if plain:
+        results = run_calls(code, [(fn, args) for fn, args, _ in plain.values()], limits, unsafe)
+        for (i, (_, _, expected)), got in zip(plain.items(), results):
+            passed[i] = got is not _FAIL and strict_equal(got, expected)
+    if judged:
+        proxies, modules = _proxy_names([tests[i] for i in judged])
+        spec = {"setup": "".join(f"import {m}\n" for m in modules), "tests": [tests[i] for i in judged],
+                "proxies": proxies}
+        for i, ok in zip(judged, run_judged(code, spec, limits, unsafe)):
+            passed[i] = ok
+    for i in checks:
+        t = tests[i]
+        spec = {"setup": t.get("setup", ""), "tests": [t["check"]], "proxies": [t["entry_point"]],
+                "entry_point": t["entry_point"]}
+        passed[i] = run_judged(code, spec, limits, unsafe)[0]
+    for i, t in enumerate(tests):
+        if _is_stdio(t):
+            passed[i] = _stdio_passes(code, t, limits, unsafe)
+    return passed
 
 
-def code_reward(completion: str, tests, *, timeout_s: float = 2.0, memory_mb: int = 256,
-                all_or_nothing: bool = False) -> float:
+def code_reward(completion: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 512,
+                all_or_nothing: bool = False, unsafe: bool = False) -> float:
     """Fraction of `tests` the completion's program passes (or 1/0 with `all_or_nothing`).
 
-    Raises ValueError for malformed `tests` (a dataset bug, not a model failure).
+    `timeout_s` bounds each sandboxed run (one per group of tests). Raises ValueError for
+    malformed `tests` (a dataset bug, not a model failure) and SandboxUnavailable when this
+    machine cannot isolate the program (`unsafe=True` skips isolation: trusted code only).
     """
     tests = validate_tests(tests)
+    check_isolation(unsafe)
     code = extract_code(completion) if isinstance(completion, str) else ""
     if not code.strip():
         return 0.0
-    passed = 0
-    for test in tests:
-        if _passes(code, test, timeout_s, memory_mb):
-            passed += 1
-        elif all_or_nothing:
-            return 0.0
-    return 1.0 if all_or_nothing else passed / len(tests)
+    passed = outcomes(code, tests, Limits(timeout_s=timeout_s, memory_mb=memory_mb), unsafe)
+    if all_or_nothing:
+        return float(all(passed))
+    return sum(passed) / len(passed)

@@ -12,11 +12,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hexrl.comm import DealerChannel, lookup_endpoint, message, trajectory_to_msg
+from hexrl import effective
+from hexrl.comm import DealerChannel, lookup_endpoint, lookup_secret, message, trajectory_to_msg
 from hexrl.rewards import RewardPool
 from hexrl.trajectory import Trajectory
 from hexrl.watchdog import describe_exception
-from hexrl.weights import TensorSpec, broadcast_stage, load_into
+from hexrl.weights import TensorSpec, load_into, receive_stage
 
 from .engine import Engine
 from .sequence import Finished, Request
@@ -45,7 +46,7 @@ def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device):
     def receive(version: int):
         def load(model):
             for s in sync:
-                load_into(model, broadcast_stage(None, s.specs, s.src, s.group, dtype, device))
+                receive_stage(s.specs, s.src, s.group, dtype, device, lambda part: load_into(model, part))
         return load
     return receive
 
@@ -56,7 +57,7 @@ class RolloutLeader:
     def __init__(self, engine: Engine, replica_id: int, rank: int, store, receive_weights,
                  reward: str, reward_timeout_s: float, tokenizer, reward_workers: int = 2):
         self.engine, self.rank, self.receive_weights, self.tokenizer = engine, rank, receive_weights, tokenizer
-        self.channel = DealerChannel(f"replica-{replica_id}")
+        self.channel = DealerChannel(f"replica-{replica_id}", lookup_secret(store, timeout_s=300))
         self.channel.connect(lookup_endpoint(store, "controller", timeout_s=300))
         self.reward_name = reward
         self.rewards = RewardPool(reward, workers=reward_workers, timeout_s=reward_timeout_s)
@@ -131,6 +132,22 @@ class RolloutLeader:
             self._last_beat = now
 
 
+def check_kv_room(model, knobs, replica_id: int, device: torch.device) -> None:
+    """The plan's KV pages must fit in the memory left after loading the weights (GPU only)."""
+    if device.type != "cuda" or knobs.kv_pages is None:
+        return
+    from .pages import page_bytes
+
+    cfg, tp = model.cfg, model.tp.size if model.tp else 1
+    need = knobs.kv_pages * page_bytes(cfg.num_hidden_layers, knobs.page_size, max(1, cfg.num_key_value_heads // tp),
+                                       cfg.head_dim, next(model.parameters()).dtype)
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise MemoryError(f"rollout.replicas[{replica_id}].kv_pages: {knobs.kv_pages} pages need {need / 1e9:.2f} GB "
+                          f"but {free / 1e9:.2f} GB are free after loading the weights; lower kv_pages "
+                          "(job runtime.rollout) or the GPU's mem_util in its profile, and plan again")
+
+
 def run_rollout(ctx) -> None:
     """A rollout rank: load the model (this rank's TP shard), then lead or follow the replica."""
     from hexrl.model.checkpoint import load_pretrained
@@ -144,10 +161,18 @@ def run_rollout(ctx) -> None:
     replica = next(r for r in plan.replicas if r.id == ctx.info.replica)
     tp_rank = replica.ranks.index(ctx.rank)
     tp = TPGroup(ctx.replica_group, tp_rank, replica.tp) if replica.tp > 1 else None
-    dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    knobs = replica.knobs
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[knobs.dtype]
     model = load_pretrained(job.model.path, dtype=dtype, tp=tp, device=ctx.device)
     tokenizer = load_tokenizer(job.model.path)
-    engine = Engine(model, EngineConfig(), tokenizer=tokenizer, seed=job.rl.seed)
+    check_kv_room(model, knobs, replica.id, ctx.device)
+    config = EngineConfig(page_size=knobs.page_size, max_pages=knobs.kv_pages, max_batch_tokens=knobs.max_batch_tokens,
+                          max_running=knobs.max_running)
+    engine = Engine(model, config, tokenizer=tokenizer, seed=job.rl.seed)
+    if tp_rank == 0:
+        effective.publish(ctx, f"replica/{replica.id}", effective.rollout_values(engine))
+    elif ctx.rank == 0:
+        effective.write(ctx.store, [r.id for r in plan.replicas], ctx.run_dir)
     sync = [SyncGroup(src, group, stage_specs(model.cfg, tuple(st.layers)))
             for (src, group), st in zip(ctx.sync_groups, plan.trainer.stages)]
     receive = weight_receiver(sync, dtype, ctx.device)

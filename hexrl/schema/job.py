@@ -12,6 +12,7 @@ from pathlib import Path
 from hexrl.gpus import CATALOGUE, canonical_name
 from hexrl.model.config import ModelConfig
 from hexrl.schema.fields import ConfigError, Reader, resolve
+from hexrl.schema.knobs import read_overrides
 
 
 # ----------------------------------------------------------------------------- model
@@ -71,8 +72,8 @@ def _read_model(r: Reader, d, base: Path) -> ModelSpec | None:
             r.bad("model.path", f"no config.json in {p}")
             return None
         try:
-            cfg = json.loads(cfg_file.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
             r.bad("model.path", f"cannot read {cfg_file}: {e}")
             return None
         where, path = f"model.path ({cfg_file})", str(p)
@@ -159,6 +160,9 @@ class RLSpec:
     # policy, so with 1 it never engages (see README "Learning"); default min(4, batch_size).
     ppo_minibatches: int = 4
     lr: float = 1e-6
+    grad_clip: float | None = 1.0  # max global gradient norm; None = off
+    warmup_steps: int = 0  # linear lr warm-up, in optimizer steps (ppo_minibatches per step)
+    weight_decay: float = 0.0  # AdamW, on matrices only
     max_new_tokens: int = 256
     temperature: float = 1.0
     top_p: float = 1.0
@@ -189,6 +193,10 @@ def _read_rl(r: Reader, d) -> RLSpec:
     x.max_running = r.num(d, "max_running", w, default_running, integer=True, lo=1)
     x.ppo_minibatches = r.num(d, "ppo_minibatches", w, min(x.ppo_minibatches, x.batch_size), integer=True, lo=1)
     x.lr = float(r.num(d, "lr", w, x.lr, lo=0, lo_open=True))
+    clip = r.num(d, "grad_clip", w, x.grad_clip, lo=0, lo_open=True, none_ok=True)
+    x.grad_clip = float(clip) if clip is not None else None
+    x.warmup_steps = r.num(d, "warmup_steps", w, x.warmup_steps, integer=True, lo=0)
+    x.weight_decay = float(r.num(d, "weight_decay", w, x.weight_decay, lo=0))
     x.max_new_tokens = r.num(d, "max_new_tokens", w, x.max_new_tokens, integer=True, lo=1)
     x.temperature = float(r.num(d, "temperature", w, x.temperature, lo=0))
     x.top_p = float(r.num(d, "top_p", w, x.top_p, lo=0, lo_open=True, hi=1))
@@ -483,7 +491,7 @@ def _read_layout(r: Reader, d) -> dict | None:
 # ----------------------------------------------------------------------------- job
 
 _JOB_KEYS = {"name", "model", "data", "reward", "rl", "workload", "cluster", "prices", "budget",
-             "layout", "out_dir", "extra"}
+             "layout", "runtime", "out_dir", "extra"}
 
 
 @dataclass
@@ -498,6 +506,7 @@ class Job:
     prices: dict[str, float]
     budget: float | None = None
     layout: dict | None = None
+    runtime: dict = field(default_factory=dict)  # knob overrides (hexrl.schema.knobs): {"trainer", "rollout"}
     out_dir: str = "runs/hexrl"
     extra: dict = field(default_factory=dict)  # free-form, passed through untouched
 
@@ -514,6 +523,8 @@ class Job:
         }
         if self.layout is not None:
             d["layout"] = self.layout
+        if self.runtime:
+            d["runtime"] = self.runtime
         if self.extra:
             d["extra"] = self.extra
         return d
@@ -524,9 +535,12 @@ def read_source(path_or_dict, what: str) -> tuple[dict, Path]:
         return path_or_dict, Path.cwd()
     p = Path(path_or_dict)
     try:
-        d = json.loads(p.read_text())
+        d = json.loads(p.read_text(encoding="utf-8"))
     except OSError as e:
         raise ConfigError([f"{p}: cannot read: {e.strerror or e}"], f"invalid {what}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError([f"{p}: not UTF-8 text (a binary file?): byte {e.start} is {e.object[e.start:e.start + 1]!r}"],
+                          f"invalid {what}") from None
     except json.JSONDecodeError as e:
         raise ConfigError([f"{p}: not valid JSON: {e}"], f"invalid {what}") from None
     if not isinstance(d, dict):
@@ -548,6 +562,7 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     prices = _read_prices(r, d.get("prices"), cluster)
     budget = r.num(d, "budget", "job", None, lo=0, lo_open=True, none_ok=True)
     layout = _read_layout(r, d.get("layout"))
+    runtime = read_overrides(r, d.get("runtime"))
     out_dir = r.text(d, "out_dir", "job", f"runs/{name}")
     extra = d.get("extra", {})
     if not isinstance(extra, dict):
@@ -558,7 +573,7 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
               f"exceeds the model's max_position_embeddings {model.config.max_position_embeddings}")
     if r.problems:
         return None
-    return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, out_dir, extra)
+    return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:

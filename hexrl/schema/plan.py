@@ -11,6 +11,8 @@ from pathlib import Path
 from hexrl.gpus import canonical_name
 from hexrl.schema.fields import ConfigError, Reader, short
 from hexrl.schema.job import ClusterSpec, Job, known_types, parse_job, read_source
+from hexrl.schema.knobs import (ROLLOUT_KEYS, TRAIN_KEYS, RolloutKnobs, TrainKnobs, read_rollout_knobs,
+                                read_train_knobs)
 from hexrl.schema.layout import Stage, TrainerLayout
 
 _PLAN_KEYS = {"ranks", "trainer", "rollout", "predicted"}
@@ -45,14 +47,16 @@ class Replica:
     tp: int
     ranks: list[int]  # ranks[i] holds TP shard i; ranks[0] leads
     share: float  # fraction of prompts this replica should receive
-    max_batch: int | None = None  # running sequences the planner assumed (a hint for the engine)
+    knobs: RolloutKnobs = field(default_factory=RolloutKnobs)  # the engine's settings, as the planner costed them
 
     def to_dict(self) -> dict:
-        d = {"id": self.id, "gpu_type": self.gpu_type, "tp": self.tp, "ranks": list(self.ranks),
-             "share": self.share}
-        if self.max_batch is not None:
-            d["max_batch"] = self.max_batch
-        return d
+        return {"id": self.id, "gpu_type": self.gpu_type, "tp": self.tp, "ranks": list(self.ranks),
+                "share": self.share, **self.knobs.to_dict()}
+
+
+def default_dtype(gpu_types) -> str:
+    """Compute dtype on these devices: float32 on the CPU stand-in, else bfloat16."""
+    return "float32" if all(t == "cpu" for t in gpu_types) else "bfloat16"
 
 
 @dataclass
@@ -62,6 +66,7 @@ class Plan:
     trainer: TrainerLayout
     replicas: list[Replica]
     predicted: dict = field(default_factory=dict)
+    train_knobs: TrainKnobs = field(default_factory=TrainKnobs)  # the trainer's settings, as costed
 
     def __post_init__(self):
         # the rank table places every trainer slot; give the layout those ranks (if it covers the grid)
@@ -86,7 +91,7 @@ class Plan:
     def to_dict(self) -> dict:
         d = self.job.to_dict()
         d["ranks"] = [x.to_dict() for x in self.ranks]
-        d["trainer"] = self.trainer.to_dict()
+        d["trainer"] = {**self.trainer.to_dict(), **self.train_knobs.to_dict()}
         d["rollout"] = {"replicas": [x.to_dict() for x in self.replicas]}
         d["predicted"] = self.predicted
         return d
@@ -131,8 +136,8 @@ def _read_ranks(r: Reader, raw) -> list[RankInfo]:
     return out
 
 
-def _read_trainer(r: Reader, raw) -> TrainerLayout | None:
-    t = r.section(raw, "trainer", {"dp", "stages"}, required=True)
+def _read_trainer(r: Reader, raw, max_seq: int) -> tuple[TrainerLayout | None, TrainKnobs]:
+    t = r.section(raw, "trainer", {"dp", "stages"} | TRAIN_KEYS, required=True)
     dp = r.num(t, "dp", "trainer", None, integer=True, lo=1, required=bool(t))
     stages = []
     raw_stages = t.get("stages")
@@ -152,9 +157,11 @@ def _read_trainer(r: Reader, raw) -> TrainerLayout | None:
             lay = None
         if gt and tp and lay:
             stages.append(Stage(gt, tp, (lay[0], lay[1])))
+    base = TrainKnobs(micro_batch_tokens=max_seq, dtype=default_dtype([s.gpu_type for s in stages]))
+    knobs = read_train_knobs(r, t, "trainer", base)
     if dp is None or len(stages) != len(raw_stages or []):
-        return None
-    return TrainerLayout(dp, stages)
+        return None, knobs
+    return TrainerLayout(dp, stages), knobs
 
 
 def _read_replicas(r: Reader, raw) -> list[Replica]:
@@ -166,9 +173,8 @@ def _read_replicas(r: Reader, raw) -> list[Replica]:
     out = []
     for i, x in enumerate(reps or []):
         w = f"rollout.replicas[{i}]"
-        x = r.section(x, w, {"id", "gpu_type", "tp", "ranks", "share", "max_batch"})
+        x = r.section(x, w, {"id", "gpu_type", "tp", "ranks", "share"} | ROLLOUT_KEYS)
         rid = r.num(x, "id", w, None, integer=True, lo=0, required=True)
-        max_batch = r.num(x, "max_batch", w, None, integer=True, lo=1)
         tp = r.num(x, "tp", w, None, integer=True, lo=1, required=True)
         share = r.num(x, "share", w, None, lo=0, hi=1, required=True)
         gt = canonical_name(x.get("gpu_type"))
@@ -178,8 +184,9 @@ def _read_replicas(r: Reader, raw) -> list[Replica]:
         if not (isinstance(ranks, list) and ranks and all(isinstance(v, int) for v in ranks)):
             r.bad(f"{w}.ranks", f"must be a non-empty list of global ranks, got {ranks!r}")
             ranks = None
+        knobs = read_rollout_knobs(r, x, w, RolloutKnobs(dtype=default_dtype([gt])))
         if None not in (rid, tp, share, gt, ranks):
-            out.append(Replica(rid, gt, tp, ranks, float(share), max_batch))
+            out.append(Replica(rid, gt, tp, ranks, float(share), knobs))
     return out
 
 
@@ -266,6 +273,9 @@ def _check_replicas(plan: Plan, p: list[str]):
     orphans = sorted(x.rank for x in plan.ranks if x.role == "rollout" and x.rank not in covered)
     if orphans:
         p.append(f"ranks: rollout ranks {short(orphans)} belong to no replica")
+    dtypes = sorted({r.knobs.dtype for r in plan.replicas})
+    if len(dtypes) > 1:  # one weight broadcast reaches every replica
+        p.append(f"rollout.replicas: dtype differs between replicas ({', '.join(dtypes)}); use one")
     total = sum(r.share for r in plan.replicas)
     if plan.replicas and abs(total - 1.0) > 1e-3:
         p.append(f"rollout.replicas: shares sum to {total:.4f}, must sum to 1")
@@ -279,7 +289,8 @@ def load_plan(path_or_dict, check_paths: bool = True, world: tuple[int, int] | N
     r = Reader()
     job = parse_job(r, {k: v for k, v in d.items() if k not in _PLAN_KEYS}, base, check_paths)
     ranks = _read_ranks(r, d.get("ranks"))
-    trainer = _read_trainer(r, d.get("trainer"))
+    max_seq = job.workload.prompt_len + job.rl.max_new_tokens if job is not None else 4096
+    trainer, train_knobs = _read_trainer(r, d.get("trainer"), max_seq)
     replicas = _read_replicas(r, d.get("rollout"))
     predicted = d.get("predicted", {})
     if not isinstance(predicted, dict):
@@ -290,7 +301,7 @@ def load_plan(path_or_dict, check_paths: bool = True, world: tuple[int, int] | N
     if world is not None and job is not None:
         problems += _world_problems(n_ranks, job.cluster, *world)
     if job is not None and trainer is not None:  # also with bad rank entries: report the rest too
-        plan = Plan(job, ranks, trainer, replicas, predicted)
+        plan = Plan(job, ranks, trainer, replicas, predicted, train_knobs)
         problems += check_plan(plan)
     if problems or job is None or trainer is None:
         raise ConfigError(problems or ["trainer: missing"], "invalid plan")

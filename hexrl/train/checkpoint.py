@@ -7,8 +7,11 @@ Layout on disk (a shared filesystem for multi-node runs):
     ROOT/step00000012/rng-s{S}-dp{D}-tp{T}.pt RNG states of every rank
     ROOT/latest                               name of the newest complete checkpoint, written last
 Ranks write into ROOT/.tmp-step00000012; when every rank reports success the leader renames
-it into place and only then rewrites `latest`. A crash at any point before that leaves the
-previous checkpoint (and `latest`) untouched; stale temp directories are removed next time.
+it into place and only then rewrites `latest`. Every file and the directories holding them are
+fsynced before the step that depends on them, and a directory name is never reused (re-saving
+a version that is on disk commits `step00000012.1`, and only then deletes the older twin), so
+a kill -9 at any point leaves `latest` naming a complete checkpoint; stale temp directories are
+removed next time.
 Every .pt file holds only tensors and plain containers, so loading uses `weights_only=True`.
 """
 from __future__ import annotations
@@ -17,12 +20,14 @@ import json
 import os
 import random
 import shutil
+import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from hexrl.model.checkpoint import CheckpointError
 from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hexrl.weights import stage_specs
 
@@ -91,7 +96,7 @@ def save(root: str | os.PathLike, version: int, grid: Grid, shard: dict | None, 
     trainer ranks. Keeps the newest `keep` checkpoints."""
     root = Path(root)
     name = f"step{version:08d}"
-    tmp, final = root / f".tmp-{name}", root / name
+    tmp, final = root / f".tmp-{name}", root / name  # final: renamed if a re-save
     is_leader = grid.rank == grid.leader
     s, d, t = grid.coord
 
@@ -106,16 +111,19 @@ def save(root: str | os.PathLike, version: int, grid: Grid, shard: dict | None, 
         _write(rng_state(), tmp / f"rng-s{s}-dp{d}-tp{t}.pt")
 
     def commit():
-        (tmp / "extra.json").write_text(json.dumps(extra or {}))
-        (tmp / "meta.json").write_text(json.dumps({"version": version, "layout": grid.layout.to_dict(), **meta},
-                                                  indent=1))
-        if final.exists():  # re-saving the same version
-            shutil.rmtree(final)
+        nonlocal final
+        _write_json(tmp / "extra.json", extra or {})
+        _at_point("extra_written")
+        _write_json(tmp / "meta.json", {"version": version, "layout": grid.layout.to_dict(), **meta}, indent=1)
+        _fsync_dir(tmp)  # the other ranks fsynced their files; this makes the names durable
+        _at_point("files_written")
+        final = _free_name(root, name)  # never replace a directory `latest` may name
         os.replace(tmp, final)
-        _write_text_atomic(root / LATEST, name)
-        for old in sorted(root.glob("step*"))[:-keep] if keep else []:
-            if old != final:
-                shutil.rmtree(old, ignore_errors=True)
+        _fsync_dir(root)
+        _at_point("renamed")
+        _write_text_atomic(root / LATEST, final.name)
+        _at_point("latest_written")
+        _prune(root, final, keep)
 
     # Each phase: run it where it belongs, then agree, so a failure raises everywhere instead of hanging.
     for phase, mine in ((prepare, is_leader), (write_shards, True), (commit, is_leader)):
@@ -132,6 +140,26 @@ def save(root: str | os.PathLike, version: int, grid: Grid, shard: dict | None, 
     return final
 
 
+def _at_point(name: str) -> None:
+    """A named point of the commit; tests replace this to kill the writer there."""
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make the entries of directory `path` (new files, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj, indent: int | None = None) -> None:
+    with open(path, "w") as f:
+        f.write(json.dumps(obj, indent=indent))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _write_text_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -139,6 +167,33 @@ def _write_text_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _version_key(p: Path) -> tuple[int, int]:
+    """step00000012 -> (12, 0); step00000012.3 (a re-save) -> (12, 3); anything else sorts first."""
+    base, _, rev = p.name.removeprefix("step").partition(".")
+    return (int(base), int(rev or 0)) if base.isdigit() and (rev.isdigit() or not rev) else (-1, 0)
+
+
+def _free_name(root: Path, name: str) -> Path:
+    """ROOT/name, or ROOT/name.1, name.2, ... when a checkpoint of that version is already there."""
+    final, rev = root / name, 0
+    while final.exists():
+        rev += 1
+        final = root / f"{name}.{rev}"
+    return final
+
+
+def _prune(root: Path, final: Path, keep: int) -> None:
+    """After `latest` names `final`: delete its older twins of the same version, and all but the
+    newest `keep` checkpoints."""
+    ckpts = sorted((p for p in root.glob("step*") if _version_key(p)[0] >= 0), key=_version_key)
+    twins = [p for p in ckpts if p != final and _version_key(p)[0] == _version_key(final)[0]]
+    rest = [p for p in ckpts if p not in twins]
+    for old in twins + (rest[:-keep] if keep else []):
+        if old != final:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -151,17 +206,61 @@ def resolve(path: str | os.PathLike) -> Path:
     return path
 
 
-def load(path: str | os.PathLike, grid: Grid, device="cpu") -> tuple[dict, dict, dict, dict]:
-    """(shard of this (stage, tp) slot, this rank's RNG state, meta, extra) of the checkpoint at `path`."""
+def _read_json_file(path: Path) -> dict:
+    """A JSON object from a checkpoint file; CheckpointError naming the file otherwise."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:  # bad JSON (an empty file too) or not UTF-8
+        raise CheckpointError(f"{path}: corrupt, not a JSON object ({e})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: corrupt, holds a {type(data).__name__} instead of a JSON object")
+    return data
+
+
+def _torch_load(path: Path, **kw):
+    try:
+        return torch.load(path, weights_only=True, **kw)
+    except Exception as e:  # torch raises RuntimeError, OSError, UnpicklingError, ... on a torn file
+        raise CheckpointError(f"{path}: corrupt or truncated ({type(e).__name__}: {str(e)[:200]})") from None
+
+
+def problems(path: str | os.PathLike) -> list[str]:
+    """Why the checkpoint at `path` (a root or one checkpoint) cannot be resumed from; cheap (reads
+    the JSON files and each .pt file's zip directory, not the tensors), so it runs before launch."""
+    try:
+        path = resolve(path)
+        meta, _ = _read_json_file(path / "meta.json"), _read_json_file(path / "extra.json")
+    except (FileNotFoundError, CheckpointError) as e:
+        return [str(e)]
+    out = [f"{path / 'meta.json'}: corrupt, lacks {k!r}" for k in ("version", "layout") if k not in meta]
+    for f in sorted(path.glob("*.pt")):
+        try:
+            with zipfile.ZipFile(f) as z:  # torch.save writes a zip; a torn file loses its directory
+                z.infolist()
+        except (OSError, zipfile.BadZipFile) as e:
+            out.append(f"{f}: corrupt or truncated ({e})")
+    return out
+
+
+def load(path: str | os.PathLike, grid: Grid) -> tuple[dict, dict | None, dict, dict]:
+    """(shard of this (stage, tp) slot on the CPU, this rank's RNG state or None, meta, extra) of the
+    checkpoint at `path`."""
     path = resolve(path)
-    meta = json.loads((path / "meta.json").read_text())
-    want, have = grid.layout.to_dict(), meta["layout"]
-    if (want["dp"], want["stages"]) != (have["dp"], have["stages"]):
-        raise ValueError(f"{path}: saved with layout {have}, this trainer has {want}; resume needs the same layout")
+    meta = _read_json_file(path / "meta.json")
+    want, have = grid.layout.to_dict(), meta.get("layout")
+    if not isinstance(have, dict) or want["stages"] != have.get("stages"):
+        # the DP degree may change: every replica loads replica 0's shard
+        raise ValueError(f"{path}: saved with stages {have and have.get('stages')}, this trainer has "
+                         f"{want['stages']}; resume needs the same stages (the DP degree may differ)")
     s, d, t = grid.coord
-    shard = torch.load(path / f"model-s{s}-tp{t}.pt", map_location=device, weights_only=True)
-    rng = torch.load(path / f"rng-s{s}-dp{d}-tp{t}.pt", weights_only=True)
-    return shard, rng, meta, json.loads((path / "extra.json").read_text())
+    # to host memory, then the caller copies into its tensors: loading onto the GPU would need room
+    # for a second copy of weights and optimizer state
+    shard = _torch_load(path / f"model-s{s}-tp{t}.pt", map_location="cpu")
+    rng_file = path / f"rng-s{s}-dp{d}-tp{t}.pt"  # absent for replicas beyond the saved DP degree
+    rng = _torch_load(rng_file) if rng_file.is_file() else None
+    return shard, rng, meta, _read_json_file(path / "extra.json")
 
 
 def gather_stage(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:
@@ -171,32 +270,43 @@ def gather_stage(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None =
         return None
     dims, out = shard_dims(model), {}
     for name, p in model.state_dict().items():
-        p = p.detach() if dtype is None else p.detach().to(dtype)
-        dim = dims.get(name)
-        if grid.tp is not None and dim is not None:
-            parts = [torch.empty_like(p) for _ in range(grid.tp.size)]
-            dist.all_gather(parts, p.contiguous(), group=grid.tp.group)
-            p = torch.cat(parts, dim=dim)
+        p = full_param(p, dims.get(name), grid, dtype)
         if grid.tp_rank == 0:
             out[name] = p.to("cpu", copy=True)  # a snapshot, never an alias of live weights
     return out if grid.tp_rank == 0 else None
 
 
-def gather_model(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:
-    """The whole model's state dict on the leader rank (stages sent point-to-point); None elsewhere.
+def full_param(p: torch.Tensor, dim: int | None, grid: Grid, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The full tensor of this rank's shard `p` (sharded along `dim`, or None) on p's device, in
+    `dtype`. Collective over the TP group when sharded; every TP rank gets it."""
+    p = p.detach() if dtype is None else p.detach().to(dtype)
+    if grid.tp is not None and dim is not None:
+        parts = [torch.empty_like(p) for _ in range(grid.tp.size)]
+        dist.all_gather(parts, p.contiguous(), group=grid.tp.group)
+        p = torch.cat(parts, dim=dim)
+    return p
 
-    Tensors travel raw, in the order `stage_specs` gives both sides (no pickled objects)."""
-    stage = gather_stage(model, grid, dtype)
-    if stage is None:
+
+def gather_model(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:
+    """The whole model's state dict (on the CPU) on the leader rank; None elsewhere. Collective over
+    DP replica 0. Later stages stream one tensor at a time, device to device, over the trainer
+    group, in the order `stage_specs` gives both sides (raw tensors, no pickled objects)."""
+    if grid.dp_rank != 0:
         return None
-    if grid.rank != grid.leader:
+    if grid.stage != 0:
+        params, dims = dict(model.named_parameters()), shard_dims(model)
         for spec in stage_specs(model.cfg, grid.layers):
-            dist.send(stage[spec.name].contiguous(), dst=grid.leader)
+            t = full_param(params[spec.name], dims[spec.name], grid, dtype)
+            if grid.tp_rank == 0:
+                dist.send(t.contiguous(), dst=grid.leader, group=grid.trainer_group)
         return None
-    full = dict(stage)
-    like = next(iter(stage.values()))
+    full = gather_stage(model, grid, dtype)
+    if full is None:
+        return None
+    like = next(model.parameters())
     for s in range(1, grid.layout.pp):
         for spec in stage_specs(model.cfg, grid.layout.stages[s].layers):
-            full[spec.name] = torch.empty(spec.shape, dtype=like.dtype)
-            dist.recv(full[spec.name], src=grid.layout.rank(s, 0, 0))
+            buf = torch.empty(spec.shape, dtype=dtype or like.dtype, device=like.device)
+            dist.recv(buf, src=grid.layout.rank(s, 0, 0), group=grid.trainer_group)
+            full[spec.name] = buf.cpu()
     return full

@@ -30,6 +30,7 @@ class GradBuckets:
     def __init__(self, params: list[torch.nn.Parameter], group=None, bucket_mb: float = 25.0, device="cpu"):
         params = list({id(p): p for p in params if p.requires_grad}.values())  # tied weights once
         self.group, self.sync, self.works, self.launched = group, False, [], 0
+        self.reduce_dtype = torch.float32  # buckets are all-reduced as they accumulate (plan: grad_reduce_dtype)
         self.buckets, cap, current, size = [], int(bucket_mb * 2**20 / 4), [], 0
         for p in reversed(params):  # backward visits parameters roughly in reverse order
             current.append(p)

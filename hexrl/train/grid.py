@@ -1,7 +1,13 @@
-"""The trainer's process groups: this rank's slot in the layout and the TP/DP/tied groups it joins.
+"""The trainer's process groups: this rank's slot in the layout and the TP/DP/tied/pipeline groups it joins.
 
 The layout itself (stages, TP degrees, layer ranges, slot ranks, pipeline peers) is
 `hexrl.schema.TrainerLayout`, the same object the plan holds.
+
+NCCL rules kept here (hexrl/dist_rules.py checks them under HEXRL_STRICT_COLLECTIVES=1): every
+process of the job creates every group, in one fixed order, member or not; each DP replica's
+pipeline has its own group, named on every p2p, so NCCL never builds the world's communicator
+(which rollout ranks never join); the Trainer warms every group up with a collective, in
+creation order, before any p2p; tensors live on the rank's compute device; no object collectives.
 """
 from __future__ import annotations
 
@@ -18,8 +24,9 @@ class Grid:
     """This rank's slot in the layout and the process groups it belongs to.
 
     Groups of size one are None (no communication). `trainer_group` spans every trainer rank
-    (metrics, gradient norm, checkpoint agreement); `tied_group` spans the first and last
-    stage of this DP replica when embeddings are tied and PP > 1.
+    (metrics, gradient norm, checkpoint agreement, HF export); `tied_group` spans the first and
+    last stage of this DP replica when embeddings are tied and PP > 1; `pp_group` spans every
+    slot of this DP replica when PP > 1 (its activations and gradients travel in it).
     """
 
     layout: TrainerLayout
@@ -31,6 +38,7 @@ class Grid:
     dp_group: object = None
     trainer_group: object = None
     tied_group: object = None
+    pp_group: object = None
     groups: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -100,9 +108,12 @@ def build_grid(layout: TrainerLayout, rank: int | None = None, tied_embeddings: 
     if tied_embeddings and L.pp > 1:
         for d in range(L.dp):
             make("tied", [L.rank(s, d, t) for s in (0, L.pp - 1) for t in range(L.stages[s].tp)])
+    if L.pp > 1:
+        for d in range(L.dp):
+            make("pp", [L.rank(s, d, t) for s, st in enumerate(L.stages) for t in range(st.tp)])
     coord = L.coord(rank)
     if coord is None:
         return None
     s, d, t = coord
     tp = TPGroup(groups["tp"], t, L.stages[s].tp) if L.stages[s].tp > 1 else None
-    return Grid(L, rank, s, d, t, tp, groups["dp"], groups["trainer"], groups.get("tied"), groups)
+    return Grid(L, rank, s, d, t, tp, groups["dp"], groups["trainer"], groups.get("tied"), groups.get("pp"), groups)

@@ -69,9 +69,9 @@ class AdamW:
                     p.copy_(m)
 
 
-def global_grad_norm(counted: list[torch.Tensor], group=None) -> float:
-    """sqrt of the sum of squares of `counted` gradients, summed over `group`."""
-    device = counted[0].device if counted else "cpu"
+def global_grad_norm(counted: list[torch.Tensor], group, device: torch.device) -> float:
+    """sqrt of the sum of squares of `counted` gradients, summed over `group`. The sum lives on the
+    rank's compute `device` also where nothing is counted (DP replicas > 0): NCCL needs every rank's."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in counted:
         sq += g.float().pow(2).sum()

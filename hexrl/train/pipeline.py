@@ -3,7 +3,8 @@
 Micro-batch shapes are known on every rank (each rank packs the same batch), so receivers
 allocate `[tokens_i, hidden]` buffers without a shape message. Paired sends and receives go
 out in one `batch_isend_irecv`, which is what keeps 1F1B free of deadlocks on NCCL (whose
-sends block until the peer receives); gloo accepts the same calls.
+sends block until the peer receives); gloo accepts the same calls. Every p2p names the DP
+replica's pipeline group (hexrl/train/grid.py says why).
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ class PipeComm:
     """This rank's pipeline links: where activations come from / go to, and gradients back."""
 
     def __init__(self, grid: Grid, tokens: list[int], hidden: int, dtype: torch.dtype, device):
+        self.group = grid.pp_group
         self.act_source, self.act_targets = grid.act_source(), grid.act_targets()
         self.grad_source, self.grad_targets = grid.grad_source(), grid.grad_targets()
         self.tokens, self.hidden, self.dtype, self.device = tokens, hidden, dtype, device
@@ -35,11 +37,11 @@ class PipeComm:
         for t, peers in ((send_act, self.act_targets), (send_grad, self.grad_targets)):
             if t is not None:
                 t = t.detach().contiguous()
-                ops += [dist.P2POp(dist.isend, t, p) for p in peers]
+                ops += [dist.P2POp(dist.isend, t, p, self.group) for p in peers]
         for i, peer in ((recv_act, self.act_source), (recv_grad, self.grad_source)):
             if i is not None and peer is not None:
                 got = torch.empty(self.tokens[i], self.hidden, dtype=self.dtype, device=self.device)
-                ops.append(dist.P2POp(dist.irecv, got, peer))
+                ops.append(dist.P2POp(dist.irecv, got, peer, self.group))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()

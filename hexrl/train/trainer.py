@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from hexrl.dist_rules import warm_up
 from hexrl.model.attention import CausalAttention
 from hexrl.model.checkpoint import load_pretrained, save_state_dict
 from hexrl.model.config import ModelConfig
@@ -134,6 +135,7 @@ class Trainer:
         self.version = 0
         self.last_logprobs: dict[int, torch.Tensor] = {}  # batch index -> θ log-probs (last stage)
         self._norm_params = self._counted_params()
+        warm_up(self.grid.groups.values(), self.device)  # NCCL communicators before the first p2p
 
     def _load(self, path, dtype=torch.float32):
         g = self.grid
@@ -235,7 +237,7 @@ class Trainer:
         train_1f1b(len(mbs), forward, self._comm(mbs), g.stage, g.layout.pp, before_backward)
         self.grads.wait()
         self._sum_tied_grads()
-        norm = global_grad_norm([p.main_grad for p in self._norm_params], g.trainer_group)
+        norm = global_grad_norm([p.main_grad for p in self._norm_params], g.trainer_group, self.device)
         lr = self.optimizer.lr_at(self.optimizer.steps)
         if math.isfinite(norm):  # skip the update on a non-finite gradient (counted in the metrics)
             lr = self.optimizer.step(clip_coef(norm, c.grad_clip))
@@ -313,11 +315,12 @@ class Trainer:
         return ckpt.save(root, self.version, self.grid, shard, meta, extra, self.device, self.config.keep_checkpoints)
 
     def load(self, path: str | os.PathLike) -> dict:
-        """Restore a checkpoint written by save() with the same layout; returns its `extra` dict."""
-        shard, rng, meta, extra = ckpt.load(path, self.grid, self.device)
+        """Restore a checkpoint written by save() with the same stages (any DP degree); returns its `extra`."""
+        shard, rng, meta, extra = ckpt.load(path, self.grid)  # on the CPU; copied into place here
         self.model.load_state_dict(shard["model"])
         self.optimizer.load_state_dict(shard["optim"])
-        ckpt.set_rng_state(rng)
+        if rng is not None:  # a DP replica new since the save keeps its own
+            ckpt.set_rng_state(rng)
         self.version = meta["version"]
         return extra
 

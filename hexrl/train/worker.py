@@ -14,50 +14,62 @@ import time
 import msgpack
 import torch
 
-from hexrl.comm import RouterChannel, broadcast_bytes, msg_to_trajectory, publish_endpoint, trajectory_to_msg
+from hexrl import effective
+from hexrl.comm import (RouterChannel, broadcast_bytes, msg_to_trajectory, new_secret, publish_endpoint,
+                        publish_secret, trajectory_to_msg)
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
-from hexrl.data import load_dataset
 from hexrl.heldout import greedy_accuracy
 from hexrl.model.checkpoint import load_pretrained
+from hexrl.nodes import bind_host
+from hexrl.preflight import run_prompts
 from hexrl.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
-from hexrl.weights import broadcast_stage, stage_specs
+from hexrl.weights import send_stage, stage_specs
 
-from .checkpoint import resolve
-from .trainer import TrainConfig, Trainer
+from .checkpoint import full_param, resolve, shard_dims
+from hexrl.schema.knobs import TrainKnobs
+
+from .trainer import DTYPES, TrainConfig, Trainer
 
 
-def train_config(rl) -> TrainConfig:
-    return TrainConfig(lr=rl.lr, clip_low=rl.clip_low, clip_high=rl.clip_high, behav_cap=rl.behav_cap,
+def train_config(rl, knobs: TrainKnobs) -> TrainConfig:
+    """The trainer's settings: the job's RL hyper-parameters and the plan's trainer knobs."""
+    return TrainConfig(lr=rl.lr, grad_clip=rl.grad_clip, warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
+                       clip_low=rl.clip_low, clip_high=rl.clip_high, behav_cap=rl.behav_cap,
                        decoupled=rl.decoupled, kl_coef=rl.kl_coef, ppo_minibatches=rl.ppo_minibatches,
                        temperature=rl.temperature if rl.temperature > 0 else 1.0,
-                       filter_equal_groups=rl.filter_equal_groups)
+                       filter_equal_groups=rl.filter_equal_groups, micro_batch_tokens=knobs.micro_batch_tokens,
+                       dtype=knobs.dtype, activation_checkpointing=knobs.activation_checkpointing)
 
 
 def start_controller(ctx, tokenizer, train: list) -> Controller:
-    """Bind the controller's socket on this node's address and publish it through the store."""
+    """Bind the controller's socket on this node's address from the plan (never a wildcard: only
+    that interface listens) and publish it through the store."""
     plan, job = ctx.plan, ctx.plan.job
-    router = RouterChannel()
+    secret = new_secret()
+    publish_secret(ctx.store, secret)  # the rollout leaders read it from the store, never env/argv
+    router = RouterChannel(secret)
     address = job.cluster.nodes[ctx.info.node].address
-    endpoint = router.bind("0.0.0.0" if address not in ("127.0.0.1", "localhost") else address, advertise=address)
+    endpoint = router.bind(bind_host(address), advertise=address)
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
     cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
-                            replicas, router)
+                            replicas, router, vocab_size=job.model.config.vocab_size)
     publish_endpoint(ctx.store, "controller", endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
     return controller
 
 
-def share_batch(batch: list[Trajectory] | None, group, src: int) -> list[Trajectory]:
-    """Broadcast the step's trajectories from the controller rank to every trainer rank."""
+def share_batch(batch: list[Trajectory] | None, group, src: int, device) -> list[Trajectory]:
+    """Broadcast the step's trajectories from the controller rank to every trainer rank (as bytes
+    in a tensor on the compute device)."""
     if group is None:  # a single trainer rank
         return batch
     payload = msgpack.packb([trajectory_to_msg(t) for t in batch]) if batch is not None else None
-    raw = broadcast_bytes(payload, src, group)
+    raw = broadcast_bytes(payload, src, group, device)
     return batch if batch is not None else [msg_to_trajectory(m) for m in msgpack.unpackb(raw)]
 
 
@@ -95,13 +107,17 @@ class HeldoutEval:
 
 def sync_weights(ctx, trainer: Trainer, dtype: torch.dtype) -> float:
     """Send this stage's new weights to every rollout rank; returns the seconds it took."""
-    t0 = time.perf_counter()
-    full = trainer.named_full_weights_for_stage(dtype)  # collective over the stage's TP group
-    stage = trainer.grid.stage
-    src, group = ctx.sync_groups[stage]
-    if ctx.rank == src:
-        specs = stage_specs(trainer.model_cfg, trainer.grid.layers)
-        broadcast_stage(full, specs, src, group, dtype, ctx.device)
+    t0, g = time.perf_counter(), trainer.grid
+    if g.dp_rank != 0:  # DP replica 0 holds the same weights
+        return 0.0
+    src, group = ctx.sync_groups[g.stage]
+    params, dims = dict(trainer.model.named_parameters()), shard_dims(trainer.model)
+
+    def full(name):  # gathered on the device, collective over the stage's TP group
+        t = full_param(params[name], dims[name], g, dtype)
+        return t if ctx.rank == src else None
+
+    send_stage(full, stage_specs(trainer.model_cfg, g.layers), src, group, dtype)
     return time.perf_counter() - t0
 
 
@@ -109,11 +125,20 @@ def run_trainer(ctx, grid) -> None:
     job = ctx.plan.job
     if not job.model.path:
         raise ValueError("model.path: a run needs a checkpoint directory (a preset or inline config only plans)")
-    trainer = Trainer(job.model.path, ctx.layout, train_config(job.rl), grid=grid, device=ctx.device)
+    trainer = Trainer(job.model.path, ctx.layout, train_config(job.rl, ctx.plan.train_knobs), grid=grid,
+                      device=ctx.device)
+    if ctx.rank == ctx.controller_rank:
+        effective.publish(ctx, "train", effective.train_values(trainer))
+    elif ctx.rank == 0:
+        effective.write(ctx.store, [r.id for r in ctx.plan.replicas], ctx.run_dir)
     is_controller = ctx.rank == ctx.controller_rank
     controller = metrics = None
-    tokenizer = load_tokenizer(job.model.path) if is_controller else None
-    train, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
+    tokenizer = load_tokenizer(job.model.path)
+    train, heldout = run_prompts(job, tokenizer)  # the same usable prompts on every trainer rank
+    if is_controller and train.skipped:
+        print(f"[hexrl] skipped {len(train.skipped)} training prompts: {train.summary()}", flush=True)
+    train, heldout = train.problems, heldout.problems
+    tokenizer = tokenizer if is_controller else None
     start_step = 0
     if ctx.resume is not None:
         extra = trainer.load(ctx.resume)
@@ -127,10 +152,11 @@ def run_trainer(ctx, grid) -> None:
     evaluator = HeldoutEval(ctx, heldout, tokenizer, job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
     if start_step == 0:
         evaluator.maybe(trainer, 0)
-    rollout_dtype = torch.bfloat16 if ctx.device.type == "cuda" else torch.float32
+    rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
             controller.publish_version(trainer.version)
+            controller.wait_delivered(trainer.version)
         sync_weights(ctx, trainer, rollout_dtype)
     try:
         for step in range(start_step, job.rl.steps):
@@ -150,7 +176,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
     groups = controller.next_batch() if controller else None
     batch = [t for g in groups for t in g.trajectories] if groups is not None else None
     t_batch = time.perf_counter()
-    batch = share_batch(batch, trainer.grid.trainer_group, ctx.controller_rank)
+    batch = share_batch(batch, trainer.grid.trainer_group, ctx.controller_rank, ctx.device)
     version_before = trainer.version
     out = trainer.step(batch)
     t_train = time.perf_counter()
@@ -159,6 +185,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
     if not last:
         if controller:
             controller.publish_version(trainer.version)
+            controller.wait_delivered(trainer.version)  # wakes, and raises, on a controller failure
         sync_s = sync_weights(ctx, trainer, dtype)
     accuracy = evaluator.maybe(trainer, step + 1)
     every = job.rl.checkpoint_every
@@ -178,6 +205,7 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
             "max_staleness": max(version_before - t.oldest_version for t in batch),
             "staleness_hist": staleness_histogram([t.oldest_version for t in batch], version_before),
             "too_stale": c["too_stale"], "rejected_messages": c["rejected_messages"],
+            "rejected_reasons": c["rejected_reasons"],
             "rollout_tokens_per_s": (c["completion_tokens"] - tokens_before) / elapsed,
             "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,

@@ -1,0 +1,53 @@
+"""What the controller accepts as a trajectory: only what it asked that replica for.
+
+A message that passed the channel's schema and authentication can still be wrong (a buggy or
+subverted replica): a group handed to another replica, a prompt that is not the one sent,
+token ids the model has no embedding for (they would crash the trainer), NaN or infinite
+numbers (they would poison the loss), versions from the future. Such a trajectory is
+rejected and counted, never filed into the replay buffer.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Dispatched:
+    """A prompt group handed out: to whom and what (it is forgotten once its n samples are back)."""
+
+    replica: int
+    problem_id: object
+    prompt_ids: list[int]
+
+
+def _ints_in(values, lo: int, hi: int) -> bool:
+    """All of `values` (list or 1-D array of ints) within [lo, hi)."""
+    if len(values) == 0:
+        return True
+    arr = np.asarray(values)
+    return bool(arr.dtype.kind in "iu" and arr.min() >= lo and arr.max() < hi)
+
+
+def _finite(values) -> bool:
+    return len(values) == 0 or bool(np.isfinite(np.asarray(values, dtype=np.float64)).all())
+
+
+def trajectory_problem(msg: dict, sent: Dispatched | None, replica: int, vocab_size: int,
+                       max_new_tokens: int, version: int) -> str | None:
+    """Why the (schema-valid) trajectory `msg` from `replica` must be refused, as a short reason
+    tag; None to accept it. `sent`: what the controller dispatched under its group id."""
+    if sent is None or sent.replica != replica:
+        return "not_dispatched"  # unknown group, or a group handed to someone else
+    if list(msg["prompt_ids"]) != sent.prompt_ids or msg.get("problem_id") != sent.problem_id:
+        return "wrong_prompt"
+    completion = msg["completion_ids"]
+    if len(completion) > max_new_tokens or not _ints_in(completion, 0, vocab_size):
+        return "bad_tokens"
+    if not (math.isfinite(msg["reward"]) and _finite(msg["logprobs"])):
+        return "not_finite"
+    if not _ints_in(msg["versions"], 0, version + 1):
+        return "bad_versions"
+    return None

@@ -1,0 +1,60 @@
+"""The knob values a run actually uses, written to RUN_DIR/effective_config.json by global rank 0.
+
+    {"train": {activation_checkpointing, micro_batch_tokens, dtype, grad_reduce_dtype,
+               lr, grad_clip, warmup_steps, weight_decay, ppo_minibatches},
+     "rollout": {"replicas": [{id, max_running, max_batch_tokens, kv_pages, page_size, dtype}]}}
+
+Every key is the plan's own name (plan["trainer"], plan["rl"], plan["rollout"]["replicas"][i]),
+so `diff` against the plan shows any knob the runtime did not take as planned. The trainer
+slot (0, 0, 0) and each replica leader publish what their Trainer / Engine hold, read back
+from those objects, through the torchrun store as JSON; rank 0 collects them.
+"""
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+_KEY = "hexrl/effective/"
+WAIT_S = 600  # every role publishes right after building its model; a dead rank is the watchdog's job
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def train_values(trainer) -> dict:
+    """The trainer knobs in use, read from the Trainer, its gradient buckets and its optimizer."""
+    c, opt = trainer.config, trainer.optimizer
+    return {"activation_checkpointing": c.activation_checkpointing, "micro_batch_tokens": c.micro_batch_tokens,
+            "dtype": dtype_name(trainer.dtype), "grad_reduce_dtype": dtype_name(trainer.grads.reduce_dtype),
+            "lr": opt.lr, "grad_clip": c.grad_clip, "warmup_steps": opt.warmup_steps,
+            "weight_decay": opt.opt.param_groups[0]["weight_decay"], "ppo_minibatches": c.ppo_minibatches}
+
+
+def rollout_values(engine) -> dict:
+    """A replica's engine knobs in use, read from its scheduler and page pool."""
+    return {"max_running": engine.scheduler.max_running, "max_batch_tokens": engine.scheduler.max_batch_tokens,
+            "kv_pages": engine.pool.num_pages, "page_size": engine.pool.page_size, "dtype": dtype_name(engine.dtype)}
+
+
+def publish(ctx, part: str, values: dict) -> None:
+    """Publish this role's values ("train" or "replica/<id>"); on global rank 0 also write the file."""
+    ctx.store.set(_KEY + part, json.dumps(values))
+    if ctx.rank == 0:
+        write(ctx.store, [r.id for r in ctx.plan.replicas], ctx.run_dir)
+
+
+def write(store, replica_ids: list[int], run_dir: Path) -> dict:
+    """Wait for every role's values and write effective_config.json; returns what it wrote."""
+    keys = [_KEY + "train", *(f"{_KEY}replica/{i}" for i in replica_ids)]
+    store.wait(keys, timedelta(seconds=WAIT_S))
+    train, *reps = [json.loads(store.get(k)) for k in keys]
+    out = {"train": train, "rollout": {"replicas": [{"id": i, **r} for i, r in zip(replica_ids, reps)]}}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    tmp = run_dir / "effective_config.json.tmp"
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    tmp.replace(run_dir / "effective_config.json")  # readers never see half a file
+    return out

@@ -1,0 +1,84 @@
+"""Checks of a run's input files before any process group exists.
+
+Every rank runs them right after reading the plan (they are deterministic, so every rank
+reaches the same verdict and exits 2 together). Each problem names its file and what is wrong
+with it: the tokenizer, the dataset (every prompt is tokenized here; prompts the tokenizer or
+the model cannot take are skipped and counted, a dataset with none left is refused) and the
+checkpoint given to --resume.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hexrl.data import Problem, load_dataset
+from hexrl.tokenizer import load_tokenizer
+
+_SHOW = 3  # how many skipped prompts a message lists
+
+
+@dataclass
+class Prompts:
+    """The problems a run can use, with their encoded chat prompts, and those skipped (id, why)."""
+
+    problems: list[Problem] = field(default_factory=list)
+    ids: list[list[int]] = field(default_factory=list)
+    skipped: list[tuple[object, str]] = field(default_factory=list)
+
+    def summary(self) -> str:
+        shown = "; ".join(f"problem {pid!r}: {why}" for pid, why in self.skipped[:_SHOW])
+        more = f"; and {len(self.skipped) - _SHOW} more" if len(self.skipped) > _SHOW else ""
+        return shown + more
+
+
+def encode_prompts(problems: list[Problem], tokenizer, vocab_size: int, max_len: int) -> Prompts:
+    """Tokenize every problem's chat prompt; skip (with the reason) those the tokenizer rejects,
+    whose ids fall outside the model's vocabulary, or that leave no room for `max_len` tokens."""
+    out = Prompts()
+    for p in problems:
+        try:
+            ids = tokenizer.encode(tokenizer.chat_prompt(p.prompt))
+        except (ValueError, KeyError, TypeError) as e:  # e.g. a character outside the char alphabet
+            out.skipped.append((p.id, str(e)[:200]))
+            continue
+        if not ids:
+            out.skipped.append((p.id, "encodes to no tokens"))
+        elif max(ids) >= vocab_size or min(ids) < 0:
+            out.skipped.append((p.id, f"token id {max(ids)} outside the model's vocabulary of {vocab_size}"))
+        elif len(ids) > max_len:
+            out.skipped.append((p.id, f"{len(ids)} prompt tokens leave no room within {max_len}"))
+        else:
+            out.problems.append(p)
+            out.ids.append(ids)
+    return out
+
+
+def run_prompts(job, tokenizer) -> tuple[Prompts, Prompts]:
+    """(train, held-out) prompts of `job` that the run can use (raises what load_dataset raises)."""
+    train, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
+    cfg = job.model.config
+    room = cfg.max_position_embeddings - job.rl.max_new_tokens
+    return (encode_prompts(train, tokenizer, cfg.vocab_size, room),
+            encode_prompts(heldout, tokenizer, cfg.vocab_size, room))
+
+
+def input_problems(job, resume: str | None = None) -> list[str]:
+    """Every reason the run's input files cannot be used, each naming its file; [] when all is well."""
+    problems = []
+    if resume is not None:
+        from hexrl.train.checkpoint import problems as checkpoint_problems  # torch: only the run needs it
+
+        problems += [f"--resume {resume}: {p}" for p in checkpoint_problems(resume)]
+    if not job.model.path:
+        return problems
+    try:
+        tokenizer = load_tokenizer(job.model.path)
+    except (OSError, ValueError) as e:
+        return problems + [f"model.path tokenizer: {e}"]
+    where = f"data.path {job.data.path}" if job.data.path else "data.synthetic"
+    try:
+        train, _ = run_prompts(job, tokenizer)
+    except (OSError, ValueError, TypeError) as e:
+        return problems + [f"{where}: {e}"]
+    if not train.problems:
+        problems.append(f"{where}: none of its {len(train.skipped)} training prompts can be used: {train.summary()}")
+    return problems

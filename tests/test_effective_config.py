@@ -1,0 +1,107 @@
+"""The plan drives the runtime: every knob the cost model assumes is in plan.json, and the run
+uses exactly those values (RUN_DIR/effective_config.json, written by rank 0, says so)."""
+import json
+import os
+import signal
+
+import pytest
+
+from hexrl.model.tiny import make_tiny_model
+from hexrl.plan.cost import CostModel
+from hexrl.plan.fixed import plan_candidate
+from hexrl.plan.planner import plan_job
+from hexrl.schema import ConfigError, load_job, load_plan
+from runtime_utils import ROOT, torchrun, wait_for, write_job
+from test_plan import hetero_job
+
+
+def long_job(max_new: int, **over) -> dict:
+    """14B on four H20s (TP 4): activations of 16k-token micro-batches fit only with recompute."""
+    job = hetero_job(layout={"train_gpus": 4, "train_gpu_type": "H20", "tp": 4, "pp": 1, "dp": 1, "rollout_tp": 1},
+                     model={"preset": "r1-distill-qwen-14b"}, **over)
+    job["rl"]["max_new_tokens"] = max_new
+    job["workload"]["output_len"] = {"mean": max_new / 3, "max": max_new}
+    return job
+
+
+@pytest.mark.parametrize("max_new,recompute", [(4096, False), (16384, True)])
+def test_plan_records_the_knobs_the_cost_model_assumed(max_new, recompute):
+    plan = plan_job(load_job(long_job(max_new)))
+    k = plan.train_knobs
+    assert k.activation_checkpointing is recompute is plan.predicted["activation_recompute"]
+    assert k.micro_batch_tokens == 256 + max_new  # micro-batches of the longest sequence
+    assert (k.dtype, k.grad_reduce_dtype) == ("bfloat16", "float32")
+    cm = CostModel(plan.job)
+    costed = plan_candidate(cm, plan)  # re-costing the written plan gives the same replicas
+    for rep, r in zip(plan.replicas, costed.rollout.replicas):
+        assert rep.knobs.max_running == r.batch
+        assert rep.knobs.max_batch_tokens >= rep.knobs.max_running
+        page = cm.kv_bytes_per_token(rep.tp) * rep.knobs.page_size
+        assert rep.knobs.kv_pages * page <= cm.usable_bytes(rep.gpu_type)  # within the KV memory costed
+    again = load_plan(plan.to_dict(), check_paths=False)  # plan.json round trip
+    assert again.train_knobs == k and [r.knobs for r in again.replicas] == [r.knobs for r in plan.replicas]
+
+
+def test_job_overrides_are_costed_and_recorded():
+    runtime = {"trainer": {"micro_batch_tokens": 8192, "activation_checkpointing": True},
+               "rollout": {"max_running": 16, "page_size": 32}}
+    plan = plan_job(load_job(long_job(4096, runtime=runtime)))
+    assert plan.train_knobs.micro_batch_tokens == 8192 and plan.train_knobs.activation_checkpointing
+    assert plan.predicted["activation_recompute"] is True  # the cost model ran with the override
+    assert CostModel(plan.job).w.micro_tokens == 8192
+    assert all((r.knobs.max_running, r.knobs.page_size) == (16, 32) for r in plan.replicas)
+    assert plan.to_dict()["runtime"] == runtime  # the plan keeps the job's request too
+
+
+def test_bad_knobs_are_refused_naming_each_field():
+    job = long_job(4096, runtime={"trainer": {"dtype": "fp8", "grad_reduce_dtype": "bfloat16"},
+                                  "rollout": {"max_runing": 4}})
+    with pytest.raises(ConfigError) as e:
+        load_job(job)
+    text = str(e.value)
+    for field in ("runtime.trainer.dtype", "runtime.trainer.grad_reduce_dtype", "runtime.rollout.max_runing"):
+        assert field in text, text
+    plan = plan_job(load_job(long_job(4096))).to_dict()
+    plan["rollout"]["replicas"][0]["max_batch_tokens"] = plan["rollout"]["replicas"][0]["max_running"] - 1
+    plan["trainer"]["micro_batch_tokens"] = 0
+    with pytest.raises(ConfigError) as e:
+        load_plan(plan, check_paths=False)
+    assert "rollout.replicas[0].max_batch_tokens" in str(e.value) and "trainer.micro_batch_tokens" in str(e.value)
+
+
+def demo_plan(tmp_path):
+    """tools/configs/cpu_demo.json on the tiny model (the demo's warm start is not needed here)."""
+    job = json.loads((ROOT / "tools" / "configs" / "cpu_demo.json").read_text())
+    make_tiny_model(tmp_path / "model", tokenizer="char")
+    job["model"] = {"path": str(tmp_path / "model")}
+    plan = plan_job(load_job(job))
+    plan.save(tmp_path / "plan.json")
+    return tmp_path / "plan.json"
+
+
+def expected(plan: dict) -> dict:
+    """What effective_config.json must hold: the plan's values under the plan's key names."""
+    train = {k: plan["trainer"][k] for k in ("activation_checkpointing", "micro_batch_tokens", "dtype",
+                                              "grad_reduce_dtype")}
+    train.update({k: plan["rl"][k] for k in ("lr", "grad_clip", "warmup_steps", "weight_decay", "ppo_minibatches")})
+    keys = ("id", "max_running", "max_batch_tokens", "kv_pages", "page_size", "dtype")
+    return {"train": train, "rollout": {"replicas": [{k: r[k] for k in keys} for r in plan["rollout"]["replicas"]]}}
+
+
+@pytest.mark.parametrize("which", ["cpu demo", "activation checkpointing"])
+def test_effective_config_equals_the_plan(tmp_path, which):
+    if which == "cpu demo":
+        path = demo_plan(tmp_path)
+    else:
+        path = write_job(tmp_path, runtime={"trainer": {"activation_checkpointing": True}}, warmup_steps=3,
+                         weight_decay=0.01, grad_clip=0.5)
+    plan = json.loads(path.read_text())
+    assert (plan["trainer"]["activation_checkpointing"] is True) == (which == "activation checkpointing")
+    run = tmp_path / "run"
+    proc = torchrun(path, run)
+    try:  # rank 0 writes the file once every role has built its trainer or engine; no step is needed
+        assert wait_for(lambda: (run / "effective_config.json").exists(), 240, proc), proc.stdout.read()
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert json.loads((run / "effective_config.json").read_text()) == expected(plan)

@@ -1,0 +1,182 @@
+"""Hostile completions: every trick must score 0, leave no process running and write nothing.
+
+Each attack is a `solve(a, b)` that does not compute a*b + 7, run against the three kinds of
+test the code reward knows: a plain `assert solve(...) == value` (values compared by the
+reward process), an assert the judge sandbox runs, and a stdin/stdout test. `-s` prints the
+seconds each attack cost (measured, never asserted).
+"""
+
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hexrl.rewards import code_reward
+from hexrl.rewards.sandbox import Limits, python_argv, run_program
+
+NONCE = secrets.token_hex(6)
+HOST_FILE = f"/tmp/hexrl_pwned_{NONCE}"  # what an escape would write
+PROJECT_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), f"pwned_{NONCE}")
+TESTS = {
+    "plain": ["assert solve(3, 4) == 19", "assert solve(10, -2) == -13"],
+    "judged": ["assert abs(solve(3, 4) - 19) < 1e-9", "assert solve(10, -2) in (-13,)"],
+    "stdio": [{"input": "3 4\n", "output": "19\n"}, {"input": "10 -2\n", "output": "-13\n"}],
+}
+TEMPLATE = """\
+import os, sys, time
+{top}
+def solve(a, b):
+{body}
+if __name__ == "__main__":
+    a, b = map(int, input().split())
+    print(solve(a, b))
+"""
+ATTACKS = {
+    # the old nonce trick: read our own files and print whatever looks like a pass
+    "nonce_read": ("", "    for f in os.listdir('/in'):\n        print(open('/in/' + f).read())\n    return 0"),
+    "atexit_after_systemexit": ("import atexit\natexit.register(lambda: print('PASS'))",
+                                "    raise SystemExit(0)"),
+    "always_equal": ("class Any:\n    def __eq__(self, o): return True\n    def __ne__(self, o): return False\n"
+                     "    def __sub__(self, o): return 0\n    def __abs__(self): return 0\n    def __str__(self): return 'PASS'",
+                     "    return Any()"),
+    "settrace_skip": ("def tr(frame, event, arg):\n    if event == 'line':\n        try:\n"
+                      "            frame.f_lineno = frame.f_lineno + 1\n        except Exception:\n            pass\n"
+                      "    return tr\nsys.settrace(tr)", "    return None"),
+    "read_dataset_file": ("", "    import glob, gzip\n    for p in glob.glob(sys.prefix + '/**/HumanEval*', recursive=True) + glob.glob('/in/*') + [DATASET]:\n"
+                              "        try:\n            print(open(p).read())\n        except OSError:\n            pass\n"
+                              "    return -1"),
+    "proc_parent_mem": ("", "    for pid in [os.getppid(), HOST_PID, 1]:\n        try:\n"
+                            "            open(f'/proc/{pid}/mem', 'rb').read(10)\n            return 19\n"
+                            "        except OSError:\n            pass\n    return -2"),
+    "setsid_double_fork": ("", "    if os.fork() == 0:\n        os.setsid()\n        if os.fork() == 0:\n"
+                               "            time.sleep(60)\n            open(HOST_FILE, 'w').write('x')\n        os._exit(0)\n    return -3"),
+    "sleeping_child": ("", "    if os.fork() == 0:\n        time.sleep(60)\n        os._exit(0)\n    return -4"),
+    "fork_bomb": ("", "    while True:\n        try:\n            os.fork()\n        except OSError:\n            pass"),
+    "memory_bomb": ("", "    hog = []\n    while True:\n        hog.append(bytearray(1 << 24))"),
+    "output_flood": ("", "    while True:\n        sys.stdout.write('PASS\\n' * 10000)"),
+    "write_outside": ("", "    for p in (HOST_FILE, PROJECT_FILE, '/usr/pwned', '/in/pwned', '/pwned'):\n        try:\n"
+                          "            open(p, 'w').write('x')\n        except OSError:\n            pass\n    return -5"),
+    "network_connect": ("import socket", "    try:\n        socket.create_connection(('127.0.0.1', PORT), timeout=1).send(b'x')\n"
+                                         "    except OSError:\n        pass\n    return -6"),
+    "kill_parent": ("import signal", "    for pid in (os.getppid(), HOST_PID, SENTINEL_PID, -1):\n        try:\n"
+                                     "            os.kill(pid, signal.SIGKILL)\n        except OSError:\n            pass\n    return -7"),
+    "patch_builtins": ("import builtins, json\nbuiltins.type = lambda *a: int\nbuiltins.isinstance = lambda *a: True\n"
+                       "json.dumps = lambda *a, **k: '{\"ok\": true}'\n"
+                       "main = sys.modules.get('__main__')\nif main and hasattr(main, 'encode'):\n"
+                       "    main.encode = lambda *a, **k: True", "    return -8"),
+    "exit_zero_after_wrong_output": ("", "    print(-9)\n    sys.stdout.flush()\n    os._exit(0)"),
+    "nested_namespace_remount": ("import subprocess", "    subprocess.run(['unshare', '-rm', 'sh', '-c', "
+                                 "'mount -o remount,rw / ; echo x > /pwned; echo x > ' + HOST_FILE], capture_output=True)\n"
+                                 "    return -10"),
+}
+TIMES: dict[str, float] = {}
+
+
+def _sandbox_processes() -> list[str]:
+    """Command lines of live processes started from a sandbox's /in (ours are all under /in)."""
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "/in/harness.py" in cmd or "/in/main.py" in cmd:
+            found.append(f"{pid}: {cmd}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    """A dataset file with the answers, a listening port and a sentinel process to attack."""
+    dataset = tmp_path_factory.mktemp("data") / "train.jsonl"
+    dataset.write_text('{"prompt": "solve", "tests": ["assert solve(3, 4) == 19"]}\n')
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
+    sentinel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    yield {"DATASET": str(dataset), "PORT": listener.getsockname()[1], "SENTINEL_PID": sentinel.pid,
+           "HOST_PID": os.getpid(), "HOST_FILE": HOST_FILE, "PROJECT_FILE": PROJECT_FILE}, listener, sentinel
+    sentinel.kill()
+    sentinel.wait()
+    listener.close()
+    if TIMES:
+        print("\nseconds per attack (3 test kinds each):",
+              ", ".join(f"{k} {v:.2f}" for k, v in TIMES.items()))
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_attack_scores_zero_and_leaves_nothing(attack, host):
+    constants, listener, sentinel = host
+    top, body = ATTACKS[attack]
+    program = "".join(f"{k} = {v!r}\n" for k, v in constants.items()) + TEMPLATE.format(top=top, body=body)
+    completion = f"```python\n{program}```"
+    start = time.perf_counter()
+    scores = {kind: code_reward(completion, tests, timeout_s=3.0, memory_mb=256) for kind, tests in TESTS.items()}
+    TIMES[attack] = time.perf_counter() - start
+    assert scores == {"plain": 0.0, "judged": 0.0, "stdio": 0.0}
+    assert _sandbox_processes() == []
+    assert not os.path.exists(HOST_FILE) and not os.path.exists(PROJECT_FILE)
+    with pytest.raises(BlockingIOError):
+        listener.accept()  # nobody connected
+    assert sentinel.poll() is None  # the sentinel process survived
+
+
+def test_honest_solution_passes_every_kind():
+    """The control: the same harness gives full marks to a correct program."""
+    program = TEMPLATE.format(top="", body="    return a * b + 7")
+    for kind, tests in TESTS.items():
+        assert code_reward(f"```python\n{program}```", tests) == 1.0, kind
+
+
+def test_type_strict_values():
+    tests = ["assert f() == 1", "assert f() == [1, 2]", "assert f() == True", "assert f() == {1: 'a'}"]
+    assert code_reward("def f():\n    return 1", tests[:1]) == 1.0
+    for wrong in ("1.0", "True", "'1'", "(1, 2)", "1 == 1"):
+        assert code_reward(f"def f():\n    return {wrong}", [tests[0]]) == 0.0, wrong
+    assert code_reward("def f():\n    return (1, 2)", [tests[1]]) == 0.0
+    assert code_reward("def f():\n    return 1", [tests[2]]) == 0.0
+    assert code_reward("def f():\n    return {1: 'a'}", [tests[3]]) == 1.0
+    assert code_reward("class I(int):\n    pass\ndef f():\n    return I(1)", [tests[0]]) == 0.0  # a subclass
+
+
+def test_program_writes_only_its_private_tmp():
+    probe = ("import os\nopen('/tmp/f.txt', 'w').write('x')\n"
+             "def f():\n    return [os.getcwd(), os.path.exists('/tmp/f.txt'), os.getuid(), sorted(os.listdir('/in'))]")
+    assert code_reward(probe, ["assert f() == ['/tmp', True, 65534, ['harness.py', 'solution.py']]"]) == 1.0
+    pids = "import os\nprint([p for p in os.listdir('/proc') if p.isdigit()])"
+    status, out = run_program(python_argv("p.py"), {"p.py": pids})
+    assert status == {"status": "exited", "rc": 0} and out == b"['1']\n"  # it sees itself only
+
+
+def test_timeouts_kill_the_whole_namespace():
+    start = time.perf_counter()
+    status, out = run_program(python_argv("p.py"), {"p.py": "import time\ntime.sleep(30)"}, limits=Limits(timeout_s=1))
+    assert status == {"status": "timeout"} and out is None
+    assert time.perf_counter() - start < 25  # the 30 s sleep did not run out (a bound, not a timing claim)
+    assert _sandbox_processes() == []
+
+
+def test_unavailable_isolation_says_what_is_missing():
+    """With user namespaces switched off (inside a namespace of our own), the reward refuses."""
+    probe = ("from hexrl.rewards import code_reward\n"
+             "code_reward('def f():\\n    return 1', ['assert f() == 1'])")
+    script = f"echo 0 > /proc/sys/user/max_user_namespaces && exec {sys.executable} -c \"{probe}\""
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "sh", "-c", script], capture_output=True,
+                          text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert proc.returncode != 0
+    assert "SandboxUnavailable" in proc.stderr and "unshare" in proc.stderr and "unsafe=True" in proc.stderr
+
+
+def test_unsafe_mode_runs_without_isolation():
+    """The documented opt-out for trusted code: same results, no namespaces."""
+    program = TEMPLATE.format(top="", body="    return a * b + 7")
+    for kind, tests in TESTS.items():
+        assert code_reward(f"```python\n{program}```", tests, unsafe=True) == 1.0, kind
+    status, out = run_program(python_argv("p.py"), {"p.py": "import os\nprint(os.getpid() > 1)"}, unsafe=True)
+    assert out == b"True\n"  # not pid 1 of a namespace of its own

@@ -1,0 +1,150 @@
+"""Only the job's own ranks can talk to the controller, and it trains only what it asked for.
+
+The controller tests use real ZeroMQ channels in this process; the job test starts a real CPU
+job under torchrun and attacks it from this (another) process: a spoofed replica identity,
+forged and replayed messages, garbage, an oversize frame and a forged `error`."""
+import math
+import time
+from types import SimpleNamespace
+
+import msgpack
+import pytest
+import zmq
+
+from hexrl import comm
+from hexrl.comm import DealerChannel, RouterChannel, message
+from hexrl.control.controller import Controller, ControllerFailure, ReplicaInfo
+from hexrl.control.dataset import DatasetCursor
+from hexrl.data import Problem
+from runtime_utils import metrics, torchrun, wait_for, write_job
+
+SECRET = comm.new_secret()
+PROMPT = [3, 4, 5]  # what the controller's encoder returns for every problem
+VOCAB = 16
+
+
+def trajectory(gid, problem_id, prompt=PROMPT, tokens=(6, 7), reward=1.0, logprob=-0.5):
+    return message("trajectory", group_id=gid, prompt_ids=list(prompt), completion_ids=list(tokens),
+                   logprobs=[logprob] * len(tokens), versions=[0] * len(tokens), reward=reward,
+                   finish_reason="eos", problem_id=problem_id)
+
+
+@pytest.fixture
+def job():
+    """A controller (B=1, n=2, eta=0: one group at a time) with two connected replicas."""
+    rl = SimpleNamespace(batch_size=1, group_size=2, eta=0, max_running=None, filter_equal_groups=False,
+                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0)
+    problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(20)]
+    router = RouterChannel(SECRET)
+    endpoint = router.bind("127.0.0.1")
+    ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: PROMPT,
+                     [ReplicaInfo(0, 1.0), ReplicaInfo(1, 1.0)], router, vocab_size=VOCAB)
+    ctl.start()
+    dealers = [DealerChannel(f"replica-{i}", SECRET) for i in range(2)]
+    for i, d in enumerate(dealers):
+        d.connect(endpoint)
+        d.send(message("heartbeat", rank=i, time=0.0))
+    assert wait_for(lambda: router.peers == {"replica-0", "replica-1"}, 10)
+    yield ctl, dealers
+    ctl.stop()
+    for d in dealers:
+        d.close()
+    router.close()
+
+
+def next_prompt(dealer) -> dict:
+    while (msg := dealer.recv(timeout_s=10)) is not None:
+        if msg["type"] == "prompt":
+            return msg
+    raise AssertionError("no prompt within 10 s")
+
+
+def settle(ctl, key, value):
+    assert wait_for(lambda: ctl.counters()[key] == value, 10), ctl.counters()
+
+
+def test_controller_trains_only_what_it_dispatched_to_that_peer(job):
+    ctl, (d0, d1) = job
+    p = next_prompt(d0)  # eta 0, B 1: one group, to replica 0 (least loaded, smallest id)
+    gid, pid = p["group_id"], p["problem_id"]
+    d1.send(trajectory(gid, pid))  # replica 1 never got this group
+    d0.send(trajectory(gid + 100, pid))  # a group nobody was given
+    settle(ctl, "rejected_messages", 2)
+    d0.send(trajectory(gid, pid, reward=0.0))
+    d0.send(trajectory(gid, pid, reward=1.0))
+    batch = ctl.next_batch(timeout_s=10)
+    assert [g.group_id for g in batch] == [gid] and sorted(batch[0].rewards) == [0.0, 1.0]
+
+    ctl.publish_version(1)  # the gate opens for one more group; each rejected group frees its slot
+    bad = [("bad_tokens", dict(tokens=(6, VOCAB))), ("not_finite", dict(reward=math.nan)),
+           ("not_finite", dict(logprob=-math.inf)), ("wrong_prompt", dict(prompt=[3, 4, 9]))]
+    for i, (why, fields) in enumerate(bad):
+        p = next_prompt(d0)
+        d0.send(trajectory(p["group_id"], p["problem_id"], **fields))
+        settle(ctl, "rejected_messages", 2 + i + 1)
+    c = ctl.counters()
+    assert c["rejected_reasons"] == {"not_dispatched": 2, "bad_tokens": 1, "not_finite": 2, "wrong_prompt": 1}
+    assert c["trained"] == 2 and c["produced"] == 2 and c["balanced"]  # only the two real samples
+    assert sum(c["dropped"].values()) == 0  # the rejected groups held no filed sample
+
+
+def test_a_replica_error_wakes_every_trainer_wait_within_seconds(job):
+    ctl, (d0, _) = job
+    next_prompt(d0)
+    d0.send(message("error", rank=2, cause="CUDA error: an illegal memory access"))
+    t0 = time.monotonic()
+    with pytest.raises(ControllerFailure, match="rollout rank 2 .replica-0. failed: CUDA error"):
+        ctl.next_batch()
+    with pytest.raises(ControllerFailure, match="CUDA error"):
+        ctl.wait_delivered(5)  # the weight-sync readiness wait
+    assert time.monotonic() - t0 < 10
+
+
+def attack(endpoint: str) -> int:
+    """Everything an outsider on this host can try; returns how many messages it sent."""
+    ctx = zmq.Context.instance()
+    socks = []
+    for ident in (b"replica-0", None):
+        s = ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        if ident:
+            s.setsockopt(zmq.ROUTING_ID, ident)  # the real replica's identity: no handover any more
+        s.connect(endpoint)
+        socks.append(s)
+    spoof, other = socks
+    forged = comm.encode(trajectory(0, "evil", prompt=[1], tokens=(63,), reward=1e9))
+    error = comm.encode(message("error", rank=2, cause="forged by an outsider"))
+    sent = 0
+    for _ in range(3):  # and replayed
+        for s in socks:
+            s.send(forged)  # the old wire format: one frame, no auth
+            s.send_multipart([comm.Auth(b"x" * 32, "replica-0").seal(forged), forged])
+            s.send_multipart([comm.Auth(b"x" * 32, "replica-0").seal(error), error])
+            s.send(b"\xc1 garbage")
+            s.send(msgpack.packb({"v": comm.SCHEMA_VERSION, "type": "error", "rank": 2, "cause": "forged"}))
+            sent += 5
+    other.send_multipart([b"a", b"b" * (comm.MAX_MESSAGE_BYTES + 4096)])  # oversize: drops this connection
+    for s in socks:
+        s.close()
+    return sent
+
+
+def test_outsiders_cannot_inject_or_stop_a_running_job(tmp_path):
+    steps, B, n = 4, 2, 2
+    plan = write_job(tmp_path, steps=steps, eta=1)
+    run = tmp_path / "run"
+    proc = torchrun(plan, run)
+    assert wait_for(lambda: (run / "controller_endpoint").exists(), 120, proc)
+    endpoint = (run / "controller_endpoint").read_text().strip()
+    sent = attack(endpoint)  # before the real replica connects, most likely
+    assert wait_for(lambda: len(metrics(run)) >= 1, 180, proc)
+    sent += attack(endpoint)  # and while it trains
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    last = rows[-1]
+    assert last["trajectories_trained"] == steps * B * n
+    assert all(isinstance(i, int) for r in rows for i in r["problem_ids"])  # no "evil" problem trained
+    assert last["rejected_messages"] == sent, last["rejected_reasons"]
+    assert set(last["rejected_reasons"]) <= {"bad_frames", "bad_auth"}, last["rejected_reasons"]
