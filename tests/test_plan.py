@@ -161,13 +161,11 @@ def test_baselines_follow_their_rule(method):
 
 
 def test_planner_sends_training_to_compute_and_rollout_to_bandwidth():
-    """The paper's observation 3: H800s train, H20s generate. With the gradient all-reduce costed
-    in float32 (as the trainer runs it) other splits come within 1% of that placement here, so
-    the planner must find a plan at least as fast as it, and that placement must stay near-best."""
+    """The paper's observation 3: H800s train, H20s generate."""
     plan = plan_job(load_job(hetero_job()))
-    paper = plan_job(load_job(hetero_job(layout={"train_gpus": 4, "train_gpu_type": "H800", "dp": 4})))
-    assert {r.gpu_type for r in paper.ranks if r.role == "train"} == {"H800"}
-    assert plan.predicted["step_time_s"] <= paper.predicted["step_time_s"] <= 1.01 * plan.predicted["step_time_s"]
+    types = {r.gpu_type for r in plan.ranks if r.role == "train"}
+    assert types == {"H800"}
+    assert all(r.gpu_type == "H20" for r in plan.ranks if r.node >= 2)
 
 
 def test_planner_sends_training_to_compute_on_the_paper_setting():
