@@ -163,9 +163,9 @@ def test_baselines_follow_their_rule(method):
 
 
 def test_planner_sends_training_to_compute_and_rollout_to_bandwidth():
-    """The paper's observation 3: H800s train, H20s generate. With the gradient all-reduce costed
-    in float32 (as the trainer runs it) other splits come within 1% of that placement here, so
-    the planner must find a plan at least as fast as it, and that placement must stay near-best."""
+    """The paper's observation 3: H800s train, H20s generate. On this small cluster other splits
+    come within 1% of that placement, so the planner must find a plan at least as fast as it, and
+    that placement must stay near-best; the paper's own setting is the next test."""
     plan = plan_job(load_job(hetero_job()))
     # that placement with the planner's own layouts (a fixed layout's default rollout replicas
     # are not the MILP's, and with calibrated generation costs that choice dominates)

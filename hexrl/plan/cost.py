@@ -171,7 +171,8 @@ class CostModel:
         if dp > 1:
             dp_per_param = 2 * (dp - 1) / dp * grad_bytes / nvlink
             if dp_nodes > 1:  # the node's NIC carries a whole copy of the stage's gradients
-                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / (self.cluster.inter_node_GBps * 1e9)
+                nic = self.cluster.inter_node_GBps * 1e9
+                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / nic
         opt_per_param = 2 * 16 / tp / g.hbm_Bps  # read + write weights, grads, Adam state
         per_layer = bubble * (compute + tp_comm) + k * (dp_per_param + opt_per_param) * self.layer_params
         fixed = 0.0
