@@ -37,6 +37,7 @@ class Watchdog:
         self.store, self.rank, self.world = store, rank, world_size
         self.describe, self.interval, self.timeout = describe, interval_s, timeout_s
         self.nodes = nodes or {}  # rank -> its node's label, to name a lost node's ranks together
+        self._launcher = os.getppid()  # torchrun's agent on this node
         self.on_failure = on_failure or _exit_now
         self._stop = threading.Event()
         self._started = time.time()
@@ -101,6 +102,17 @@ class Watchdog:
             return None
         return self._dead(silent, f"no heartbeat since rank {self.rank}'s collective with them broke")
 
+    def launcher_lost(self) -> str | None:
+        """This node's torchrun agent died (killed, or its machine going down): its workers would
+        run on orphaned and the other nodes' agents wait for it at exit. A message naming this
+        node's ranks (written as the job's failure), or None while the agent lives."""
+        if os.getppid() == self._launcher:
+            return None
+        node = self.nodes.get(self.rank)
+        mine = sorted(r for r, n in self.nodes.items() if n == node) if node else [self.rank]
+        why = f"lost their launcher (torchrun agent, pid {self._launcher}): killed, or its machine is going down"
+        return self._dead(mine, why) if len(mine) > 1 else self._dead(mine, why.replace("their", "its"))
+
     def name_ranks(self, ranks: list[int]) -> str:
         """'rank 2 (rollout on ...)' or, for several, 'ranks 2, 3 on node 1 'B' (127.0.0.2) (all its ranks)'."""
         if len(ranks) == 1:
@@ -128,7 +140,7 @@ class Watchdog:
         while not self._stop.wait(self.interval):
             try:
                 self.beat()
-                msg = self.check()
+                msg = self.launcher_lost() or self.check()
             except Exception as e:  # losing the store means the job's agent is gone
                 msg = f"lost the rendezvous store ({e!r}); the job is ending"
             if msg and not self._stop.is_set():

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hexrl.gpus import CATALOGUE, canonical_name
 from hexrl.model.config import ModelConfig
+from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.fields import ConfigError, Reader, resolve
 from hexrl.schema.knobs import read_overrides
 
@@ -416,6 +417,8 @@ def _read_node(r: Reader, n, i: int) -> NodeSpec | None:
         r.bad(f"{where}.gpu_type", f"unknown GPU type {raw_type!r} (known: {known_types()})")
     gpus = r.num(n, "gpus", where, integer=True, lo=1, required=True)
     address = r.text(n, "address", where, "127.0.0.1")
+    if address in ("0.0.0.0", "*", "::", ""):  # peers connect to it, and the controller binds only it
+        r.bad(f"{where}.address", f"must be the node's own address or hostname, not the wildcard {address!r}")
     if gpu_type is None or gpus is None:
         return None
     return NodeSpec(name, gpu_type, gpus, address)
@@ -491,7 +494,7 @@ def _read_layout(r: Reader, d) -> dict | None:
 # ----------------------------------------------------------------------------- job
 
 _JOB_KEYS = {"name", "model", "data", "reward", "rl", "workload", "cluster", "prices", "budget",
-             "layout", "runtime", "out_dir", "extra"}
+             "layout", "runtime", "out_dir", "extra", "cpu_affinity"}
 
 
 @dataclass
@@ -509,6 +512,7 @@ class Job:
     runtime: dict = field(default_factory=dict)  # knob overrides (hexrl.schema.knobs): {"trainer", "rollout"}
     out_dir: str = "runs/hexrl"
     extra: dict = field(default_factory=dict)  # free-form, passed through untouched
+    cpu_affinity: CpuAffinity | None = None  # cores per local rank (hexrl/schema/affinity.py); None: not pinned
 
     def price_per_hour(self) -> float:
         return sum(self.prices[n.gpu_type] * n.gpus for n in self.cluster.nodes)
@@ -527,6 +531,8 @@ class Job:
             d["runtime"] = self.runtime
         if self.extra:
             d["extra"] = self.extra
+        if self.cpu_affinity is not None:
+            d["cpu_affinity"] = self.cpu_affinity.to_dict()
         return d
 
 
@@ -571,9 +577,11 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     if model and model.config.max_position_embeddings < workload.prompt_len + rl.max_new_tokens:
         r.bad("rl.max_new_tokens", f"prompt_len {workload.prompt_len} + max_new_tokens {rl.max_new_tokens} "
               f"exceeds the model's max_position_embeddings {model.config.max_position_embeddings}")
+    affinity = read_affinity(r, d.get("cpu_affinity"), cluster.gpus_per_node)
     if r.problems:
         return None
-    return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra)
+    return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra,
+               affinity)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:
