@@ -108,3 +108,16 @@ def test_float_workspace_grows_with_wide_models_and_big_batches():
     assert float_workspace_bytes(12, 2, 128, 256) == WORKSPACE_BYTES  # 1.5B at 256: the default suffices
     big = float_workspace_bytes(40, 8, 128, 512)  # 14B-wide (40 q heads) at 512 sequences
     assert big > WORKSPACE_BYTES and big == 512 * 40 * 129 * 4 * 32
+
+
+def test_host_overhead_bench_runs_and_prints_its_headline(monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_host_overhead
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--batch", "4", "--context", "8", "--steps", "3", "--repeats", "1"])
+    bench_host_overhead.main()
+    out = capsys.readouterr().out
+    assert "host ms per decode step: " in out and "with the CPU torch sampler" in out

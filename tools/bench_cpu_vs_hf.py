@@ -9,7 +9,8 @@ alternately (A, B, A, B, ...) so that load from other processes hits both alike;
 whole generation (prefill + decode) of fixed-length outputs, timed end to end (our engine is
 built once per batch size, untimed, as a rollout server keeps one; its KV pool is sized to the run). The outputs must
 be identical token for token. Prints tokens/s of each side (medians) and the ratio of the medians,
-with the machine's load average. One intra-op thread on both sides unless --threads says more.
+by wall clock and by the CPU time of the (single) compute thread, which a loaded machine disturbs
+less, with the machine's load average. One intra-op thread on both sides unless --threads says more.
 """
 from __future__ import annotations
 
@@ -55,18 +56,18 @@ def make_engine(model, batch: int, plen: int, olen: int) -> Engine:
 
 def run_ours(engine: Engine, ids: list[list[int]], olen: int) -> tuple[float, list[list[int]]]:
     reqs = [Request(i, p, max_new_tokens=olen, temperature=0.0, ignore_eos=True) for i, p in enumerate(ids)]
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     outs = engine.generate(reqs)
-    return time.perf_counter() - t0, [o.token_ids for o in outs]
+    return (time.perf_counter() - t0, time.thread_time() - c0), [o.token_ids for o in outs]
 
 
 def run_hf(hf, ids: list[list[int]], olen: int) -> tuple[float, list[list[int]]]:
     x = torch.tensor(ids)
-    t0 = time.perf_counter()
+    c0, t0 = time.thread_time(), time.perf_counter()
     with torch.no_grad():
         out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=olen, min_new_tokens=olen,
                           do_sample=False, pad_token_id=0, eos_token_id=None)
-    return time.perf_counter() - t0, out[:, x.shape[1]:].tolist()
+    return (time.perf_counter() - t0, time.thread_time() - c0), out[:, x.shape[1]:].tolist()
 
 
 def main() -> None:
@@ -88,7 +89,8 @@ def main() -> None:
     print(f"Qwen2 {n_params / 1e6:.1f}M params, fp32, greedy, prompt {args.prompt_len}, output {args.output_len}, "
           f"{args.threads} thread(s), {args.repeats} interleaved repeats; load average before: "
           f"{os.getloadavg()[0]:.1f}")
-    print(f"{'batch':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours / HF':>10}  identical  (ratio min-max over pairs)")
+    print(f"{'batch':>5} {'clock':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours / HF':>10}  identical  "
+          "(ratio min-max over pairs)")
     for b in args.batch or [1, 32]:
         ids = prompts(b, args.prompt_len)
         engine = make_engine(ours_model, b, args.prompt_len, args.output_len)
@@ -102,10 +104,12 @@ def main() -> None:
             theirs.append(t_hf)
             same &= out_ours == out_hf
         tokens = b * args.output_len
-        pairs = [h / o for o, h in zip(ours, theirs)]
-        print(f"{b:>5} {tokens / statistics.median(ours):>11.1f} {tokens / statistics.median(theirs):>10.1f} "
-              f"{statistics.median(theirs) / statistics.median(ours):>10.2f}  {'yes' if same else 'NO':>9}  "
-              f"({min(pairs):.2f}-{max(pairs):.2f})")
+        for i, clock in enumerate(("wall", "CPU")):
+            o, h = [t[i] for t in ours], [t[i] for t in theirs]
+            pairs = [y / x for x, y in zip(o, h)]
+            print(f"{b:>5} {clock:>5} {tokens / statistics.median(o):>11.1f} {tokens / statistics.median(h):>10.1f} "
+                  f"{statistics.median(h) / statistics.median(o):>10.2f}  {'yes' if same else 'NO':>9}  "
+                  f"({min(pairs):.2f}-{max(pairs):.2f})")
     print(f"load average after: {os.getloadavg()[0]:.1f}")
 
 
