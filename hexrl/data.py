@@ -262,7 +262,19 @@ def load_dataset(synthetic: dict | None = None, path: str | None = None,
         if held:
             return make_arithmetic_split(n, held, seed=seed, **opts)
         return make_arithmetic(n, seed=seed, **opts), []
+    if kind == "code" and _is_code_benchmark(path):
+        from hexrl.code_data import load_code_tasks  # imports this module: load it late
+        return load_code_tasks(path), []
     return load_jsonl(path, kind=kind).problems, []
+
+
+def _is_code_benchmark(path: str) -> bool:
+    """A HumanEval (.jsonl.gz, `entry_point`) or MBPP (`test_list`) file rather than hexrl JSONL."""
+    if str(path).endswith(".gz"):
+        return True
+    with open(path, encoding="utf-8", errors="replace") as f:
+        first = f.readline()
+    return '"entry_point"' in first or '"test_list"' in first
 
 
 def dataset_problems(synthetic: dict | None) -> list[str]:

@@ -33,7 +33,7 @@ ENV = "HEXRL_STRICT_COLLECTIVES"
 FIRST_P2P_TIMEOUT_S = float(os.environ.get("HEXRL_STRICT_TIMEOUT_S", "60"))
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-               "reduce", "gather", "scatter", "all_to_all_single")
+               "reduce", "gather", "scatter", "all_to_all_single", "barrier")
 P2P = ("send", "recv")
 OBJECT_COLLECTIVES = ("broadcast_object_list", "all_gather_object", "gather_object", "scatter_object_list",
                       "send_object_list", "recv_object_list")
@@ -135,9 +135,9 @@ def _collective(fn, name: str):
 
 def _check_p2p(name: str, tensor: torch.Tensor, peer: int, group) -> None:
     if group is None or group is dist.group.WORLD:
-        raise RuleError(f"strict collectives: {name} to/from rank {peer} names no group; give the pipeline's "
-                        "own group (rule 2, hexrl/dist_rules.py): NCCL would build the world's communicator, "
-                        "which ranks outside the pipeline never join")
+        raise RuleError(f"strict collectives: {name} to/from rank {peer} names no group; name the group "
+                        "the two ranks share, e.g. their pipeline's (rule 2, hexrl/dist_rules.py): NCCL would "
+                        "build the world's communicator, which the ranks outside it never join")
     members = dist.get_process_group_ranks(group)
     if peer not in members:
         raise RuleError(f"strict collectives: {name} peer {peer} is not in its group {members} (rule 2)")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hexrl import dist_rules
+from hexrl import affinity, dist_rules
 from hexrl.data import dataset_problems
 from hexrl.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
 from hexrl.preflight import input_problems
@@ -103,7 +103,7 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     try:
         plan = load_plan(path, world=(world, local_world))
         if problems := (dataset_problems(plan.job.data.synthetic) + address_problems(plan)
-                        + input_problems(plan.job, resume)):
+                        + input_problems(plan.job, resume) + affinity.core_problems(plan.job.cpu_affinity)):
             raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         if rank == 0:
@@ -172,6 +172,8 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
     plan = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
+    pinning = affinity.pin(plan.job.cpu_affinity, local_rank)  # before any thread or child process starts
+    print(affinity.describe(rank, plan.ranks[rank].role, pinning), flush=True)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
     device = init_distributed(rank, world, local_rank)
     store = dist.distributed_c10d._get_default_store()  # the job-wide store torchrun set up
@@ -198,6 +200,7 @@ def main(argv=None) -> None:
             from hexrl.rollout.worker import run_rollout
 
             run_rollout(ctx)
+        affinity.write_usage(run_dir, rank, role, pinning)
     except BaseException as e:  # noqa: BLE001 - any failure must end the whole job, named
         cause = describe_exception(e)
         # a collective broken by a lost peer: name the ranks that went silent, not this one

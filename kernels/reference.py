@@ -137,15 +137,16 @@ def sample_torch(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, chec
     temp, k, p, seeds, offsets, streams = sample_args(logits, temperature, top_k, top_p, seed, offset, check)
     x = logits.float()
     greedy = temp < GREEDY_EPS
+    if bool(greedy.all()):  # argmax and the full softmax at T=1: no filtering, no noise
+        tokens = x.argmax(dim=-1)
+        return tokens, x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
     s = x / torch.where(greedy, 1.0, temp)[:, None]
     keep = kept_mask(x, s, torch.where(greedy, 0, k), torch.where(greedy, 1.0, p))
-    score = s
-    if not bool(greedy.all()):
-        noise = gumbel_noise(seeds, offsets, streams, x.shape[1])
-        score = s + torch.where(greedy[:, None], 0.0, noise)
+    noise = gumbel_noise(seeds, offsets, streams, x.shape[1])
+    score = s + torch.where(greedy[:, None], 0.0, noise)
     tokens = torch.where(keep, score, -torch.inf).argmax(dim=-1)
-    logp = torch.log_softmax(torch.where(keep, s.double(), -torch.inf), dim=-1)
-    return tokens, logp.gather(1, tokens[:, None])[:, 0].float()
+    kept = torch.where(keep, s, -torch.inf)  # log-prob of the drawn token only: no [B, V] float64 copy
+    return tokens, kept.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(kept, dim=-1)
 
 
 def sampling_probs(logits, temperature, top_k=0, top_p=1.0) -> torch.Tensor:

@@ -105,3 +105,15 @@ def test_effective_config_equals_the_plan(tmp_path, which):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     assert json.loads((run / "effective_config.json").read_text()) == expected(plan)
+
+
+def test_dp_all_reduce_is_costed_in_the_dtype_the_trainer_reduces_in():
+    cm = CostModel(load_job(long_job(4096)))
+    assert cm.grad_reduce_bytes == 4  # plan.trainer.grad_reduce_dtype == "float32"
+    args = ("H800", 2, 4, 1, 0, 1, None, False)  # tp 2, dp 4, one stage, all on one node
+    fp32 = cm._stage_coeffs(*args).per_layer
+    cm.grad_reduce_bytes = 2
+    bf16 = cm._stage_coeffs(*args).per_layer
+    nvlink = cm.cluster.intra_GBps("H800") * 1e9  # ring all-reduce: 2 (dp - 1) / dp of the bytes, per minibatch
+    extra = cm.w.minibatches * 2 * 3 / 4 * (4 - 2) / 2 / nvlink * cm.layer_params
+    assert fp32 - bf16 == pytest.approx(extra, rel=1e-9)

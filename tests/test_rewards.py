@@ -50,7 +50,7 @@ MATH_CASES = [
     (f"{B}{{\\frac{{\\sqrt{{3}}}}{{2}}}}", "\\frac{\\sqrt3}{2}", 1.0),  # nested braces
     (f"{B}{{\\sqrt{{3}}/2}}", "\\frac{\\sqrt{3}}{2}", 1.0),
     (f"{B}{{2\\frac{{1}}{{2}}}}", "2.5", 1.0),  # mixed number
-    (f"{B}{{0.3333333}}", "\\frac{1}{3}", 1.0),  # within 1e-6 relative
+    (f"{B}{{0.3333333}}", "\\frac{1}{3}", 0.0),  # exact: no tolerance
     (f"{B}{{\\text{{(B)}}}}", "B", 1.0),
     (f"{B}{{\\infty}}", "\\infty", 1.0),
     ("\\fbox{12}", "12", 1.0),
@@ -60,7 +60,8 @@ MATH_CASES = [
     (f"{B}{{6}}", "so $\\boxed{6}$", 1.0),  # a boxed reference answer
     # --- wrong or missing answers
     (f"{B}{{41}}", "42", 0.0),
-    ("The answer is 42", "42", 0.0),  # no box, no ####
+    ("The answer is 42", "42", 1.0),  # "the answer is" counts when there is no box or ####
+    ("so it is 42", "42", 0.0),  # no marker at all
     ("", "42", 0.0),
     (f"{B}{{}}", "42", 0.0),
     (f"{B}{{4}} then {B}{{3}}", "4", 0.0),  # last box wins
@@ -113,7 +114,7 @@ def test_answers_match_is_symmetric_and_reflexive_on_random_latex():
     rng = random.Random(0)
     pieces = list("0123456789{}()[],.-+/ =%$^\\x") + ["\\frac", "\\dfrac", "\\text{", "\\sqrt", "\\left",
                                                      "\\circ", " cm", "e5", "\\!", "{,}"]
-    for _ in range(2000):
+    for _ in range(200):  # every non-numeric pair costs a math-verify call
         p, g = ("".join(rng.choice(pieces) for _ in range(rng.randint(0, 15))) for _ in range(2))
         assert answers_match(p, g) == answers_match(g, p), (p, g)
         assert answers_match(p, p) == bool(normalize_answer(p)), p

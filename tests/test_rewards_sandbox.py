@@ -52,6 +52,12 @@ ATTACKS = {
     "proc_parent_mem": ("", "    for pid in [os.getppid(), HOST_PID, 1]:\n        try:\n"
                             "            open(f'/proc/{pid}/mem', 'rb').read(10)\n            return 19\n"
                             "        except OSError:\n            pass\n    return -2"),
+    "read_host_secrets": ("import glob", "    leaks = [p for p in ['/etc/shadow', '/etc/passwd', '/root/.bash_history'] if os.path.exists(p)]\n"
+                          "    leaks += [k for k in os.environ if k.startswith('HEXRL_TEST_SECRET')]\n"
+                          "    for p in glob.glob('/proc/*/environ'):\n        try:\n"
+                          "            leaks += ['environ'] if b'HEXRL_TEST_SECRET' in open(p, 'rb').read() else []\n"
+                          "        except OSError:\n            pass\n"
+                          "    return a * b + 7 if leaks else -11"),  # a leak would score: the test would fail
     "setsid_double_fork": ("", "    if os.fork() == 0:\n        os.setsid()\n        if os.fork() == 0:\n"
                                "            time.sleep(60)\n            open(HOST_FILE, 'w').write('x')\n        os._exit(0)\n    return -3"),
     "sleeping_child": ("", "    if os.fork() == 0:\n        time.sleep(60)\n        os._exit(0)\n    return -4"),
@@ -100,10 +106,12 @@ def host(tmp_path_factory):
     listener.listen(8)
     listener.setblocking(False)
     sentinel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    os.environ["HEXRL_TEST_SECRET"] = NONCE  # what the reward process's environment could leak
     yield {"DATASET": str(dataset), "PORT": listener.getsockname()[1], "SENTINEL_PID": sentinel.pid,
            "HOST_PID": os.getpid(), "HOST_FILE": HOST_FILE, "PROJECT_FILE": PROJECT_FILE}, listener, sentinel
     sentinel.kill()
     sentinel.wait()
+    del os.environ["HEXRL_TEST_SECRET"]
     listener.close()
     if TIMES:
         print("\nseconds per attack (3 test kinds each):",
@@ -152,6 +160,10 @@ def test_program_writes_only_its_private_tmp():
     pids = "import os\nprint([p for p in os.listdir('/proc') if p.isdigit()])"
     status, out = run_program(python_argv("p.py"), {"p.py": pids})
     assert status == {"status": "exited", "rc": 0} and out == b"['1']\n"  # it sees itself only
+    nested = ("import ctypes\nlibc = ctypes.CDLL(None, use_errno=True)\n"
+              "print(libc.unshare(0x10000000), ctypes.get_errno())")  # CLONE_NEWUSER
+    status, out = run_program(python_argv("p.py"), {"p.py": nested})
+    assert out == b"-1 28\n"  # ENOSPC: user.max_user_namespaces is 0 inside, no nested namespace
 
 
 def test_timeouts_kill_the_whole_namespace():
@@ -180,3 +192,26 @@ def test_unsafe_mode_runs_without_isolation():
         assert code_reward(f"```python\n{program}```", tests, unsafe=True) == 1.0, kind
     status, out = run_program(python_argv("p.py"), {"p.py": "import os\nprint(os.getpid() > 1)"}, unsafe=True)
     assert out == b"True\n"  # not pid 1 of a namespace of its own
+
+
+def test_pool_timeout_takes_the_sandbox_down_with_the_worker():
+    """The pool kills a worker stuck past its timeout; the worker's sandboxes die with it."""
+    from hexrl.rewards import RewardPool
+    hang = TEMPLATE.format(top="", body="    if os.fork() == 0:\n        os.setsid()\n    time.sleep(60)")
+    with RewardPool("code", workers=1, timeout_s=2.0) as pool:
+        assert pool.score([(hang, TESTS["plain"]), (TEMPLATE.format(top="", body="    return a * b + 7"),
+                                                    TESTS["plain"])]) == [0.0, 1.0]
+        assert pool.stats.timeout == 1
+    for _ in range(50):  # the parent-death signals travel down the tree asynchronously
+        if not _sandbox_processes():
+            break
+        time.sleep(0.2)
+    assert _sandbox_processes() == []
+
+
+def test_the_secrets_attack_is_real_without_the_sandbox(host):
+    """Control: unsandboxed (the `unsafe` opt-out), the same attack finds secrets and scores."""
+    top, body = ATTACKS["read_host_secrets"]
+    program = TEMPLATE.format(top=top, body=body)
+    assert code_reward(program, TESTS["plain"], unsafe=True) == 1.0
+    assert code_reward(program, TESTS["plain"]) == 0.0

@@ -1,4 +1,5 @@
-"""GPU-only: the FlashInfer backend against the torch paged backend, CUDA-graph decode against eager.
+"""GPU-only: the FlashInfer backend against the torch paged backend, CUDA-graph decode against eager
+(graphs of every size sharing one logits buffer and one int workspace), loud FlashInfer fallback.
 
 Run on a device with `python -m pytest -m gpu tests/test_rollout_gpu.py`.
 """
@@ -88,8 +89,10 @@ def test_cuda_graph_decode_equals_eager(tmp_path, shape):
     spans = [(c.seq.pages, c.start, 1) for c in chunks]
     ids = torch.tensor([c.seq.tokens[-1] for c in chunks], device=DEV)
     with torch.no_grad():
-        replayed = graphed.graphs.run(spans, ids).float().clone()  # padded to 12 rows inside
         meta = build_meta(spans, 16, DEV)
+        replayed = graphed.graphs.run(meta, ids).clone()  # padded to 12 rows inside
+        assert replayed.dtype == torch.float32  # fp32 logits, in the buffer all sizes share
+        assert graphed.graphs.buffers.logits.shape == (12, 512)
         m = graphed.model
         eager = m.logits(m.stage(ids, meta.positions, graphed.backend.begin(meta))).float()
     torch.testing.assert_close(replayed, eager, atol=2e-2, rtol=2e-2)
@@ -117,3 +120,16 @@ def test_memory_budget_sizes_the_pool_from_free_memory(tmp_path):
     assert abs(engine.pool.num_pages - int(free * 0.05) // per_page) <= engine.pool.num_pages * 0.02
     out = engine.generate([Request(0, [5, 6, 7], max_new_tokens=5, temperature=0.0, ignore_eos=True)])[0]
     assert len(out.token_ids) == 5
+
+
+def test_missing_flashinfer_on_cuda_warns_and_names_the_fallback(tmp_path, monkeypatch):
+    import hexrl.rollout.flashinfer_backend as fb
+
+    path = checkpoint(tmp_path / "m", "gqa2")
+    monkeypatch.setattr(fb, "import_flashinfer", lambda: (_ for _ in ()).throw(ImportError("no flashinfer")))
+    model = load_pretrained(path, dtype=torch.bfloat16, device=DEV)
+    with pytest.warns(RuntimeWarning, match="falling back to torch paged attention WITHOUT CUDA graphs"):
+        engine = Engine(model, EngineConfig(max_pages=64))
+    assert engine.backend.name == "torch" and engine.graphs is None
+    with pytest.raises(ValueError, match="no flashinfer"):
+        Engine(model, EngineConfig(max_pages=64, attention="flashinfer"))

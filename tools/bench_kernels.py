@@ -72,6 +72,10 @@ GRIDS = {
                  (1, 64, 256), (256, 8192), 1 << 30, 8192),
     "cuda-quick": Grid((1, 64), (256, 1024), 4, 12, ((8, 512),), ((1024, 4),), (64,), (1024,), 1 << 28, 4096),
     "cpu": Grid((1, 4), (16, 48), 2, 4, ((4, 32),), ((32, 2),), (4,), (64,), 1 << 24, 256, 256),
+    # the learning experiment's operating range (short arithmetic prompts and answers, up to
+    # 512 sequences decoding; 128 packed sequences per PPO mini-batch): tools/learning_run.py --study
+    "cpu-rl": Grid((1, 32, 128, 512), (8, 12), 2, 6, ((64, 8), (512, 8)), ((12, 128),), (512,), (4096,),
+                   1 << 24, 256, 4096),
 }
 
 
@@ -435,16 +439,29 @@ def main(argv: list[str] | None = None) -> int:
                    help="model shape (default qwen2.5-1.5b on CUDA, tiny on CPU)")
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto",
                    help="engine attention backend (auto: FlashInfer when usable)")
+    p.add_argument("--config", type=Path, help="a checkpoint directory (or its config.json): measure its shape")
+    p.add_argument("--grid", choices=sorted(GRIDS), help="what to measure (default: by device and --quick)")
+    p.add_argument("--cpu-core", type=int, help="pin to this core with one torch thread (a CPU 'device')")
     args = p.parse_args(argv)
+    if args.cpu_core is not None:  # the same pinning a rank applies from the plan's cpu_affinity
+        from hexrl.affinity import core_problems, pin
+        from hexrl.schema.affinity import CpuAffinity
+        spec = CpuAffinity([[args.cpu_core]])
+        if bad := core_problems(spec):
+            p.error("--cpu-core: " + "; ".join(bad))
+        print(f"bench_kernels: pinned to cores {pin(spec, 0).actual}, {torch.get_num_threads()} torch thread")
     device = torch.device("cuda" if cuda else "cpu")
     shape = args.model or ("qwen2.5-1.5b" if cuda else "tiny")
-    grid_name = ("cuda-quick" if args.quick else "cuda") if cuda else "cpu"
+    grid_name = args.grid or (("cuda-quick" if args.quick else "cuda") if cuda else "cpu")
     grid = GRIDS[grid_name]
     dtype_name = "bfloat16" if cuda else "float32"
     dtype = DTYPES[dtype_name]
     device_name = torch.cuda.get_device_name() if cuda else "cpu"
     gpu = gpu_type_name(device_name)
     cfg = model_config(shape)
+    if args.config:
+        path = args.config / "config.json" if args.config.is_dir() else args.config
+        cfg, shape = ModelConfig.from_hf(json.loads(path.read_text())), str(path)
     print(f"bench_kernels: {device_name} (type {gpu}), shape {shape} ({cfg.num_params / 1e6:.1f}M params, "
           f"{dtype_name}), grid {grid_name}", flush=True)
     model = random_model(cfg, dtype, device)

@@ -91,6 +91,8 @@ def bench_ours(model: Decoder, batch: int, plen: int, olen: int, args) -> tuple[
                        gpu_memory_fraction=args.kv_fraction, attention=args.attention,
                        cuda_graphs=not args.no_graphs, max_pages=args.max_pages)
     engine = Engine(model, cfg, eos_ids=[])
+    graphs = f"on ({len(engine.graphs.batch_sizes)} sizes)" if engine.graphs is not None else "off"
+    print(f"batch {batch}: attention backend {engine.backend.name}, CUDA graphs {graphs}", flush=True)
     ids = prompts(batch, plen, model.cfg.vocab_size)
     warm = [Request(f"w{i}", p, max_new_tokens=4, temperature=0.0) for i, p in enumerate(ids[:batch])]
     engine.generate(warm)  # kernel JIT, allocator warm-up

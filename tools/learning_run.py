@@ -1,18 +1,21 @@
 """The learning experiment: warm start, then asynchronous GRPO with hexrl, evaluated on held-out problems.
 
-    python tools/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0: ~18 min on 2 CPU cores
-    python tools/learning_run.py OUT --ablation      # eta in {0,1,4,8,inf} x {naive PPO, decoupled}: ~45 min
+    python tools/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0
+    python tools/learning_run.py OUT --ablation      # eta in {0,1,2,4,8,inf} x {naive PPO, decoupled}
+    python tools/learning_run.py OUT --study         # eta 0,1,2,4 decoupled + 4 naive over 3 seeds, vs the simulator
     python tools/learning_run.py OUT --steps 100     # shorter budget
     python tools/learning_run.py OUT --only 1:naive 4:decoupled
 
 Phase 1 (reported separately): `tools/warm_start.py` trains a tiny char-level model on
 arithmetic with cross-entropy for a short budget, into OUT/model. Phase 2: each configuration
-is planned (`python -m hexrl.plan`) and run with torchrun (2 trainer ranks + 1 rollout rank),
-evaluated with greedy decoding on the warm start's held-out set every `--eval-every` steps.
+is planned (`python -m hexrl.plan`) and run with torchrun: 1 trainer rank and 1 rollout rank, each
+pinned to its own core with one thread (the job's `cpu_affinity`; `--shared-cores` restores the
+old 2 trainer ranks + 1 rollout rank on whatever cores are free), evaluated with greedy decoding on the warm start's held-out set every `--eval-every` steps.
 Same seeds and step budget for every configuration; a table of final held-out accuracy, steps
 and wall time to `--target` accuracy and throughput is printed and written to OUT/summary.md
 (and summary.json); with matplotlib, learning.png goes into each run directory and OUT.
-Finished configurations are reused, so a re-run only adds what is missing.
+Finished configurations (same job.json) are reused, so a re-run only adds what is missing.
+`--study` is tools/learning_study.py: seeds, spread, and the simulator next to the measurements.
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -29,34 +33,53 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 from plot_run import plot  # noqa: E402
 
-ETAS = {"0": 0, "1": 1, "4": 4, "8": 8, "inf": None}
+ETAS = {"0": 0, "1": 1, "2": 2, "4": 4, "8": 8, "inf": None}
 
 
-def warm_start(out: Path) -> dict:
+# --smoke: a short warm start (its accuracy is beside the point) on a small held-out set
+SMOKE_WARM_START = ["--steps", "100", "--eval-every", "100", "--target-acc", "0", "--n-heldout", "100",
+                    "--n-dev", "50", "--threads", "1"]
+
+
+def warm_start(out: Path, args: list[str] = ()) -> dict:
     model = out / "model"
     if not (model / "warm_start.json").exists():
-        subprocess.run([sys.executable, str(ROOT / "tools" / "warm_start.py"), str(model)], check=True)
+        subprocess.run([sys.executable, str(ROOT / "tools" / "warm_start.py"), str(model), *args], check=True)
     return json.loads((model / "warm_start.json").read_text())
 
 
-def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a) -> dict:
+def layout(shared: bool) -> tuple[dict, dict]:
+    """(job fields, their description): 1 trainer + 1 rollout rank on a core each, or the old shared layout."""
+    if shared:
+        return {"cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 3}]},
+                "layout": {"train_gpus": 2, "dp": 2}}, "2 trainer ranks + 1 rollout rank, cores shared"
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        sys.exit(f"learning_run: a core per rank needs 2 cores, this process may use {cores}; try --shared-cores")
+    return {"cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 2}]},
+            "layout": {"train_gpus": 1, "dp": 1},
+            "cpu_affinity": {"cores": [[cores[0]], [cores[1]]], "disjoint": True, "threads": 1}}, \
+        f"1 trainer rank + 1 rollout rank, pinned to cores {cores[0]} and {cores[1]}, one thread each"
+
+
+def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a, seed: int | None = None) -> dict:
     return {
         "name": name, "model": {"path": str(out / "model")},
         "data": {"synthetic": ws["data_synthetic"]},  # the warm start's train / held-out split
         "reward": {"name": "exact", "timeout_s": 5},
         "rl": {"batch_size": a.batch, "group_size": a.group, "eta": eta, "lr": a.lr, "decoupled": decoupled,
                "ppo_minibatches": a.minibatches, "behav_cap": a.behav_cap,
-               "max_new_tokens": ws["max_new_tokens"], "temperature": 1.0, "steps": a.steps, "seed": a.seed,
-               "eval_every": a.eval_every},
-        "cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 3}]},
-        "layout": {"train_gpus": 2, "dp": 2},
+               "max_new_tokens": ws["max_new_tokens"], "temperature": 1.0, "steps": a.steps,
+               "seed": a.seed if seed is None else seed, "eval_every": a.eval_every},
+        **layout(a.shared_cores)[0],
         "out_dir": str(out / name),
     }
 
 
 def run_config(out: Path, job: dict, target: float) -> dict:
     run = Path(job["out_dir"])
-    if not (run / "final" / "config.json").exists():
+    same = (run / "job.json").exists() and json.loads((run / "job.json").read_text()) == job
+    if not (same and (run / "final" / "config.json").exists()):
         shutil.rmtree(run, ignore_errors=True)  # a run that did not finish: start it again from scratch
         run.mkdir(parents=True)
         (run / "job.json").write_text(json.dumps(job, indent=1))
@@ -64,7 +87,8 @@ def run_config(out: Path, job: dict, target: float) -> dict:
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         t0 = time.time()
-        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3",
+        nproc = job["cluster"]["nodes"][0]["gpus"]
+        subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                         "-m", "hexrl.main", str(run / "plan.json"), "--run-dir", str(run)],
                        check=True, cwd=ROOT, env=env)
         print(f"  {job['name']}: {time.time() - t0:.0f} s")
@@ -111,7 +135,19 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target", type=float, default=0.8, help="report the step and wall time to this accuracy")
     p.add_argument("--only", nargs="+", metavar="ETA:OBJ", help="run only these, e.g. 4:decoupled 0:naive")
+    p.add_argument("--shared-cores", action="store_true",
+                   help="the old layout: 2 trainer ranks + 1 rollout rank, not pinned (cores shared)")
+    p.add_argument("--study", action="store_true", help="eta 0,1,2,4 decoupled + 4 naive over --seeds seeds, "
+                   "with the simulator's prediction next to each (tools/learning_study.py)")
+    p.add_argument("--seeds", type=int, default=3, help="--study: seeds 0..N-1")
+    p.add_argument("--smoke", action="store_true", help="--study: 8 steps, batch 16, one seed (checks the pipeline; "
+                   "its numbers are not a result)")
+    p.add_argument("--docs", type=Path, help="--study: also copy study.md and study.png into this directory")
     a = p.parse_args(argv)
+    if a.smoke:
+        a.study, a.steps, a.eval_every, a.seeds, a.batch = True, 8, 4, 1, 16
+    if a.study:
+        return study(a)
     main_runs = [("4", True), ("4", False), ("0", True)]
     configs = [(e, d) for e in ETAS for d in (False, True)] if a.ablation else main_runs
     if a.only:
@@ -141,6 +177,46 @@ def main(argv=None) -> None:
     runs = [a.out / r["name"] for r in rows]
     if all(plot([run], run) for run in runs) and plot(runs, a.out):  # PNGs need matplotlib (optional)
         print(f"plots: {a.out}/learning.png and learning.png in each run directory")
+
+
+def study(a) -> None:
+    """Every configuration of the study over seeds; the CPU profile; the simulator; the tables."""
+    import learning_study as ls
+
+    a.out.mkdir(parents=True, exist_ok=True)
+    ws = warm_start(a.out, SMOKE_WARM_START if a.smoke else ())
+    fields, where = layout(a.shared_cores)
+    stats: dict[str, list[dict]] = {}
+    for seed in range(a.seeds):  # seed-major: an interrupted study has every configuration's first seeds
+        for eta, decoupled in ls.STUDY:
+            name = f"eta{eta}-{'decoupled' if decoupled else 'naive'}"
+            job = job_for(a.out, ws, f"{name}-s{seed}", ETAS[eta], decoupled, a, seed)
+            run_config(a.out, job, a.target)
+            stats.setdefault(name, []).append(ls.run_stats(Path(job["out_dir"])))
+    core = fields.get("cpu_affinity", {}).get("cores", [[sorted(os.sched_getaffinity(0))[0]]])[0][0]
+    prof = ls.profile(a.out, a.out / "model", core)
+    prompt = ls.prompt_len(job)
+    rows = []
+    for name, runs in stats.items():
+        completion = statistics.fmean(s["completion_len"] for s in runs)  # this configuration's measured mean
+        sim = ls.simulate(a.out / f"{name}-s0", prof.parent, prompt, completion, min(a.steps, 40))
+        rows.append(ls.aggregate(name, runs, sim))
+    head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
+             else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, lr {a.lr}, {where}; "
+            f"warm start {ws['heldout_accuracy']:.3f} held-out; mean [min-max] over seeds {list(range(a.seeds))}.\n"
+            f"Wall time excludes evaluation; trainer wait = time the trainer waited for a batch / wall; "
+            f"idle by /proc = 1 - the rank's CPU utilisation over its whole life (start-up and evaluation "
+            f"included); measured step s = median step (evaluation excluded).")
+    text = head + "\n\n" + ls.tables(rows)
+    print(text)
+    (a.out / "study.md").write_text(text + "\n")
+    (a.out / "study.json").write_text(json.dumps({"rows": rows, "runs": stats}, indent=1, default=str))
+    png = ls.plot(rows, a.out)
+    if a.docs:
+        a.docs.mkdir(parents=True, exist_ok=True)
+        shutil.copy(a.out / "study.md", a.docs / "study.md")
+        if png:
+            shutil.copy(png, a.docs / "study.png")
 
 
 if __name__ == "__main__":

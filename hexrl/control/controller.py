@@ -92,9 +92,11 @@ class Controller:
         """Block until every live replica was told to join the broadcast of `version` (so the
         trainer enters the collective only when they will too); raise if the rollouts failed."""
         with self.lock:
-            while self.delivered < version:
-                if self.failure:
+            while True:
+                if self.failure:  # first: a failed delivery also counts as delivered
                     raise ControllerFailure(self.failure)
+                if self.delivered >= version:
+                    return
                 self.lock.wait(0.5)
 
     def publish_version(self, version: int) -> None:
@@ -128,7 +130,7 @@ class Controller:
                     "gate": {"accepted": self.gate.accepted - len(ready), "released": dict(self.gate.released),
                              "too_stale": self.gate.too_stale},
                     "counters": {**self.buffer.counters(), "completion_tokens": self.completion_tokens,
-                                 "rejected": dict(self.rejected)}}
+                                 "rejected": dict(self._rejected())}}
 
     def load_state(self, state: dict) -> None:
         """Continue from `state()` of a checkpoint (older checkpoints lack "gate"/"counters")."""
@@ -148,9 +150,14 @@ class Controller:
     def counters(self) -> dict:
         with self.lock:
             acc = self.buffer.accounting()
-            rejected = self.rejected + self.router.rejected
+            rejected = self._rejected()
             return {**acc, "completion_tokens": self.completion_tokens, "too_stale": self.gate.too_stale,
                     "rejected_messages": sum(rejected.values()), "rejected_reasons": dict(rejected)}
+
+    def _rejected(self) -> Counter:
+        """Messages refused, by reason: here and by the channel (copied at once: the controller
+        thread adds to the channel's counter without the lock)."""
+        return Counter(dict(self.router.rejected)) + self.rejected
 
     # ------------------------------------------------------------------ controller thread
     def _run(self) -> None:

@@ -6,7 +6,10 @@ supplies a paged-KV backend with the same call signature.
 """
 from __future__ import annotations
 
-from typing import Protocol
+import inspect
+from functools import lru_cache
+from itertools import accumulate
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -18,21 +21,71 @@ class AttentionBackend(Protocol):
 
 
 class CausalAttention:
-    """Causal self-attention inside each of the packed sequences given by their lengths."""
+    """Causal self-attention inside each of the packed sequences given by their lengths.
+
+    Equal lengths: one batched SDPA call. Unequal lengths on CUDA in fp16/bf16: one variable-length
+    flash-attention call (`torch.nn.attention.varlen.varlen_attn` when this torch has it, else
+    FlashAttention's `flash_attn_varlen_func` when installed). Otherwise one SDPA call per sequence
+    (the CPU path, and the reference the varlen path is tested against).
+    """
 
     def __init__(self, seq_lens: list[int]):
         self.seq_lens = [int(n) for n in seq_lens]
+        self._cu: torch.Tensor | None = None  # cumulative lengths on the device, made once per batch
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if len(set(self.seq_lens)) == 1:  # equal lengths: one batched call
             b, s = len(self.seq_lens), self.seq_lens[0]
             return _sdpa(*(t.view(b, s, *t.shape[1:]) for t in (q, k, v))).reshape(q.shape)
-        outs, start = [], 0
-        for n in self.seq_lens:
-            end = start + n
-            outs.append(_sdpa(q[None, start:end], k[None, start:end], v[None, start:end])[0])
-            start = end
-        return torch.cat(outs)
+        varlen = varlen_function() if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) else None
+        if varlen is not None:
+            if self._cu is None:
+                cu = [0, *accumulate(self.seq_lens)]
+                self._cu = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
+            return varlen(q, k, v, self._cu, max(self.seq_lens))
+        return per_sequence_attention(self.seq_lens, q, k, v)
+
+
+def per_sequence_attention(seq_lens: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each packed sequence, one SDPA call per sequence."""
+    outs, start = [], 0
+    for n in seq_lens:
+        end = start + n
+        outs.append(_sdpa(q[None, start:end], k[None, start:end], v[None, start:end])[0])
+        start = end
+    return torch.cat(outs)
+
+
+@lru_cache(maxsize=None)
+def varlen_function() -> Callable | None:
+    """`f(q, k, v, cu_seqlens, max_len)` -> causal varlen attention over packed [T, H, D] tensors
+    (GQA allowed), or None when neither torch's varlen_attn nor FlashAttention is available."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        varlen_attn = None
+    if varlen_attn is not None:
+        return torch_varlen(varlen_attn)
+    try:
+        from flash_attn import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return lambda q, k, v, cu, n: flash_attn_varlen_func(q, k, v, cu, cu, n, n, causal=True)
+
+
+def torch_varlen(varlen_attn: Callable) -> Callable:
+    """Adapt torch's varlen_attn (its causal and GQA arguments changed across torch versions)."""
+    params = inspect.signature(varlen_attn).parameters
+    causal = {"window_size": (-1, 0)} if "window_size" in params else {"is_causal": True}
+    gqa = "enable_gqa" in params
+
+    def run(q, k, v, cu, n):
+        if gqa:
+            return varlen_attn(q, k, v, cu, cu, n, n, enable_gqa=True, **causal)
+        group = q.shape[1] // k.shape[1]  # no GQA support: repeat the k/v heads
+        return varlen_attn(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1), cu, cu, n, n, **causal)
+
+    return run
 
 
 def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -30,22 +30,36 @@ class RMSNorm(nn.Module):
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (non-interleaved halves, as in HF Llama/Qwen2)."""
+    """Rotary position embedding (non-interleaved halves, as in HF Llama/Qwen2).
+
+    One instance serves every layer of a model: cos/sin are computed once per forward pass
+    (`reset()` at its start) for the positions tensor in use, not twice per layer."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self._key: tuple | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def reset(self) -> None:
+        """Forget the cached cos/sin (a new forward pass; positions may have changed in place)."""
+        self._key = self._cos_sin = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._key is None or self._key[0] is not positions or self._key[1] != dtype:
+            freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
+            emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, D]
+            self._key, self._cos_sin = (positions, dtype), (emb.cos().to(dtype), emb.sin().to(dtype))
+        return self._cos_sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, D]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = self.cos_sin(positions, x.dtype)
         x1, x2 = x.chunk(2, dim=-1)
         return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup | None):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup | None, rotary: Rotary):
         super().__init__()
         tp_size = tp.size if tp else 1
         self.layer, self.head_dim = layer, cfg.head_dim
@@ -56,7 +70,7 @@ class Attention(nn.Module):
         self.k_proj = column_linear(h, kv, cfg.qkv_bias, tp, "num_key_value_heads*head_dim")
         self.v_proj = column_linear(h, kv, cfg.qkv_bias, tp, "num_key_value_heads*head_dim")
         self.o_proj = row_linear(q, h, cfg.o_bias, tp)
-        self.rotary = Rotary(cfg)
+        self.rotary = rotary  # shared by all layers
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
@@ -79,10 +93,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup | None):
+    def __init__(self, cfg: ModelConfig, layer: int, tp: TPGroup | None, rotary: Rotary):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer, tp)
+        self.self_attn = Attention(cfg, layer, tp, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg, tp)
 
@@ -97,7 +111,8 @@ class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: range, first: bool, last: bool, tp: TPGroup | None):
         super().__init__()
         self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size, tp) if first else None
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, tp) for i in layers})
+        rotary = Rotary(cfg)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i, tp, rotary) for i in layers})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if last else None
 
 
@@ -124,10 +139,15 @@ class Decoder(nn.Module):
 
     def stage(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         """Token ids [T] (first stage) or hidden [T, H] -> hidden [T, H], normed on the last stage."""
+        self.reset_rotary()
         h = self.model.embed_tokens(x) if self.is_first else x
         for layer in self.model.layers.values():
             h = layer(h, positions, attn)
         return self.model.norm(h) if self.is_last else h
+
+    def reset_rotary(self) -> None:
+        """Start of a forward pass: drop the shared rotary cos/sin cache."""
+        next(iter(self.model.layers.values())).self_attn.rotary.reset()
 
     def logits(self, hidden: torch.Tensor, fp32: bool = False) -> torch.Tensor:
         """Normed hidden states -> logits (this rank's vocab slice under TP). fp32=True returns float32

@@ -23,6 +23,10 @@ REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5}
 # The rollout leader scores a finished group in its RewardPool (hexrl/rollout/worker.py, default
 # reward_workers=2) before it decodes on: a group's G rewards stall its replica ceil(G / 2) rewards.
 REWARD_WORKERS = 2
+# Share of a link's rate a large (64 MB bucket) NCCL broadcast reaches; an assumption (nccl-tests
+# bus bandwidth on TCP/RoCE NICs), not a measurement of this cluster: a profile of the weight
+# sync would replace it.
+NCCL_EFFICIENCY = 0.8
 
 
 @dataclass(frozen=True)
@@ -156,7 +160,7 @@ class CostModel:
         tok = w.tokens / dp  # tokens through one replica per step
         passes = 3 + w.extra_fwd + int(recompute)
         nvlink = self.cluster.intra_GBps(gpu_type) * 1e9
-        flops = g.flops * g.train_mfu * tp
+        flops = g.flops * self.train_efficiency(gpu_type, dp * tp * pp) * tp
         compute = passes * self.layer_fwd_flops * tok / flops
         tp_comm = 0.0
         if tp > 1:  # 2 all-reduces of activations per forward-like pass, 4 per backward
@@ -167,7 +171,8 @@ class CostModel:
         if dp > 1:
             dp_per_param = 2 * (dp - 1) / dp * grad_bytes / nvlink
             if dp_nodes > 1:  # the node's NIC carries a whole copy of the stage's gradients
-                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / (self.cluster.inter_node_GBps * 1e9)
+                nic = self.cluster.inter_node_GBps * 1e9
+                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / nic
         opt_per_param = 2 * 16 / tp / g.hbm_Bps  # read + write weights, grads, Adam state
         per_layer = bubble * (compute + tp_comm) + k * (dp_per_param + opt_per_param) * self.layer_params
         fixed = 0.0
@@ -181,6 +186,13 @@ class CostModel:
         if send_GBps is not None:  # activations forward, gradients back, per replica
             fixed += bubble * (2 + w.extra_fwd) * tok * h * 2 * dp / max(1, dp_nodes) / (send_GBps * 1e9)
         return StageCoeffs(per_layer, fixed, self._max_layers(gpu_type, tp, pp, index, mb, recompute, edge_params))
+
+    def train_efficiency(self, gpu_type: str, gpus: int) -> float:
+        """Fraction of peak a trainer of `gpus` GPUs reaches on this type: train_mfu, less
+        train_scale_loss per doubling past one node (the paper's Observation 2 for H20)."""
+        g = self.gpus[gpu_type]
+        doublings = max(0.0, math.log2(gpus / self.gpn)) if gpus > self.gpn else 0.0
+        return g.train_mfu / (1 + g.train_scale_loss * doublings)
 
     def _max_layers(self, gpu_type, tp, pp, index, mb, recompute, edge_params) -> int:
         m, w = self.m, self.w
@@ -299,27 +311,30 @@ class CostModel:
             self._surv = (np.minimum(surv, 1.0), ctx)
         return self._surv
 
-    def drain_s(self, gpu_type: str, tp: int, n: float) -> float:
+    def drain_s(self, gpu_type: str, tp: int, n: float, n_all: float = 0.0) -> float:
         """Expected seconds for n sequences that start decoding together to all finish, none joining.
 
         Decode step j runs while any sequence is longer than j - 1 tokens (probability
         1 - (1 - S_j)^n) with the sequences still alive (n S_j on average, given one is); every
-        sequence reads its context once per step it decodes.
+        sequence reads its context once per step it decodes. n_all > n: the slowest of replicas
+        draining n_all sequences in all (the step ends with the longest of all of them).
         """
         surv, ctx = self._survival()
-        alive = 1 - (1 - surv) ** n
+        alive = 1 - (1 - surv) ** max(n, n_all)
         batch = np.maximum(1.0, n * surv / np.maximum(alive, 1e-300))
         a = self.decode_fixed_s(gpu_type, tp, batch)
         c = self.decode_coeffs(gpu_type, tp, 1)[1]
         return float((alive * a).sum() + c * n * ctx)
 
-    def wave_s(self, gpu_type: str, tp: int, batch: int, n: float) -> float:
+    def wave_s(self, gpu_type: str, tp: int, batch: int, n: float, n_all: float = 0.0) -> float:
         """Seconds for one replica (at most `batch` running) to generate n sequences handed to it at
-        once: a full batch while sequences wait, then the last `batch` drain with nobody joining."""
+        once: a full batch while sequences wait, then the last `batch` drain with nobody joining
+        (n_all: sequences all replicas drain together, see drain_s)."""
         if n <= 0:
             return 0.0
         first = min(n, batch)
-        t = self.prefill_s(gpu_type, tp, first * self.w.prompt_len, self.w.prompt_len / 2) + self.drain_s(gpu_type, tp, first)
+        t = self.prefill_s(gpu_type, tp, first * self.w.prompt_len, self.w.prompt_len / 2)
+        t += self.drain_s(gpu_type, tp, first, n_all * first / n)
         if n > batch:
             t += (n - batch) * self.w.mean_out / self.decode_point(gpu_type, tp, batch).tokens_per_s
         return t
@@ -329,8 +344,16 @@ class CostModel:
         rollout needs to generate one step's B groups dealt out by share, and the longest reward
         stall of one replica over a step (its groups times group_reward_s)."""
         active = [r for r in replicas if r.share > 0] or list(replicas)
-        wave = max(self.wave_s(r.gpu_type, r.tp, r.batch, r.share * self.w.samples) for r in active)
         groups = self.w.samples / self.w.group
+        n = [math.ceil(r.share * groups - 1e-9) * self.w.group for r in active]  # whole groups
+        wave = max(self.wave_s(r.gpu_type, r.tp, r.batch, k, self.w.samples) for r, k in zip(active, n))
+        # the slowest of m replicas, not the average one: the tokens a replica is dealt vary (sd
+        # sqrt(n) sd(L) while it has a queue), and E[max of m] ~ mean + sd sqrt(2 ln m)
+        d = self.lengths
+        sd_len = math.sqrt(max(0.0, d.second_moment() - d.mean() ** 2))
+        sd = max(math.sqrt(max(0.0, k - r.batch)) * sd_len / self.decode_point(r.gpu_type, r.tp, r.batch).tokens_per_s
+                 for r, k in zip(active, n))
+        wave += sd * math.sqrt(2 * math.log(len(active))) if len(active) > 1 else 0.0
         return wave, max(r.share for r in active) * groups * self.group_reward_s()
 
     def gen_s(self, theta_s: float, wave_s: float, train_s: float, sync_s: float) -> float:
@@ -351,17 +374,19 @@ class CostModel:
 
     # ------------------------------------------------------------------ sync, reward
     def sync_s(self, stage_bytes: list[tuple[int, float]], rollout_nodes: set[int]) -> float:
-        """Weight broadcast: each stage's leader (on node n) sends its bytes to all rollout nodes.
+        """Weight broadcast: each stage's leader (on node n) sends its bytes to all rollout ranks.
 
-        stage_bytes: (leader node, bytes) per stage. Leaders sharing a node share its link.
+        stage_bytes: (leader node, bytes) per stage. A rollout rank joins the stages' broadcasts
+        one after the other (hexrl/rollout/worker.py), so the stages add up. NCCL's broadcast is a
+        pipelined ring: each byte crosses the slowest link once, at NCCL_EFFICIENCY of its rate.
         """
-        per_node: dict[int, float] = {}
+        total = 0.0
         for node, nbytes in stage_bytes:
-            bw = min(self.cluster.link_GBps(node, r) for r in rollout_nodes) * 1e9
+            bw = min(self.cluster.link_GBps(node, r) for r in rollout_nodes) * 1e9 * NCCL_EFFICIENCY
             t = self.cluster.nodes[node].gpu_type
             gather = nbytes / (self.cluster.intra_GBps(t) * 1e9)  # TP shards to the leader
-            per_node[node] = per_node.get(node, 0.0) + nbytes / bw + gather
-        return max(per_node.values(), default=0.0)
+            total += nbytes / bw + gather
+        return total
 
     def group_reward_s(self) -> float:
         """Seconds a replica stalls to score one finished group (G samples on REWARD_WORKERS)."""

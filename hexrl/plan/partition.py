@@ -19,6 +19,7 @@ from itertools import product
 import numpy as np
 
 from hexrl.plan.candidate import Candidate, Evaluator
+from hexrl.plan.cost import NCCL_EFFICIENCY
 from hexrl.plan.placement import train_per_node
 
 GRID_POINTS = 200_000  # splits scored per repartition (vectorised)
@@ -68,19 +69,37 @@ class GraphScore:
 def lower_bounds(ev: Evaluator, types: list[str], grid: np.ndarray) -> np.ndarray:
     """A lower bound on the step time of every split in `grid` (splits, types), vectorised.
 
-    Training can go no faster than its FLOPs over the training GPUs' effective FLOP/s, and
-    generation no faster than the rollout GPUs' best per-GPU decode rates; both ignore every
-    communication, bubble and packing loss, so the bound never exceeds the cost model.
+    Training: its FLOPs plus the optimizer's HBM traffic (every parameter's weights, grads and
+    Adam state once per minibatch) over the training GPUs' effective rates, weighting stages by
+    their FLOP/s. Generation: the rollout GPUs' best per-GPU decode rates. Weight sync: the
+    stages broadcast one after another, so all the weights cross a link no faster than the best
+    one from a training type to the slowest rollout type. Bubbles, packing and the rest are
+    ignored, so the bound never exceeds the cost model.
     """
     cm = ev.cm
+    gpn = cm.gpn
     total = np.array([cm.cluster.count(t) for t in types], dtype=float)
-    train_rate = grid @ np.array([cm.gpus[t].flops * cm.gpus[t].train_mfu for t in types])
+    eff = np.array([cm.gpus[t].flops * cm.gpus[t].train_mfu for t in types])
+    hbm = np.array([cm.gpus[t].hbm_Bps for t in types])
+    train_rate = grid @ eff
     mem = grid @ np.array([cm.usable_bytes(t) for t in types])
     dec = (total - grid) @ np.array([cm.decode_rate_bound(t) for t in types])
-    with np.errstate(divide="ignore"):
-        lb_t = np.where((train_rate > 0) & (mem >= cm.train_memory_floor()), cm.train_flops() / train_rate, np.inf)
+    params = cm.m.num_hidden_layers * cm.layer_params + 2 * cm.head_params()
+    # optimizer: a stage of GPU type t spends >= 32 B / hbm per parameter it holds, per minibatch
+    opt = cm.w.minibatches * 32 * params * np.where(grid > 0, eff / hbm, np.inf).min(1)
+    # weight sync: the stages' leaders send one after another, none faster than the best link
+    # from a training type to the slowest rollout type
+    link = np.array([[max(cm.cluster.inter_node_GBps, cm.cluster.intra_GBps(a)) if a == b
+                      else cm.cluster.cross_GBps(a, b) for b in types] for a in types]) * 1e9
+    rollout_nodes = total / gpn - np.floor(grid / gpn)
+    best_link = np.where((rollout_nodes > 0)[:, None, :], link[None], np.inf).min(2)
+    send = np.where((grid > 0) & np.isfinite(best_link), best_link, 0).max(1) * NCCL_EFFICIENCY
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ok = (train_rate > 0) & (mem >= cm.train_memory_floor())
+        lb_t = np.where(ok, (cm.train_flops() + opt) / train_rate, np.inf)
         lb_g = np.where(dec > 0, cm.w.gen_tokens / dec, np.inf)
-    return lb_t + lb_g if cm.w.eta == 0 else np.maximum(lb_t, lb_g)
+        lb_s = np.where(send > 0, 2 * params / send, 0.0)
+    return lb_t + lb_g + lb_s if cm.w.eta == 0 else np.maximum(lb_t, lb_g) + lb_s
 
 
 def split_grid(totals: list[int], limit: int = GRID_POINTS) -> np.ndarray:
@@ -170,11 +189,13 @@ def two_phase(ev: Evaluator, patience: int = 1, max_bisect: int = 16) -> tuple[C
 
 
 def _bound_sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog,
-                 tol: float = 0.005, budget: int = 200) -> Candidate | None:
+                 tol: float = 0.005, budget: int | None = None) -> Candidate | None:
     """Check the splits the two phases did not visit, most promising lower bound first, until
     no split's bound can beat the best by more than `tol` (or the budget is spent: a training
-    search counts 1, a rollout MILP 2)."""
+    search counts 1, a rollout MILP 2). The default budget grows with the number of splits
+    (0.3 per split, i.e. a tenth of costing them all, between 200 and 1,000)."""
     lb = lower_bounds(ev, types, grid)
+    budget = budget if budget is not None else int(min(1000, max(200, 0.3 * len(grid))))
     spent = 0
     for i in np.argsort(lb, kind="stable"):
         if not np.isfinite(lb[i]) or (best is not None and lb[i] >= best.step_s * (1 - tol)) or spent >= budget:

@@ -227,7 +227,8 @@ class Simulation:
     def try_train(self, t: float):
         if self.training or self.syncing:
             return
-        batch = self.buffer.pop_batch(self.B, trainer_version=self.trained)  # drops stale groups
+        self.buffer.drop_stale(self.trained)  # as Controller.next_batch does, then oldest first
+        batch = self.buffer.pop_batch(self.B)
         if batch is None:
             self.dispatch(t)  # dropped groups gave their slots back
             return

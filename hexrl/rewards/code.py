@@ -9,7 +9,9 @@ A test is one of:
   in a second sandbox (the judge), where the solution's functions are proxies returning plain
   values relayed by this process; the solution never sees the test code;
 - `{"input": stdin, "output": expected stdout}`: this process compares the output;
-- `{"all": [plain assert strings]}`: one test that passes when every assert in it passes.
+- `{"all": [assert strings]}`: one test that passes when every assert in it passes.
+A `{"check"}` or `{"all"}` test may carry `"setup"` (the prompt's code) and `"entry_point"`: a
+completion that does not define the entry point is taken as the body continuing the prompt.
 Nothing the program prints, patches, or exits with decides the score: a value either equals
 the expected one or the test fails. See README "Reward safety" for what remains possible.
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 import ast
 import builtins
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -53,8 +56,9 @@ def _is_check(t) -> bool:
 
 
 def _is_group(t) -> bool:
-    return isinstance(t, dict) and isinstance(t.get("all"), list) and bool(t["all"]) and all(
-        isinstance(a, str) for a in t["all"])
+    return (isinstance(t, dict) and isinstance(t.get("all"), list) and bool(t["all"])
+            and all(isinstance(a, str) for a in t["all"]) and isinstance(t.get("setup", ""), str)
+            and isinstance(t.get("entry_point", ""), str))
 
 
 def validate_tests(tests) -> list:
@@ -166,7 +170,7 @@ def run_calls(code: str, calls: list[tuple[str, tuple]], limits: Limits, unsafe:
         results = []
         for fn, args in calls:
             results.append(_call(player, fn, encode(args)))
-            if results[-1] is _FAIL and player._eof:
+            if results[-1] is _FAIL and player.ended:  # the rest would fail the same way
                 break
     return results + [_FAIL] * (len(calls) - len(results))
 
@@ -206,29 +210,32 @@ def _stdio_passes(code: str, test: dict, limits: Limits, unsafe: bool) -> bool:
         out.decode(errors="replace"), test["output"])
 
 
-def _with_setup(code: str, checks: list[dict]) -> str:
+def _with_setup(code: str, tests: list[dict]) -> str:
     """HumanEval completions may continue the prompt's signature: prepend the prompt then."""
-    for t in checks:
-        if t.get("setup") and not re.search(rf"^def\s+{re.escape(t['entry_point'])}\s*\(", code, re.M):
+    for t in tests:
+        defines = rf"^def\s+{re.escape(t.get('entry_point') or '')}\s*\("
+        if t.get("setup") and t.get("entry_point") and not re.search(defines, code, re.M):
             return t["setup"] + code
     return code
 
 
 def outcomes(code: str, tests: list, limits: Limits, unsafe: bool = False) -> list[bool]:
     """Pass/fail of every test, in order (a group passes when all its asserts do)."""
-    groups = [(i, len(t["all"])) for i, t in enumerate(tests) if _is_group(t)]
-    if groups:
-        flat = [a for t in tests for a in (t["all"] if _is_group(t) else [t])]
-        flat_passed, out, k = outcomes(code, flat, limits, unsafe), [], 0
-        for t in tests:
-            n = len(t["all"]) if _is_group(t) else 1
-            out.append(all(flat_passed[k:k + n]))
-            k += n
-        return out
+    code = _with_setup(code, [t for t in tests if _is_group(t) or _is_check(t)])
+    flat = [a for t in tests for a in (t["all"] if _is_group(t) else [t])]
+    flat_passed, out, k = _flat_outcomes(code, flat, limits, unsafe), [], 0
+    for t in tests:
+        n = len(t["all"]) if _is_group(t) else 1
+        out.append(all(flat_passed[k:k + n]))
+        k += n
+    return out
+
+
+def _flat_outcomes(code: str, tests: list, limits: Limits, unsafe: bool) -> list[bool]:
+    """Pass/fail of tests that are asserts, checks or stdin/stdout (no groups): one sandbox per kind."""
     plain = {i: p for i, t in enumerate(tests) if isinstance(t, str) and (p := plain_call(t))}
     judged = [i for i, t in enumerate(tests) if isinstance(t, str) and i not in plain]
     checks = [i for i, t in enumerate(tests) if _is_check(t)]
-    code = _with_setup(code, [tests[i] for i in checks])
     passed = [False] * len(tests)
     if plain:
         results = run_calls(code, [(fn, args) for fn, args, _ in plain.values()], limits, unsafe)
@@ -251,15 +258,22 @@ def outcomes(code: str, tests: list, limits: Limits, unsafe: bool = False) -> li
     return passed
 
 
+def unsafe_default() -> bool:
+    """The opt-out for trusted code, HEXRL_CODE_REWARD_UNSAFE=1 (never for model output)."""
+    return os.environ.get("HEXRL_CODE_REWARD_UNSAFE") == "1"
+
+
 def code_reward(completion: str, tests, *, timeout_s: float = 5.0, memory_mb: int = 512,
-                all_or_nothing: bool = False, unsafe: bool = False) -> float:
+                all_or_nothing: bool = False, unsafe: bool | None = None) -> float:
     """Fraction of `tests` the completion's program passes (or 1/0 with `all_or_nothing`).
 
     `timeout_s` bounds each sandboxed run (one per group of tests). Raises ValueError for
     malformed `tests` (a dataset bug, not a model failure) and SandboxUnavailable when this
-    machine cannot isolate the program (`unsafe=True` skips isolation: trusted code only).
+    machine cannot isolate the program. `unsafe=True` (default: `unsafe_default()`) skips
+    the isolation: for trusted code only.
     """
     tests = validate_tests(tests)
+    unsafe = unsafe_default() if unsafe is None else unsafe
     check_isolation(unsafe)
     code = extract_code(completion) if isinstance(completion, str) else ""
     if not code.strip():

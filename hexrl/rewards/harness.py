@@ -4,9 +4,10 @@ Stdlib only: the sandbox runs this file as a script (`python -I -S harness.py pl
 and the reward process imports it for the codec, so both sides speak one format.
 
 - `player FILE`: runs the untrusted solution, then serves calls `{"fn", "args"}` -> `{"ok": value}`
-  or `{"error": text}`, one JSON line each way (`"fn": null` asks whether the solution loaded). Only plain values cross: `encode` accepts the exact
-  types None, bool, int, float, str, bytes, list, tuple, dict, set, frozenset (subclasses, e.g. an
-  object whose `__eq__` is always True, are refused), so the decoded value has no code of its own.
+  or `{"error": text}`, one JSON line each way (`"fn": null` asks whether the solution loaded).
+  Only plain values cross: `encode` accepts the exact types None, bool, int, float, str, bytes,
+  list, tuple, dict, set, frozenset (subclasses, e.g. an object whose `__eq__` is always True,
+  are refused), so the decoded value has no code of its own.
 - `judge FILE`: runs trusted test code (a HumanEval `check` or an assert the reward could not turn
   into a call) in its own sandbox; the solution's functions are proxies that send their arguments
   out and get plain values back through the reward process. It never sees the solution's code.

@@ -1,24 +1,31 @@
-"""Math answer checking: extract the final answer, normalise it, compare it to the reference.
+"""Math answer checking: extract the final answer, compare it exactly, else ask math-verify.
 
 Conventions (documented choices):
 - the answer is the LAST well-formed `\\boxed{...}` / `\\fbox{...}`, else the text after the
-  last `####` (GSM8K), else none (reward 0) unless `last_number_fallback=True`;
+  last `####` (GSM8K), else the last "the (final) answer is X", else none (reward 0) unless
+  `last_number_fallback=True`;
 - percent signs are dropped: `50\\%` equals `50` (and does NOT equal `0.5`);
 - units (`\\text{cm}`, `^\\circ`, `5 inches`) are dropped after a number;
 - `1,000` equals `1000` only when the whole answer is a thousands-grouped number, so the
   tuple `1,2` stays a tuple;
-- numbers compare with relative tolerance 1e-6 (absolute 1e-9) through exact fractions:
-  `0.5`, `1/2`, `\\frac12`, `\\dfrac{1}{2}` are all equal; everything else compares as the
-  normalised string (tuples and intervals element by element).
+- numbers compare EXACTLY as fractions, with no tolerance: `0.5`, `1/2`, `\\frac12`,
+  `\\dfrac{1}{2}` are equal; `1048577` != `1048576`, `0.3333333` != `1/3`, `1e-10` != `0`;
+- answers that are not both plain numbers (or equal as normalised strings, or equal tuples)
+  go to Hugging Face's math-verify (sympy-based: `\\sqrt{12}` = `2\\sqrt{3}`, `(x+1)^2` =
+  `x^2+2x+1`, `2^{10}` = `1024`, `\\{3,2,1\\}` = `\\{1,2,3\\}`), asked both ways round, with
+  its own timeouts; when both sides evaluate to numbers its float rounding is overruled by a
+  50-digit comparison, so it can never accept a different integer or decimal.
 """
 
 from __future__ import annotations
 
+import logging
 import re
+import threading
 from fractions import Fraction
 
-REL_TOL = Fraction(1, 10**6)  # exact, so huge values cannot overflow a float
-ABS_TOL = Fraction(1, 10**9)
+_MV_TIMEOUT_S = 3  # math-verify's own parse/verify timeouts (signal based: main thread only)
+_MV_DIGITS = 50  # numeric check of math-verify's accepts: far beyond any float rounding
 _MAX_NUMBER_LEN = 100  # longer "numbers" are not worth parsing (and could be slow)
 _MAX_ANSWER_LEN = 1000  # longer "answers" are compared as plain strings (keeps the worst case cheap)
 
@@ -82,11 +89,23 @@ def find_hash_answer(text: str) -> str | None:
 _LAST_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 
 
+_ANSWER_IS = re.compile(r"answer is:?\s*(.+?)\s*(?:\.(?=\s|$)|$)", re.IGNORECASE | re.MULTILINE)
+
+
+def find_answer_is(text: str) -> str | None:
+    """The last "the answer is X" (X up to the end of its sentence or line, `$` stripped)."""
+    found = _ANSWER_IS.findall(text[-5000:])
+    answer = found[-1].strip().strip("$").strip() if found else ""
+    return answer or None
+
+
 def extract_answer(text: str, last_number_fallback: bool = False) -> str | None:
-    """The final answer of a completion: last box, else last `####`, else (optionally) last number."""
+    """The final answer: last box, else last `####`, else last "answer is", else (optionally) last number."""
     found = find_boxed(text)
     if found is None:
         found = find_hash_answer(text)
+    if found is None:
+        found = find_answer_is(text)
     if found is None and last_number_fallback:
         numbers = _LAST_NUMBER.findall(text)
         found = numbers[-1] if numbers else None
@@ -198,11 +217,6 @@ def _parse_number(s: str) -> Fraction | None:
     return None
 
 
-def _close(a: Fraction, b: Fraction) -> bool:
-    diff = abs(a - b)
-    return diff <= ABS_TOL or diff <= REL_TOL * max(abs(a), abs(b))
-
-
 def _split_top_level(s: str) -> list[str]:
     """Split on commas that are not inside any bracket."""
     parts, depth, start = [], 0, 0
@@ -223,7 +237,7 @@ def _equal_normalized(p: str, g: str) -> bool:
         return True
     a, b = _parse_number(p), _parse_number(g)
     if a is not None and b is not None:
-        return _close(a, b)
+        return a == b  # exact: no tolerance may accept a different integer
     # tuples / intervals: same brackets, same length, equal elements
     if len(p) > 2 and len(g) > 2 and p[0] == g[0] and p[-1] == g[-1] and p[0] in "([" and p[-1] in ")]":
         ps, gs = _split_top_level(p[1:-1]), _split_top_level(g[1:-1])
@@ -232,10 +246,52 @@ def _equal_normalized(p: str, g: str) -> bool:
     return False
 
 
+def _plain_number(s: str) -> bool:
+    return _parse_number(s) is not None
+
+
+def _numbers_differ(a, b) -> bool:
+    """True when two sympy values are both numbers and differ at 50 digits."""
+    import sympy
+    try:
+        x, y = sympy.N(a, _MV_DIGITS), sympy.N(b, _MV_DIGITS)
+        if not (x.is_number and y.is_number):
+            return False
+        return bool(abs(x - y) > sympy.Float(10) ** (5 - _MV_DIGITS) * max(1, abs(y)))
+    except Exception:
+        return True  # a value we cannot evaluate is not a proven equality
+
+
+def _math_verify_equal(predicted: str, reference: str) -> bool:
+    """math-verify's equivalence, asked both ways, with its numeric accepts made exact."""
+    from math_verify import parse, verify
+    if max(len(predicted), len(reference)) > _MAX_ANSWER_LEN:
+        return False
+    # Its timeouts use SIGALRM, which only the main thread may set (a reward-pool worker's is);
+    # in another thread the caller's own timeout (the pool kills the process) is the bound.
+    t = _MV_TIMEOUT_S if threading.current_thread() is threading.main_thread() else None
+    logging.getLogger("math_verify").setLevel(logging.ERROR if t is None else logging.WARNING)  # "timeout disabled"
+    gold, pred = (parse(f"${s}$", parsing_timeout=t) for s in (reference, predicted))
+    if not gold or not pred:
+        return False
+    if not (verify(gold, pred, timeout_seconds=t) and verify(pred, gold, timeout_seconds=t)):
+        return False
+    return not _numbers_differ(pred[0], gold[0])
+
+
 def answers_match(predicted: str, reference: str) -> bool:
-    """True when two final answers are equal after normalisation (numerically where possible)."""
+    """True when two final answers are equal: exactly as numbers or strings, else by math-verify."""
     p, g = normalize_answer(predicted), normalize_answer(reference)
-    return bool(p) and bool(g) and _equal_normalized(p, g)
+    if not p or not g:
+        return False
+    if _equal_normalized(p, g):
+        return True
+    if _plain_number(p) and _plain_number(g):
+        return False  # two exact numbers were compared exactly above: no second opinion
+    try:
+        return _math_verify_equal(predicted, reference)
+    except Exception:  # a grader error is not a match
+        return False
 
 
 def reference_answer(answer: str) -> str:

@@ -16,8 +16,9 @@ from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Iterable
 
-from hexrl.rewards.code import code_reward
+from hexrl.rewards.code import code_reward, unsafe_default
 from hexrl.rewards.math import math_reward
+from hexrl.rewards.sandbox import check_isolation
 from hexrl.rewards.synthetic import exact_match_reward
 
 RewardFn = Callable[[str, object], float]
@@ -45,9 +46,16 @@ class PoolStats:
         return asdict(self)
 
 
+def _warm_up(fn: RewardFn) -> None:
+    """Pay one-time import costs before the first timed call (math-verify's first: seconds)."""
+    if fn is math_reward:
+        math_reward("\\boxed{\\sqrt{4}}", "2")
+
+
 def _worker_main(conn: Connection, fn: RewardFn) -> None:
     """Worker loop: (idx, completion, answer) in, (idx, "ok"|"error", value) out; None stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    _warm_up(fn)
     conn.send(("ready",))
     while True:
         try:
@@ -95,6 +103,8 @@ class RewardPool:
             problems.append(f"timeout_s must be > 0, got {timeout_s!r}")
         if problems:
             raise ValueError("RewardPool: " + "; ".join(problems))
+        if self.fn is code_reward:  # refuse now, loudly, rather than score every sample 0.0
+            check_isolation(unsafe_default())
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.stats = PoolStats()

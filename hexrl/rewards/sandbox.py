@@ -2,7 +2,7 @@
 
 Each `Sandbox` is one program run by `sandbox_init.py` (the launcher; see its docstring for the
 process tree). What the program gets:
-- user, pid, mount, net, ipc and uts namespaces of its own; uid/gid 65534 (the host's `nobody`
+- user, pid, mount, net, ipc and uts namespaces of its own (none nested); uid/gid 65534 (the host's `nobody`
   when hexrl runs as root, else the caller's own uid), no capabilities, no_new_privs;
 - a root filesystem holding only read-only system directories (/usr, /lib*, the Python
   install with its site-packages hidden, so no installed dataset is readable), its files in a
@@ -68,7 +68,10 @@ def system_view() -> tuple[list[str], dict[str, str], list[str]]:
             links[path] = os.readlink(path)
         elif os.path.isdir(path) and not any(path.startswith(b + "/") for b in binds):
             binds.append(path)
-    hidden = site.getsitepackages() + [site.getusersitepackages(), "/usr/local/lib", "/usr/lib/python3/dist-packages"]
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    hidden = site.getsitepackages() + [site.getusersitepackages(), "/usr/lib/python3/dist-packages"] + [
+        f"{prefix}/lib/{version}/{d}" for prefix in (sys.base_prefix, "/usr/local", "/usr")  # a venv's base too
+        for d in ("site-packages", "dist-packages")]
     masks = sorted({os.path.realpath(p) for p in hidden if os.path.isdir(p)})
     return binds, links, [m for m in masks if any(m.startswith(b + "/") for b in binds)]
 
@@ -132,6 +135,11 @@ class Sandbox:
         self._eof = not chunk
         self._buf += chunk
         return bool(chunk) and len(self._buf) <= self.limits.output_bytes
+
+    @property
+    def ended(self) -> bool:
+        """True once the program's stdout reached EOF (it exited, or was killed)."""
+        return self._eof
 
     def read_line(self) -> bytes | None:
         """The next line of stdout (without the newline); None at EOF, timeout or overflow."""

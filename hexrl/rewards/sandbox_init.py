@@ -97,6 +97,7 @@ def _build_root(cfg: dict, fds: dict) -> None:
            f"size={cfg['tmp_mb']}m,mode=0700,uid={SANDBOX_ID},gid={SANDBOX_ID}")
     os.makedirs(root + "/proc")
     _mount("proc", root + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    _write(root + "/proc/sys/user/max_user_namespaces", "0")  # no nested namespaces: less kernel surface
     os.makedirs(root + "/dev")
     for dev in ("null", "zero", "urandom"):
         open(f"{root}/dev/{dev}", "w").close()
@@ -157,6 +158,7 @@ def _run_c(cfg: dict, sync_r: int, sync_w: int, err_w: int, launcher: int) -> No
         fds = {p: os.open(p, os.O_PATH | os.O_DIRECTORY) for p in cfg["binds"]}
         os.setresgid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)
         os.setresuid(SANDBOX_ID, SANDBOX_ID, SANDBOX_ID)  # kernel uid now nobody (or the caller)
+        _die_with_parent(launcher)  # a change of uid clears the parent-death signal: set it again
         g = os.fork()
         if g == 0:
             _run_g(cfg, fds, err_w)
@@ -262,19 +264,26 @@ def main() -> None:
         _run_c(cfg, sync_l_r, sync_c_w, err_w, me)
     for fd in (err_w, sync_c_w, sync_l_r):
         os.close(fd)  # so a read sees EOF when C dies
-    g = None
+    g_fd = None  # a pidfd: C reaps pid 1, so its pid number could be reused, the pidfd not
 
-    def stop(*_):  # the caller's deadline: kill pid 1 of the namespace, and with it everything
-        if g:
-            os.kill(g, signal.SIGKILL)
-        os.kill(c, signal.SIGKILL)
+    def stop(*_):  # kill pid 1 of the namespace, and with it everything; C reaps it and exits
+        try:  # (C's wait for pid 1 returns only once the whole namespace is gone)
+            if g_fd is not None:
+                signal.pidfd_send_signal(g_fd, signal.SIGKILL)
+            else:
+                os.kill(c, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     signal.signal(signal.SIGTERM, stop)
     try:
         if os.read(sync_c_r, 1) == b"u":
             _map_ids(c)
             os.write(sync_l_w, b"m")
             raw = os.read(sync_c_r, 4)
-            g = int.from_bytes(raw, "little") if len(raw) == 4 else None
+            if len(raw) == 4:
+                g_fd = os.pidfd_open(int.from_bytes(raw, "little"))
+    except ProcessLookupError:
+        pass  # pid 1 already ended: C's exit code tells how
     except OSError as e:
         _report({"status": "setup_failed", "error": f"writing the id maps: {e}"})
         stop()

@@ -1,14 +1,19 @@
 """Paged attention in plain torch: the CPU backend and the ground truth for FlashInfer.
 
-Each sequence's context is gathered from its pages into a padded [B, max_kv] batch; new
+Each sequence's context is gathered from its pages (whole pages, one index_select per k and v:
+far cheaper on CPU than a per-token gather) into a padded [B, pages x page_size] batch; new
 tokens form a padded [B, max_q] batch; one masked SDPA call attends them. New token i of a
 sequence with q new tokens and kv context tokens sits at position kv - q + i and sees keys
-0 .. kv - q + i (causal, aligned to the end of the context).
+0 .. kv - q + i (causal, aligned to the end of the context). A decode step (one new token per
+sequence) skips the query padding, and the mask too when all contexts have one length; a step
+of fresh prefills (no cached context) is plain causal attention over the new tokens.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from hexrl.model.attention import CausalAttention
 
 from .attention import StepMeta, write_kv
 from .pages import PagePool
@@ -19,31 +24,43 @@ class TorchPagedAttention:
 
     def __init__(self, pool: PagePool, meta: StepMeta):
         self.pool, self.meta = pool, meta
+        self.fresh = meta.q_lens == meta.kv_lens  # no cached context: plain causal attention over the new tokens
+        if self.fresh:
+            return
         dev, ps = meta.positions.device, meta.page_size
-        b, max_q, max_kv = len(meta.q_lens), max(meta.q_lens), max(meta.kv_lens)
-        q_lens = torch.tensor(meta.q_lens)
-        kv_lens = torch.tensor(meta.kv_lens)
-        j = torch.arange(max_kv)
-        self.kv_pages = meta.block_table.gather(1, (j // ps).to(dev).expand(b, -1))  # [B, max_kv]
-        self.kv_offsets = (j % ps).expand(b, -1).to(dev)
-        i = torch.arange(max_q)
-        self.q_valid = (i[None, :] < q_lens[:, None]).to(dev)  # [B, max_q]
-        starts = torch.cumsum(q_lens, 0) - q_lens
-        self.q_rows = (starts[:, None] + i[None, :]).clamp(max=max(meta.num_tokens - 1, 0)).to(dev)
+        table = meta.block_table  # [B, W]
+        b, width = table.shape
+        span, max_q = width * ps, max(meta.q_lens)
+        self.page_ids, self.shape, self.decode = table.reshape(-1), (b, span), max_q == 1
+        self.keep, self.mask = span, None  # context columns SDPA sees, and its mask
+        if self.decode and len(set(meta.kv_lens)) == 1:  # equal contexts: slice off the padding, no mask
+            self.keep = meta.kv_lens[0]
+            return
+        q_lens, kv_lens = torch.tensor(meta.q_lens), torch.tensor(meta.kv_lens)
+        j, i = torch.arange(span), torch.arange(max_q)
         qpos = (kv_lens - q_lens)[:, None] + i[None, :]  # [B, max_q] position of each new token
         allowed = (j[None, None, :] <= qpos[:, :, None]) & (j[None, None, :] < kv_lens[:, None, None])
-        self.mask = allowed[:, None].to(dev)  # [B, 1, max_q, max_kv]
+        self.mask = allowed[:, None].to(dev)  # [B, 1, max_q, span]
+        if not self.decode:
+            self.q_valid = (i[None, :] < q_lens[:, None]).to(dev)  # [B, max_q]
+            starts = torch.cumsum(q_lens, 0) - q_lens
+            self.q_rows = (starts[:, None] + i[None, :]).clamp(max=max(meta.num_tokens - 1, 0)).to(dev)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.pool.layer(layer)
         write_kv(cache, self.meta.slot_pages, self.meta.slot_offsets, k, v)
-        keys = cache[self.kv_pages, 0, self.kv_offsets].to(q.dtype)  # [B, max_kv, Hkv, D]
-        values = cache[self.kv_pages, 1, self.kv_offsets].to(q.dtype)
+        if self.fresh:
+            return CausalAttention(self.meta.q_lens)(layer, q, k.to(cache.dtype).to(q.dtype),
+                                                     v.to(cache.dtype).to(q.dtype))
+        b, span = self.shape
+        keys = cache[:, 0].index_select(0, self.page_ids).view(b, span, *cache.shape[-2:])[:, :self.keep].to(q.dtype)
+        values = cache[:, 1].index_select(0, self.page_ids).view(b, span, *cache.shape[-2:])[:, :self.keep].to(q.dtype)
+        queries = q[:, None] if self.decode else q[self.q_rows]  # [B, max_q, Hq, D]
         out = F.scaled_dot_product_attention(
-            q[self.q_rows].transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
             attn_mask=self.mask, enable_gqa=True,
-        )
-        return out.transpose(1, 2)[self.q_valid]  # back to [T, Hq, D], sequence after sequence
+        ).transpose(1, 2)
+        return out[:, 0] if self.decode else out[self.q_valid]  # back to [T, Hq, D], sequence after sequence
 
 
 class TorchPagedBackend:

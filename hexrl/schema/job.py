@@ -11,6 +11,7 @@ from pathlib import Path
 
 from hexrl.gpus import CATALOGUE, canonical_name
 from hexrl.model.config import ModelConfig
+from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.fields import ConfigError, Reader, resolve
 from hexrl.schema.knobs import read_overrides
 
@@ -493,7 +494,7 @@ def _read_layout(r: Reader, d) -> dict | None:
 # ----------------------------------------------------------------------------- job
 
 _JOB_KEYS = {"name", "model", "data", "reward", "rl", "workload", "cluster", "prices", "budget",
-             "layout", "runtime", "out_dir", "extra"}
+             "layout", "runtime", "out_dir", "extra", "cpu_affinity"}
 
 
 @dataclass
@@ -511,6 +512,7 @@ class Job:
     runtime: dict = field(default_factory=dict)  # knob overrides (hexrl.schema.knobs): {"trainer", "rollout"}
     out_dir: str = "runs/hexrl"
     extra: dict = field(default_factory=dict)  # free-form, passed through untouched
+    cpu_affinity: CpuAffinity | None = None  # cores per local rank (hexrl/schema/affinity.py); None: not pinned
 
     def price_per_hour(self) -> float:
         return sum(self.prices[n.gpu_type] * n.gpus for n in self.cluster.nodes)
@@ -529,6 +531,8 @@ class Job:
             d["runtime"] = self.runtime
         if self.extra:
             d["extra"] = self.extra
+        if self.cpu_affinity is not None:
+            d["cpu_affinity"] = self.cpu_affinity.to_dict()
         return d
 
 
@@ -573,9 +577,11 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     if model and model.config.max_position_embeddings < workload.prompt_len + rl.max_new_tokens:
         r.bad("rl.max_new_tokens", f"prompt_len {workload.prompt_len} + max_new_tokens {rl.max_new_tokens} "
               f"exceeds the model's max_position_embeddings {model.config.max_position_embeddings}")
+    affinity = read_affinity(r, d.get("cpu_affinity"), cluster.gpus_per_node)
     if r.problems:
         return None
-    return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra)
+    return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra,
+               affinity)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:

@@ -92,7 +92,8 @@ def _agree(ok: bool, grid: Grid, device) -> bool:
 def save(root: str | os.PathLike, version: int, grid: Grid, shard: dict | None, meta: dict,
          extra: dict | None = None, device="cpu", keep: int = 2) -> Path:
     """Write this rank's `shard` (DP replica 0 only; None elsewhere) and RNG state, plus `meta`
-    and `extra` (both JSON) from the leader; returns the committed directory. Collective over the
+    and `extra` (both JSON) from the leader; returns the committed directory (on the leader;
+    a re-save commits under a new name, see the module doc). Collective over the
     trainer ranks. Keeps the newest `keep` checkpoints."""
     root = Path(root)
     name = f"step{version:08d}"

@@ -38,7 +38,8 @@ from .packing import MicroBatch, check_trajectories, plan_step
 from .pipeline import PipeComm, forward_only, train_1f1b
 from .vocab_parallel import vocab_parallel_logprobs
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# No float16: its gradients underflow without a loss scaler, and bf16 needs none.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Token-level sums reduced over all trainer ranks each step, in this order.
 SUMS = ("loss", "tokens", "clipped", "capped", "w", "kl", "entropy")
 
@@ -65,6 +66,7 @@ class TrainConfig:
     temperature: float = 1.0  # the sampling temperature the behaviour log-probs were taken at
     dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32
     activation_checkpointing: bool = False
+    entropy_metric: bool = True  # the "entropy" metric costs one more float32 pass over the logits
     bucket_mb: float = 25.0
     keep_checkpoints: int = 2
 
@@ -80,7 +82,9 @@ class TrainConfig:
             p.append(f"train.clip_low: must be < 1, got {self.clip_low}")
         if self.behav_cap is not None and not self.behav_cap > 0:
             p.append(f"train.behav_cap: must be > 0 or None, got {self.behav_cap!r}")
-        if self.dtype not in ("auto", *DTYPES):
+        if self.dtype == "float16":
+            p.append("train.dtype: float16 training is not supported (no loss scaler); use bfloat16")
+        elif self.dtype not in ("auto", *DTYPES):
             p.append(f"train.dtype: unknown {self.dtype!r} (known: auto, {', '.join(DTYPES)})")
         return p
 
@@ -175,8 +179,20 @@ class Trainer:
             norms.append(norm)
             nonfinite += not math.isfinite(norm)
         self.version += 1
-        self.last_logprobs = state.logprobs
-        return self._metrics(state.sums, trajectories, seqs, dropped, plans, norms, lr, nonfinite)
+        sums, self.last_logprobs = self._to_host(state)
+        return self._metrics(sums, trajectories, seqs, dropped, plans, norms, lr, nonfinite)
+
+    def _to_host(self, state: _StepState) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The step's metric sums (reduced over trainer ranks) and θ log-probs in one device-to-host copy."""
+        sums = state.sums
+        if self.grid.trainer_group is not None:
+            sums = sums * (self.grid.tp_rank == 0)  # TP ranks hold the same values: count one
+            dist.all_reduce(sums, group=self.grid.trainer_group)
+        seqs = list(state.logprobs)
+        parts = [state.logprobs[i] for i in seqs]
+        host = torch.cat([sums, *(lp.double() for lp in parts)]).cpu()
+        lps = host[len(SUMS):].float().split([len(lp) for lp in parts])
+        return host[:len(SUMS)], dict(zip(seqs, lps))
 
     def _forward_logprobs(self, model, mine: list[list[MicroBatch]]) -> list[list[torch.Tensor | None]]:
         """Log-probs of every micro-batch's targets under `model` (last stage; None elsewhere)."""
@@ -203,15 +219,15 @@ class Trainer:
             h = self._run_stage(self.model, mb, x)
             if not g.is_last:
                 return h
-            logp, entropy = self._logprobs(self.model, h, mb)
+            logp, entropy = self._logprobs(self.model, h, mb, c.entropy_metric)
             t = ppo_terms(logp, prox[i], mb.behav, mb.adv, c.clip_low, c.clip_high, c.behav_cap, c.decoupled,
                           ref[i], c.kl_coef)
             loss = t.loss.sum() / num_tokens
-            with torch.no_grad():
-                count = torch.tensor(float(len(logp)), dtype=torch.float64, device=loss.device)
-                state.sums += torch.stack([loss.double(), count,
-                                           *(x.double().sum() for x in (t.clipped, t.capped, t.w, t.kl, entropy))])
-                for seq, lp in zip(mb.seqs, logp.detach().cpu().split(mb.completion_lens)):  # one copy
+            with torch.no_grad():  # everything stays on the device: one copy at the end of the step
+                ent = entropy.double().sum() if entropy is not None else loss.new_zeros((), dtype=torch.float64)
+                state.sums += torch.stack([loss.double(), loss.new_tensor(float(mb.num_loss_tokens), dtype=torch.float64),
+                                           *(x.double().sum() for x in (t.clipped, t.capped, t.w, t.kl)), ent])
+                for seq, lp in zip(mb.seqs, logp.detach().split(mb.completion_lens)):
                     state.logprobs[seq] = lp
             return loss
 
@@ -233,14 +249,17 @@ class Trainer:
         x = mb.input_ids if model.is_first else x
         if not (self.config.activation_checkpointing and torch.is_grad_enabled()):
             return model.stage(x, mb.positions, attn)
+        model.reset_rotary()
         h = model.model.embed_tokens(x) if model.is_first else x  # Decoder.stage, layer by layer
         for layer in model.model.layers.values():
             h = activation_checkpoint(layer, h, mb.positions, attn, use_reentrant=False)
         return model.model.norm(h) if model.is_last else h
 
     def _logprobs(self, model, h: torch.Tensor, mb: MicroBatch, entropy: bool = True):
-        """(log-probs, entropy) of the micro-batch's completion tokens from last-stage hidden states."""
-        logits = model.logits(h[mb.loss_index])  # only rows that predict a completion token
+        """(log-probs, entropy or None) of the micro-batch's completion tokens from last-stage hidden
+        states. Logits are float32 (bf16 inputs, fp32 output) as on the rollout side, so importance
+        ratios are not dominated by bf16 rounding of the logits."""
+        logits = model.logits(h[mb.loss_index], fp32=True)  # only rows that predict a completion token
         return vocab_parallel_logprobs(logits, mb.targets, self.grid.tp, self.config.temperature, entropy)
 
     def _comm(self, mbs: list[MicroBatch]) -> PipeComm:
@@ -248,11 +267,23 @@ class Trainer:
 
     def _sum_tied_grads(self) -> None:
         """Tied embeddings across stages: embed (first stage) and lm_head (last) get the sum of both
-        gradients. Shards may differ in TP degree, so each rank adds its rows into a full-vocab buffer."""
+        gradients. With equal TP degrees each rank swaps its shard with its partner (same TP rank on
+        the other stage); otherwise shards differ, so each rank adds its rows into a full-vocab buffer
+        all-reduced over the tied group."""
         g = self.grid
         if g.tied_group is None:
             return
         p = self.model.model.embed_tokens.weight if g.is_first else self.model.lm_head.weight
+        first, last = g.layout.stages[0], g.layout.stages[-1]
+        if first.tp == last.tp:
+            partner = g.layout.rank(g.layout.pp - 1 if g.is_first else 0, g.dp_rank, g.tp_rank)
+            theirs = torch.empty_like(p.main_grad)
+            ops = [dist.P2POp(dist.isend, p.main_grad, partner, g.tied_group),
+                   dist.P2POp(dist.irecv, theirs, partner, g.tied_group)]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            p.main_grad.add_(theirs)
+            return
         rows = p.shape[0]
         full = torch.zeros(self.model_cfg.vocab_size, p.shape[1], dtype=torch.float32, device=self.device)
         full[g.tp_rank * rows:(g.tp_rank + 1) * rows] = p.main_grad
@@ -260,15 +291,12 @@ class Trainer:
         p.main_grad.copy_(full[g.tp_rank * rows:(g.tp_rank + 1) * rows])
 
     def _metrics(self, sums, trajs, seqs, dropped, plans, norms, lr, nonfinite) -> dict:
-        if self.grid.trainer_group is not None:
-            sums = sums * (self.grid.tp_rank == 0)  # TP ranks hold the same values: count one
-            dist.all_reduce(sums, group=self.grid.trainer_group)
         s = dict(zip(SUMS, sums.tolist()))
         n = max(s["tokens"], 1.0)
         return {
             "version": self.version, "loss": s["loss"] / max(len(plans), 1), "tokens": int(s["tokens"]),
             "clip_frac": s["clipped"] / n, "capped_frac": s["capped"] / n, "mean_w": s["w"] / n,
-            "kl": s["kl"] / n, "entropy": s["entropy"] / n,
+            "kl": s["kl"] / n, "entropy": s["entropy"] / n if self.config.entropy_metric else float("nan"),
             "grad_norm": sum(norms) / len(norms) if norms else 0.0, "lr": lr, "optimizer_steps": len(plans),
             "nonfinite_steps": nonfinite, "sequences": len(seqs), "groups": len({t.group_id for t in trajs}),
             "groups_filtered": len(dropped), "max_staleness": max(

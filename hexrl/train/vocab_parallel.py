@@ -2,7 +2,7 @@
 
 Each TP rank holds logits for its contiguous vocabulary slice. Three all-reduces give the
 global row max, the global sum of exponentials and the target's logit (only its owner holds
-it); the backward is local: `g * (onehot - softmax) / T` on this rank's slice. The lm_head's
+it); the backward is local: `g * (onehot - softmax) / T` on this rank's slice, without host syncs. The lm_head's
 column-parallel input all-reduces the hidden-state gradient, so nothing more is needed here.
 With TP = 1 the `kernels.logprob` kernel does the work in one pass.
 """
@@ -15,36 +15,42 @@ from hexrl.model.parallel import TPGroup
 
 
 class _VocabParallelLogprob(torch.autograd.Function):
+    """One float32 [N, V/tp] buffer: z = logits / T, turned in place into exp(z - max), then into the
+    softmax that backward needs. The entropy (optional) is reduced from it in row chunks."""
+
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, group):
-        z = logits.to(torch.promote_types(logits.dtype, torch.float32)) / temperature  # f64 stays f64
-        start = dist.get_rank(group) * z.shape[1]
+    def forward(ctx, logits, targets, temperature: float, group, entropy: bool):
+        dtype = torch.promote_types(logits.dtype, torch.float32)  # f64 stays f64
+        z = logits.to(dtype, copy=True).div_(temperature)
+        n, width = z.shape
+        start = dist.get_rank(group) * width
+        local = targets - start
+        mine = (local >= 0) & (local < width)
+        target_z = torch.where(mine, z.gather(1, local.clamp(0, width - 1)[:, None])[:, 0], 0.0)
         zmax = z.max(dim=1).values
         dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-        e = torch.exp(z - zmax[:, None])
-        sumexp = e.sum(dim=1)
-        local = targets - start
-        mine = (local >= 0) & (local < z.shape[1])
-        target_z = torch.where(mine, z.gather(1, local.clamp(0, z.shape[1] - 1)[:, None])[:, 0], 0.0)
-        ez = (e * z).sum(dim=1)  # for the entropy: sum_j exp(z_j - max) * z_j
-        stats = torch.stack([sumexp, target_z, ez])
+        e = z.sub_(zmax[:, None]).exp_()  # z is not needed again: exp(z - max) in its buffer
+        # sum_j e_j * (z_j - max) = sum_j e_j * log(e_j), in chunks so no second [N, V/tp] buffer exists
+        ez = torch.cat([torch.special.xlogy(c, c).sum(1) for c in e.split(1024)]) if entropy and n \
+            else e.new_zeros(n)
+        stats = torch.stack([e.sum(dim=1), target_z, ez])
         dist.all_reduce(stats, group=group)
         sumexp, target_z, ez = stats
         lse = zmax + torch.log(sumexp)
-        entropy = lse - ez / sumexp
-        probs = e.div_(sumexp[:, None])  # reuse the buffer: softmax of this slice, for backward
-        ctx.save_for_backward(probs, local, mine)
+        ent = (lse - zmax - ez / sumexp) if entropy else None
+        probs = e.div_(sumexp[:, None])  # softmax of this slice, for backward
+        ctx.save_for_backward(probs, local.clamp(0, width - 1), mine)
         ctx.temperature, ctx.dtype = temperature, logits.dtype
-        ctx.mark_non_differentiable(entropy)
-        return target_z - lse, entropy
+        if ent is not None:
+            ctx.mark_non_differentiable(ent)
+        return target_z - lse, ent
 
     @staticmethod
     def backward(ctx, grad, _grad_entropy):
         probs, local, mine = ctx.saved_tensors
         grad_z = probs.mul_(-grad[:, None])  # the saved buffer is not needed again
-        rows = torch.nonzero(mine)[:, 0]
-        grad_z[rows, local[rows]] += grad[rows]
-        return (grad_z / ctx.temperature).to(ctx.dtype), None, None, None
+        grad_z.scatter_add_(1, local[:, None], torch.where(mine, grad, 0.0)[:, None])  # no host sync
+        return grad_z.div_(ctx.temperature).to(ctx.dtype), None, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup | None,
@@ -57,7 +63,7 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp: TPG
     group = tp.group if tp is not None and tp.size > 1 else None
     if group is None:
         return _single_logprobs(logits, targets, temperature, entropy)
-    return _VocabParallelLogprob.apply(logits, targets, float(temperature), group)
+    return _VocabParallelLogprob.apply(logits, targets, float(temperature), group, entropy)
 
 
 def _single_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool):
@@ -66,7 +72,7 @@ def _single_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: f
         from kernels.logprob import token_logprobs
     except ImportError:  # the kernels package is optional on odd installs; same maths in torch
         token_logprobs = _torch_logprobs
-    logp = token_logprobs(logits, targets, temperature)
+    logp = token_logprobs(logits, targets, temperature, check=False)  # ids were checked with the batch
     if not entropy:
         return logp, None
     with torch.no_grad():  # in row chunks: a full float32 copy of big-vocab logits is gigabytes
@@ -79,5 +85,5 @@ def _entropy(z: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(z, dim=-1) - (torch.softmax(z, dim=-1) * z).sum(-1)
 
 
-def _torch_logprobs(logits, targets, temperature=1.0):
+def _torch_logprobs(logits, targets, temperature=1.0, check=False):
     return torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[:, None])[:, 0]

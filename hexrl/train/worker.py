@@ -147,6 +147,8 @@ def run_trainer(ctx, grid) -> None:
         controller = start_controller(ctx, tokenizer, train)
         if ctx.resume is not None:
             controller.load_state(extra["controller"])
+            # queued before the thread starts, so replicas load the weights before any prompt
+            controller.publish_version(trainer.version)
         metrics = MetricsWriter(ctx.run_dir, resume_step=start_step if ctx.resume is not None else None)
         controller.start()
     evaluator = HeldoutEval(ctx, heldout, tokenizer, job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
@@ -155,7 +157,6 @@ def run_trainer(ctx, grid) -> None:
     rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
-            controller.publish_version(trainer.version)
             controller.wait_delivered(trainer.version)
         sync_weights(ctx, trainer, rollout_dtype)
     try:

@@ -1,0 +1,110 @@
+"""The engine's fast-path bookkeeping on CPU: the device-side page table, the decode-only schedule,
+the CUDA-graph buffers shared by every captured size, and the graph/workspace settings."""
+import pytest
+import torch
+
+from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.tiny import make_tiny_model
+from hexrl.rollout import Engine, EngineConfig, Request
+from hexrl.rollout.attention import build_meta
+from hexrl.rollout.cuda_graph import SharedGraphBuffers, batch_size_problems, default_batch_sizes, pick_size
+from hexrl.rollout.flashinfer_backend import WORKSPACE_BYTES, float_workspace_bytes, pad_csr
+from hexrl.rollout.pages import BlockTable, PagePool
+from hexrl.rollout.scheduler import Scheduler
+from hexrl.rollout.sequence import Sequence
+
+
+def test_block_table_appends_incrementally_and_widens():
+    t = BlockTable(rows=3, device="cpu", width=2)
+    t.append(1, 0, [7, 8])
+    assert t.table[1, :2].tolist() == [0, 0]  # nothing written before the flush
+    t.flush()
+    t.append(1, 2, [9])  # past the width: the table doubles, old entries kept
+    t.append(0, 0, [4])
+    table = t.flush()
+    assert table.shape == (3, 4) and table[1, :3].tolist() == [7, 8, 9] and table[0, 0] == 4
+    assert t.flush() is table  # nothing pending: no copy
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    path = make_tiny_model(tmp_path_factory.mktemp("fast") / "m", vocab=64, tie=False)
+    return Engine(load_pretrained(path), EngineConfig(page_size=4, max_pages=64, max_running=4), eos_ids=[])
+
+
+def test_device_table_matches_the_host_block_tables(engine):
+    """After prefill and a few decodes (pages appended as contexts cross page boundaries), the
+    decode step's metadata built from the device table equals build_meta from the host lists."""
+    for i, n in enumerate([3, 9, 5]):
+        engine.add(Request(i, list(range(1, n + 1)), max_new_tokens=20, temperature=0.0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    seqs = engine.scheduler.decode_only()
+    assert seqs is not None and len(seqs) == 3  # nothing waits: the decode-only path is taken
+    got = engine._decode_inputs(seqs).meta
+    want = build_meta([(s.pages, s.num_cached, 1) for s in seqs], 4, torch.device("cpu"))
+    for name in ("positions", "slot_pages", "slot_offsets"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.kv_lens == want.kv_lens
+    for g, w in zip(got.block_table.tolist(), [s.pages for s in seqs]):
+        assert g[:len(w)] == w
+    gc, wc = got.csr(), want.csr()
+    assert all(torch.equal(gc[k], wc[k]) for k in wc)
+
+
+def test_decode_only_defers_to_the_general_schedule_when_someone_can_be_admitted():
+    pool = PagePool(range(1), 16, 4, 1, 8, torch.float32, "cpu")
+    s = Scheduler(pool, max_batch_tokens=64, max_running=2)
+    a = Sequence(req=Request("a", [1, 2, 3]), seed=0, tokens=[1, 2, 3])
+    s.add(a)
+    assert s.decode_only() is None  # a waits and there is room
+    assert [c.n for c in s.schedule()] == [3]
+    a.num_cached, a.tokens = 3, a.tokens + [5]  # what the engine does after sampling
+    assert s.decode_only() == [a] and len(a.pages) == 1  # 4 tokens fit the first page
+    a.num_cached, a.tokens = 4, a.tokens + [6]
+    assert s.decode_only() == [a] and len(a.pages) == 2  # the fifth token starts a page
+    assert s.tables.flush()[a.slot, :2].tolist() == a.pages
+
+
+def test_graph_buffers_are_shared_by_every_size():
+    buf = SharedGraphBuffers(max_batch=16, vocab=10, device=torch.device("cpu"))
+    views = {bs: buf.views(bs) for bs in (1, 8, 16)}
+    for ids, pos, logits in views.values():  # one allocation: every size's views start at the same place
+        assert ids.data_ptr() == buf.ids.data_ptr() and logits.data_ptr() == buf.logits.data_ptr()
+        assert logits.dtype == torch.float32
+    assert views[8][2].shape == (8, 10)
+    buf.ids.fill_(9)
+    buf.load(torch.tensor([3, 4, 5]), torch.tensor([10, 11, 12]), bs=8)
+    assert buf.ids[:8].tolist() == [3, 4, 5, 0, 0, 0, 0, 0] and buf.positions[:4].tolist() == [10, 11, 12, 0]
+    assert buf.ids[8:].tolist() == [9] * 8  # rows past the graph's size are not touched
+
+
+def test_graph_sizes_default_validation_and_choice():
+    assert default_batch_sizes(256) == [1, 2, 4, 8, 16, 32, 64, 96, 128, 160, 192, 224, 256]
+    assert default_batch_sizes(12) == [1, 2, 4, 8, 12]
+    assert pick_size([1, 2, 4, 8, 12], 5) == 8 and pick_size([1, 2, 4, 8, 12], 12) == 12
+    with pytest.raises(ValueError, match="no captured graph holds 13 rows"):
+        pick_size([1, 2, 4, 8, 12], 13)
+    assert batch_size_problems((1, 8), 8) == []
+    assert "exceeds the running-batch limit 8" in batch_size_problems((1, 16), 8)[0]
+    assert "integers >= 1" in batch_size_problems((0, 2), 8)[0]
+    assert "duplicates" in batch_size_problems((2, 2), 8)[0]
+    assert "non-empty" in batch_size_problems((), 8)[0]
+    problems = EngineConfig(max_running=4, graph_batch_sizes=(1, 8)).problems()
+    assert problems == ["graph_batch_sizes 8 exceeds the running-batch limit 4 (min of max_running and "
+                        "max_batch_tokens)"]
+
+
+def test_padded_csr_points_padding_rows_at_the_scratch_page():
+    meta = build_meta([([5, 6], 0, 1 + 4), ([2], 0, 3)], 4, torch.device("cpu"))  # kv 5 and 3 tokens
+    padded = pad_csr(meta.csr(), batch_size=4, scratch_page=63)
+    assert padded["kv_indptr"].tolist() == [0, 2, 3, 4, 5]
+    assert padded["kv_indices"].tolist() == [5, 6, 2, 63, 63]
+    assert padded["kv_last_page_len"].tolist() == [1, 3, 1, 1]
+    assert padded["qo_indptr"].tolist() == [0, 1, 2, 3, 4]
+
+
+def test_float_workspace_grows_with_wide_models_and_big_batches():
+    assert float_workspace_bytes(12, 2, 128, 256) == WORKSPACE_BYTES  # 1.5B at 256: the default suffices
+    big = float_workspace_bytes(40, 8, 128, 512)  # 14B-wide (40 q heads) at 512 sequences
+    assert big > WORKSPACE_BYTES and big == 512 * 40 * 129 * 4 * 32

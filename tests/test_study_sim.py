@@ -1,0 +1,59 @@
+"""The study's simulator path: a CPU profile in the planner's format -> `python -m hexrl.plan simulate`."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from hexrl.plan.planner import plan_job
+from hexrl.schema import load_job
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import learning_study as ls  # noqa: E402
+
+# what tools/bench_kernels.py --cpu-core writes for a CPU core (the planner reads only these keys)
+PROFILE = {"gpu": "cpu", "bf16_tflops": 0.02, "hbm_TBps": 0.005, "hbm_efficiency": 0.5, "decode_mfu": 0.3,
+           "decode_overhead_s": 2e-3, "prefill_mfu": 0.3, "train_mfu": 0.5}
+
+
+def tiny_run(tmp: Path, name: str, eta: int) -> Path:
+    """A run directory holding the plan of a 1 trainer + 1 rollout CPU job (as learning_run writes it)."""
+    job = load_job({"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 200}},
+                    "reward": {"name": "exact"}, "rl": {"batch_size": 8, "group_size": 4, "eta": eta, "max_new_tokens": 5},
+                    "cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 2}]},
+                    "layout": {"train_gpus": 1, "dp": 1},
+                    "cpu_affinity": {"cores": [[0], [1]]}})
+    run = tmp / name
+    run.mkdir()
+    plan_job(job, "two-phase", use_profiles=False).save(run / "plan.json")
+    return run
+
+
+def profiles(tmp: Path, name: str, **change) -> Path:
+    d = tmp / name
+    d.mkdir()
+    (d / "cpu.json").write_text(json.dumps({**PROFILE, **change}))
+    return d
+
+
+def test_simulated_staleness_stays_within_eta(tmp_path):
+    prof = profiles(tmp_path, "p")
+    sync = ls.simulate(tiny_run(tmp_path, "sync", 0), prof, prompt=7, completion=4, steps=8)
+    assert sync["staleness"] and set(sync["staleness"]) == {0} and sync["mean_staleness"] == 0
+    asyn = ls.simulate(tiny_run(tmp_path, "async", 2), prof, prompt=7, completion=4, steps=8)
+    assert max(asyn["staleness"]) <= 2 and asyn["step_s"] > 0
+    plan = json.loads((tmp_path / "async" / "plan_simulated.json").read_text())
+    assert plan["workload"] == {"prompt_len": 7, "output_len": {"mean": 4, "max": 5}}  # the measured workload
+
+
+def test_the_profile_sets_the_simulated_trainer_speed(tmp_path):
+    """Trainer-bound at eta=4: halving the profile's train_mfu doubles the step (weight sync aside)."""
+    slow = ls.simulate(tiny_run(tmp_path, "a", 4), profiles(tmp_path, "slow", train_mfu=0.004), 7, 4, 8)
+    slower = ls.simulate(tiny_run(tmp_path, "b", 4), profiles(tmp_path, "slower", train_mfu=0.002), 7, 4, 8)
+    assert slow["trainer_idle"] < 0.05 and slower["trainer_idle"] < 0.05  # the trainer never waits
+    assert slower["step_s"] / slow["step_s"] == pytest.approx(2.0, rel=0.05)
+    assert slower["rollout_idle"] > slow["rollout_idle"]  # the rollout waits more on a slower trainer
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

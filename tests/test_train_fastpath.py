@@ -1,0 +1,95 @@
+"""Trainer fast paths: variable-length attention for packed sequences (GPU parity marked `gpu`),
+float32 logits from low-precision weights, and the settings that were removed or made optional."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hexrl.model.attention import CausalAttention, per_sequence_attention, torch_varlen, varlen_function
+from hexrl.model.config import ModelConfig
+from hexrl.model.decoder import Decoder
+from hexrl.model.tiny import tiny_config
+from hexrl.train.trainer import TrainConfig
+
+LENS = [5, 1, 9, 3]
+
+
+def packed(hq=4, hkv=2, d=8, dtype=torch.float32, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    t = sum(LENS)
+    return [torch.randn(t, h, d, generator=g).to(device, dtype) for h in (hq, hkv, hkv)]
+
+
+def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
+    """A stand-in for torch's varlen_attn (CPU, any dtype), per sequence from the cumulative lengths."""
+    causal = kw.get("window_size") == (-1, 0) or kw.get("is_causal", False)
+    assert causal and torch.equal(cu_q, cu_k)
+    if not kw.get("enable_gqa", False):
+        assert q.shape[1] == k.shape[1], "without enable_gqa the adapter must repeat k/v heads"
+    lens = (cu_q[1:] - cu_q[:-1]).tolist()
+    assert max_q == max_k == max(lens)
+    return per_sequence_attention(lens, q, k, v)
+
+
+@pytest.mark.parametrize("api", ["window_size+gqa", "is_causal"])
+def test_varlen_adapter_passes_causal_and_gqa_for_either_torch_api(api):
+    if api == "window_size+gqa":
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, window_size=(-1, -1), enable_gqa=False):
+            return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, window_size=window_size,
+                                    enable_gqa=enable_gqa)
+    else:
+        def fake(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+            return reference_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=is_causal)
+    q, k, v = packed()
+    cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
+    got = torch_varlen(fake)(q, k, v, cu, 9)
+    torch.testing.assert_close(got, CausalAttention(LENS)(0, q, k, v), atol=0, rtol=0)
+
+
+def test_packed_attention_never_crosses_sequences_on_cpu():
+    q, k, v = packed()
+    out = CausalAttention(LENS)(0, q, k, v)
+    alone = CausalAttention([9])(0, *(t[6:15] for t in (q, k, v)))  # the third sequence by itself
+    torch.testing.assert_close(out[6:15], alone, atol=1e-6, rtol=1e-6)
+
+
+def test_fp32_logits_from_bf16_weights_are_not_rounded_to_bf16():
+    cfg = ModelConfig.from_hf(tiny_config(vocab=64, tie=False))
+    model = Decoder(cfg)
+    model.init_weights(seed=0)
+    model.to(torch.bfloat16)
+    h = torch.randn(5, cfg.hidden_size).bfloat16()
+    got = model.logits(h, fp32=True)
+    want = F.linear(h.float(), model.lm_head.weight.float())
+    assert got.dtype == torch.float32 and model.logits(h).dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(got, got.bfloat16().float())  # more precision than bf16 logits carry
+
+
+def test_float16_training_is_refused_and_entropy_is_optional():
+    assert TrainConfig(dtype="float16").problems() == [
+        "train.dtype: float16 training is not supported (no loss scaler); use bfloat16"]
+    assert TrainConfig(entropy_metric=False).problems() == []
+
+
+@pytest.mark.gpu
+def test_gpu_varlen_attention_matches_per_sequence():
+    if not torch.cuda.is_available() or varlen_function() is None:
+        pytest.skip("needs CUDA and torch varlen_attn or flash_attn")
+    q, k, v = packed(hq=8, hkv=2, d=64, dtype=torch.bfloat16, device="cuda")
+    got = CausalAttention(LENS)(0, q, k, v)
+    want = per_sequence_attention(LENS, q, k, v)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_logits_forward_and_backward():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    cfg = ModelConfig.from_hf(tiny_config(vocab=64, tie=False))
+    model = Decoder(cfg).cuda().to(torch.bfloat16)
+    h = torch.randn(5, cfg.hidden_size, device="cuda").bfloat16().requires_grad_()
+    out = model.logits(h, fp32=True)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, F.linear(h.float(), model.lm_head.weight.float()), atol=1e-3, rtol=1e-3)
+    out.sum().backward()
+    assert h.grad is not None and model.lm_head.weight.grad is not None

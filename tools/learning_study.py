@@ -1,0 +1,181 @@
+"""The async-advantage study: every main configuration over several seeds, measured and simulated.
+
+    python tools/learning_run.py OUT --study                  # eta 0,1,2,4 decoupled + eta 4 naive, 3 seeds
+    python tools/learning_run.py OUT --study --smoke          # a few steps, one seed: checks the pipeline only
+
+Each rank has its own core (1 trainer rank + 1 rollout rank, `cpu_affinity` in the job). After
+the runs, the CPU "device" is profiled on one pinned core into OUT/profiles/cpu.json
+(tools/bench_kernels.py, the format the planner reads for GPUs), and each configuration's plan,
+with the workload the runs measured (prompt and completion lengths), goes through the simulator
+CLI (`python -m hexrl.plan simulate`) with that profile. OUT/study.md and OUT/study.json hold
+mean and min-max over seeds next to the simulator's prediction; OUT/study.png the curves.
+Finished runs, the profile and the simulations are reused, so a re-run only adds what is missing.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+STUDY = [("0", True), ("1", True), ("2", True), ("4", True), ("4", False)]  # (eta, decoupled)
+TARGETS = (0.8, 0.9)
+
+
+# ----------------------------------------------------------------------------- one run
+
+def run_stats(run: Path) -> dict:
+    """What the study reports for one finished run (metrics.jsonl, eval.jsonl, cpu/rank*.json)."""
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
+    wall = metrics[-1]["wall_s"]
+    walls = [0.0] + [m["wall_s"] for m in metrics]
+    steps = sorted(b - a for a, b in zip(walls, walls[1:]))  # evaluation excluded from wall_s
+    hist: dict[int, int] = {}
+    for m in metrics:
+        for age, n in m["staleness_hist"].items():
+            hist[int(age)] = hist.get(int(age), 0) + n
+    cpu = {json.loads(p.read_text())["role"]: json.loads(p.read_text()) for p in sorted((run / "cpu").glob("*.json"))}
+    out = {"acc_by_step": {e["step"]: e["heldout_accuracy"] for e in evals},
+           "wall_by_step": {e["step"]: e["wall_s"] for e in evals}, "wall_s": wall,
+           "step_s": statistics.median(steps), "traj_per_s": metrics[-1]["trajectories_trained"] / wall,
+           "generated_per_s": metrics[-1]["trajectories_produced"] / wall,
+           "trainer_wait": sum(m["wait_s"] for m in metrics) / wall,
+           "trainer_idle_cpu": 1 - cpu["train"]["utilisation"] if "train" in cpu else None,
+           "rollout_idle_cpu": 1 - cpu["rollout"]["utilisation"] if "rollout" in cpu else None,
+           "cores": {role: c["actual"] for role, c in cpu.items()},
+           "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values())), "staleness": hist,
+           "completion_len": sum(m["rollout_tokens_per_s"] * m["step_s"] for m in metrics)
+           / max(1, metrics[-1]["trajectories_produced"])}
+    for t in TARGETS:
+        hit = next((e for e in evals if e["heldout_accuracy"] >= t), None)
+        out[f"step_{t}"], out[f"wall_{t}"] = (hit["step"], hit["wall_s"]) if hit else (None, None)
+    return out
+
+
+# ----------------------------------------------------------------------------- profile + simulator
+
+def profile(out: Path, model: Path, core: int) -> Path:
+    """OUT/profiles/cpu.json: the tiny model measured on one pinned core (kept once written)."""
+    path = out / "profiles" / "cpu.json"
+    if not path.exists():
+        subprocess.run([sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--out", str(path.parent),
+                        "--config", str(model), "--grid", "cpu-rl", "--cpu-core", str(core)],
+                       check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return path
+
+
+def prompt_len(job: dict) -> float:
+    """Mean prompt tokens of the job's training problems, as the controller sends them."""
+    from hexrl.data import load_dataset
+    from hexrl.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(job["model"]["path"])
+    train, _ = load_dataset(job["data"]["synthetic"])
+    return statistics.fmean(len(tok.encode(tok.chat_prompt(p.prompt))) for p in train)
+
+
+def simulate(run: Path, profiles: Path, prompt: float, completion: float, steps: int) -> dict:
+    """The simulator CLI on the run's plan, with the measured workload and the CPU profile."""
+    out = run / "simulated.json"
+    if not out.exists():
+        plan = json.loads((run / "plan.json").read_text())
+        max_new = plan["rl"]["max_new_tokens"]
+        plan["workload"] = {"prompt_len": max(1, round(prompt)),
+                            "output_len": {"mean": min(max(1.0, completion), max_new), "max": max_new}}
+        (run / "plan_simulated.json").write_text(json.dumps(plan, indent=1))
+        warm = min(3, steps - 1)
+        subprocess.run([sys.executable, "-m", "hexrl.plan", "simulate", str(run / "plan_simulated.json"),
+                        "--steps", str(steps), "--warmup", str(warm), "--json", str(out)],
+                       check=True, cwd=ROOT, env={**os.environ, "HEXRL_PROFILES": str(profiles)})
+    sim = json.loads(out.read_text())
+    hist = {int(k): v for k, v in sim["staleness"].items()}
+    return {"step_s": sim["step_time_s"], "trainer_idle": sim["idle"]["train"], "rollout_idle": sim["idle"]["rollout"],
+            "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values())), "staleness": hist}
+
+
+# ----------------------------------------------------------------------------- aggregate
+
+def spread(values) -> dict | None:
+    """mean, min, max and n of the values that are not None (None when all are)."""
+    v = [x for x in values if x is not None]
+    return {"mean": statistics.fmean(v), "min": min(v), "max": max(v), "n": len(v)} if v else None
+
+
+def fmt(s: dict | None, f: str = ".3f", of: int | None = None) -> str:
+    if s is None:
+        return "not reached" if of else "-"
+    text = f"{s['mean']:{f}} [{s['min']:{f}}-{s['max']:{f}}]" if s["min"] != s["max"] else f"{s['mean']:{f}}"
+    return text + (f" ({s['n']}/{of})" if of and s["n"] < of else "")
+
+
+def aggregate(name: str, stats: list[dict], sim: dict) -> dict:
+    keys = ("wall_s", "step_s", "traj_per_s", "generated_per_s", "trainer_wait", "trainer_idle_cpu",
+            "rollout_idle_cpu", "mean_staleness") + tuple(f"{k}_{t}" for t in TARGETS for k in ("step", "wall"))
+    row = {"name": name, "seeds": len(stats), "sim": sim, **{k: spread(s[k] for s in stats) for k in keys}}
+    eval_steps = sorted(set.intersection(*(set(s["acc_by_step"]) for s in stats)))
+    row["acc_by_step"] = {st: spread(s["acc_by_step"][st] for s in stats) for st in eval_steps}
+    row["wall_by_step"] = {st: spread(s["wall_by_step"][st] for s in stats) for st in eval_steps}
+    return row
+
+
+def tables(rows: list[dict]) -> str:
+    n = rows[0]["seeds"]
+    head = ("| config | seeds | final held-out | step / wall s to 80% | step / wall s to 90% | trained traj/s "
+            "| generated traj/s | trainer wait (idle by /proc) | rollout idle by /proc |\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        final = r["acc_by_step"][max(r["acc_by_step"])]
+        lines.append(f"| {r['name']} | {r['seeds']} | {fmt(final)} | {fmt(r['step_0.8'], '.0f', n)} / "
+                     f"{fmt(r['wall_0.8'], '.0f', n)} | {fmt(r['step_0.9'], '.0f', n)} / {fmt(r['wall_0.9'], '.0f', n)} | "
+                     f"{fmt(r['traj_per_s'], '.0f')} | {fmt(r['generated_per_s'], '.0f')} | "
+                     f"{fmt(r['trainer_wait'], '.2f')} ({fmt(r['trainer_idle_cpu'], '.2f')}) | "
+                     f"{fmt(r['rollout_idle_cpu'], '.2f')} |")
+    lines += ["", "Simulator (python -m hexrl.plan simulate, CPU profile) next to measured:", "",
+              "| config | step s: measured / simulated (ratio) | mean staleness: measured / simulated "
+              "| trainer idle: measured wait / simulated | rollout idle: measured / simulated |",
+              "|---|---|---|---|---|"]
+    for r in rows:
+        s = r["sim"]
+        lines.append(f"| {r['name']} | {fmt(r['step_s'], '.3f')} / {s['step_s']:.3f} "
+                     f"({s['step_s'] / r['step_s']['mean']:.2f}x) | {fmt(r['mean_staleness'], '.2f')} / "
+                     f"{s['mean_staleness']:.2f} | {fmt(r['trainer_wait'], '.2f')} / {s['trainer_idle']:.2f} | "
+                     f"{fmt(r['rollout_idle_cpu'], '.2f')} / {s['rollout_idle']:.2f} |")
+    steps = sorted(set.intersection(*(set(r["acc_by_step"]) for r in rows)))
+    lines += ["", "Held-out accuracy at fixed steps, mean [min-max] over seeds:", "",
+              "| config | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+    for r in rows:
+        lines.append(f"| {r['name']} | " + " | ".join(fmt(r["acc_by_step"][s]) for s in steps) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], out: Path) -> Path | None:
+    """OUT/study.png: mean held-out accuracy (min-max band) vs step and vs wall time."""
+    sys.path.insert(0, str(ROOT))
+    from hexrl.plan.draw import pyplot
+
+    plt = pyplot("learning_study", str(out))
+    if plt is None:
+        return None
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+    for r in rows:
+        steps = sorted(r["acc_by_step"])
+        mean = [r["acc_by_step"][s]["mean"] for s in steps]
+        a.plot(steps, mean, marker=".", label=r["name"])
+        a.fill_between(steps, [r["acc_by_step"][s]["min"] for s in steps],
+                       [r["acc_by_step"][s]["max"] for s in steps], alpha=0.15)
+        b.plot([r["wall_by_step"][s]["mean"] for s in steps], mean, marker=".", label=r["name"])
+    a.set(xlabel="step", ylabel="held-out accuracy", title=f"mean [min-max] over {rows[0]['seeds']} seed(s)")
+    b.set(xlabel="wall s (mean over seeds, evaluation excluded)", title="vs wall time")
+    for ax in (a, b):
+        ax.grid(alpha=0.3)
+        ax.axhline(0.9, color="grey", lw=0.5)
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "study.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
