@@ -88,6 +88,23 @@ def test_controller_trains_only_what_it_dispatched_to_that_peer(job):
     assert sum(c["dropped"].values()) == 0  # the rejected groups held no filed sample
 
 
+def test_a_stale_group_leaves_in_flight_so_a_resume_does_not_redo_it(job):
+    ctl, (d0, _) = job
+    p = next_prompt(d0)
+    with ctl.lock:
+        index = ctl.in_flight[p["group_id"]]
+    for reward in (0.0, 1.0):
+        d0.send(trajectory(p["group_id"], p["problem_id"], reward=reward))  # tokens of version 0
+    settle(ctl, "accepted", 2)
+    ctl.publish_version(2)  # the trainer moved on: the ready group is now 2 > eta = 0 versions old
+    with pytest.raises(TimeoutError):
+        ctl.next_batch(timeout_s=1)
+    c, state = ctl.counters(), ctl.state()
+    assert c["dropped"] == {"stale": 2} and c["too_stale"] == 1
+    assert index not in state["redo"] and len(state["redo"]) == len(ctl.in_flight)  # consumed, not redone
+    assert state["gate"]["accepted"] == 0  # nothing trained
+
+
 def test_a_replica_error_wakes_every_trainer_wait_within_seconds(job):
     ctl, (d0, _) = job
     next_prompt(d0)

@@ -43,6 +43,8 @@ def run_stats(run: Path) -> dict:
            "wall_by_step": {e["step"]: e["wall_s"] for e in evals}, "wall_s": wall,
            "step_s": statistics.median(steps), "traj_per_s": metrics[-1]["trajectories_trained"] / wall,
            "generated_per_s": metrics[-1]["trajectories_produced"] / wall,
+           # the simulator trains every group; equal-reward groups are filtered here, so generation does more
+           "generated_per_trained": metrics[-1]["trajectories_produced"] / max(1, metrics[-1]["trajectories_trained"]),
            "trainer_wait": sum(m["wait_s"] for m in metrics) / wall,
            "trainer_idle_cpu": 1 - cpu["train"]["utilisation"] if "train" in cpu else None,
            "rollout_idle_cpu": 1 - cpu["rollout"]["utilisation"] if "rollout" in cpu else None,
@@ -114,7 +116,7 @@ def fmt(s: dict | None, f: str = ".3f", of: int | None = None) -> str:
 
 def aggregate(name: str, stats: list[dict], sim: dict) -> dict:
     keys = ("wall_s", "step_s", "traj_per_s", "generated_per_s", "trainer_wait", "trainer_idle_cpu",
-            "rollout_idle_cpu", "mean_staleness") + tuple(f"{k}_{t}" for t in TARGETS for k in ("step", "wall"))
+            "rollout_idle_cpu", "mean_staleness", "generated_per_trained") + tuple(f"{k}_{t}" for t in TARGETS for k in ("step", "wall"))
     row = {"name": name, "seeds": len(stats), "sim": sim, **{k: spread(s[k] for s in stats) for k in keys}}
     eval_steps = sorted(set.intersection(*(set(s["acc_by_step"]) for s in stats)))
     row["acc_by_step"] = {st: spread(s["acc_by_step"][st] for s in stats) for st in eval_steps}
@@ -136,14 +138,15 @@ def tables(rows: list[dict]) -> str:
                      f"{fmt(r['rollout_idle_cpu'], '.2f')} |")
     lines += ["", "Simulator (python -m hexrl.plan simulate, CPU profile) next to measured:", "",
               "| config | step s: measured / simulated (ratio) | mean staleness: measured / simulated "
-              "| trainer idle: measured wait / simulated | rollout idle: measured / simulated |",
-              "|---|---|---|---|---|"]
+              "| trainer idle: measured wait / simulated | rollout idle: measured / simulated "
+              "| generated per trained (simulated: 1) |", "|---|---|---|---|---|---|"]
     for r in rows:
         s = r["sim"]
         lines.append(f"| {r['name']} | {fmt(r['step_s'], '.3f')} / {s['step_s']:.3f} "
                      f"({s['step_s'] / r['step_s']['mean']:.2f}x) | {fmt(r['mean_staleness'], '.2f')} / "
                      f"{s['mean_staleness']:.2f} | {fmt(r['trainer_wait'], '.2f')} / {s['trainer_idle']:.2f} | "
-                     f"{fmt(r['rollout_idle_cpu'], '.2f')} / {s['rollout_idle']:.2f} |")
+                     f"{fmt(r['rollout_idle_cpu'], '.2f')} / {s['rollout_idle']:.2f} | "
+                     f"{fmt(r['generated_per_trained'], '.1f')} |")
     steps = sorted(set.intersection(*(set(r["acc_by_step"]) for r in rows)))
     lines += ["", "Held-out accuracy at fixed steps, mean [min-max] over seeds:", "",
               "| config | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]

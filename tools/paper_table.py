@@ -1,6 +1,7 @@
 """The AReaL-Hex paper's comparisons, planned and simulated by hexrl, with the paper's numbers beside.
 
     python tools/paper_table.py [--steps 6] [--no-sim] [--no-sensitivity]
+    python tools/paper_table.py --agreement      # planner vs simulator, eta in {0, 1, 4, inf}
 
 Workload (tools/configs/paper_*.json, the paper's GRPO setting as far as it states it):
 R1-Distill-Qwen 1.5B / 7B / 14B, 512 prompts x 16 samples per step, prompt 256 tokens, output
@@ -72,12 +73,30 @@ def ratios(res: dict, i: int) -> dict[str, float]:
             "planned/uniform": res["h800_24"][i] / res["uniform_24"][i]}
 
 
+def agreement(steps: int) -> None:
+    """Planner vs simulator step time on the nine paper jobs at eta = 0, 1, 4 and unbounded."""
+    print("step time (s): predicted / simulated (simulated vs predicted)")
+    for size in SIZES:
+        for name in ("h800", "h20", "hetero"):
+            cells = []
+            for eta in (0, 1, 4, None):
+                job = json.loads((CONFIGS / f"paper_{size}_{name}.json").read_text())
+                job["rl"]["eta"] = eta
+                plan = plan_job(load_job(job, check_paths=False))
+                pred, got = plan.predicted["step_time_s"], simulate(plan, steps=steps, warmup=3).step_time_s
+                cells.append(f"{pred:6.0f} / {got:6.0f} ({got / pred - 1:+5.1%})")
+            print(f"{size:<5} {name:<7} " + "  ".join(cells), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--agreement", action="store_true", help="only the planner vs simulator table")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--no-sim", action="store_true", help="planner predictions only")
     ap.add_argument("--no-sensitivity", action="store_true")
     args = ap.parse_args()
+    if args.agreement:
+        return agreement(max(args.steps, 10))
     sim = not args.no_sim
     kind = "simulated" if sim else "predicted"
     print(f"tokens/s ({kind}; planner prediction in brackets)")

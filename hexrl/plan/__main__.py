@@ -80,7 +80,8 @@ def report(res, plan) -> str:
         f"busy      : trainer {res.trainer_busy:.0%}, rollout GPUs {res.rollout_busy:.0%}, "
         f"weight sync {res.sync_fraction:.0%}",
         f"idle      : trainer GPUs {res.idle['train']:.0%}, rollout GPUs {res.idle['rollout']:.0%}",
-        f"staleness : {{{stale}}} trajectories by versions behind; over eta: {res.violations}",
+        f"staleness : {{{stale}}} trajectories by versions behind; over eta: {res.violations}; "
+        f"dropped as stale: {res.dropped_stale}",
     ])
 
 

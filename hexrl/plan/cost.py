@@ -346,13 +346,13 @@ class CostModel:
         active = [r for r in replicas if r.share > 0] or list(replicas)
         groups = self.w.samples / self.w.group
         n = [math.ceil(r.share * groups - 1e-9) * self.w.group for r in active]  # whole groups
-        wave = max(self.wave_s(r.gpu_type, r.tp, r.batch, k, self.w.samples) for r, k in zip(active, n))
+        kinds = {(r.gpu_type, r.tp, r.batch, k) for r, k in zip(active, n)}  # replicas repeat
+        wave = max(self.wave_s(t, tp, b, k, self.w.samples) for t, tp, b, k in kinds)
         # the slowest of m replicas, not the average one: the tokens a replica is dealt vary (sd
         # sqrt(n) sd(L) while it has a queue), and E[max of m] ~ mean + sd sqrt(2 ln m)
         d = self.lengths
         sd_len = math.sqrt(max(0.0, d.second_moment() - d.mean() ** 2))
-        sd = max(math.sqrt(max(0.0, k - r.batch)) * sd_len / self.decode_point(r.gpu_type, r.tp, r.batch).tokens_per_s
-                 for r, k in zip(active, n))
+        sd = max(math.sqrt(max(0.0, k - b)) * sd_len / self.decode_point(t, tp, b).tokens_per_s for t, tp, b, k in kinds)
         wave += sd * math.sqrt(2 * math.log(len(active))) if len(active) > 1 else 0.0
         return wave, max(r.share for r in active) * groups * self.group_reward_s()
 

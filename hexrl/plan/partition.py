@@ -193,9 +193,9 @@ def _bound_sweep(ev: Evaluator, types, grid, best: Candidate | None, log: Search
     """Check the splits the two phases did not visit, most promising lower bound first, until
     no split's bound can beat the best by more than `tol` (or the budget is spent: a training
     search counts 1, a rollout MILP 2). The default budget grows with the number of splits
-    (0.3 per split, i.e. a tenth of costing them all, between 200 and 1,000)."""
+    (0.3 per split, i.e. a tenth of costing them all, between 200 and 400)."""
     lb = lower_bounds(ev, types, grid)
-    budget = budget if budget is not None else int(min(1000, max(200, 0.3 * len(grid))))
+    budget = budget if budget is not None else int(min(400, max(200, 0.3 * len(grid))))
     spent = 0
     for i in np.argsort(lb, kind="stable"):
         if not np.isfinite(lb[i]) or (best is not None and lb[i] >= best.step_s * (1 - tol)) or spent >= budget:

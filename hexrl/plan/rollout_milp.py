@@ -64,7 +64,7 @@ def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):
     return cols, all_batches
 
 
-def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 6) -> RolloutPlan | None:
+def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4) -> RolloutPlan | None:
     """The rollout plan with the shortest makespan on these free GPUs (None if nothing fits).
 
     After each weight update a replica re-prefills its running batch (KV recompute, R_psi
@@ -86,7 +86,7 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 6) -> R
         if y_new is None:
             break
         y, sol, theta = y_new, sol_new, w.gen_tokens / sol_new[-1]
-        if period is not None and abs(theta - period) <= 1e-3 * period:
+        if period is not None and abs(theta - period) <= 1e-2 * period:
             break
         used = [j for j in range(len(cols)) if sol[len(cols) + j] > 1e-9 * sol[-1]]
         h = sum(y[j] * cols[j][1].tokens_per_s for j in used)
