@@ -189,7 +189,10 @@ class Controller:
                     self.lock.notify_all()
 
     def _dispatch(self) -> None:
-        while self.gate.capacity(self.version) > 0:
+        # work for version v goes out only once every replica was told of v: its prompts then queue
+        # behind the weights message, so none is sampled by older weights and dropped as stale
+        version = min(self.version, self.delivered)
+        while self.gate.capacity(version) > 0:
             replica = self.dispatcher.pick()
             if replica is None or self.replicas[replica].name not in self.router.peers:
                 return  # no live replica has connected yet
@@ -197,12 +200,12 @@ class Controller:
             problem = self.cursor.problems[index]
             gid, prompt_ids = self.next_group, self.encode_prompt(problem.prompt)
             msg = message("prompt", group_id=gid, problem_id=problem.id, prompt_ids=prompt_ids,
-                          n=self.rl.group_size, sampling=self._sampling(gid), version=self.version,
+                          n=self.rl.group_size, sampling=self._sampling(gid), version=version,
                           answer=str(problem.answer), **({"tests": problem.tests} if problem.tests else {}))
             if not self.router.send(msg, to=self.replicas[replica].name, timeout_s=5):
                 self.redo.appendleft(index)
                 return
-            self.gate.try_acquire(self.version)
+            self.gate.try_acquire(version)
             self.buffer.expect(gid, self.rl.group_size, problem.id)
             self.dispatcher.assign(gid)
             self.dispatched[gid] = Dispatched(replica, problem.id, list(prompt_ids))

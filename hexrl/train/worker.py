@@ -175,7 +175,9 @@ def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, eval
     job, t0 = ctx.plan.job, time.perf_counter()
     tokens_before = controller.counters()["completion_tokens"] if controller else 0
     groups = controller.next_batch() if controller else None
-    batch = [t for g in groups for t in g.trajectories] if groups is not None else None
+    # in group-id order, not completion order: which replica finished first must not change the
+    # mini-batches (a run with eta=0 is then reproducible, on one node or several)
+    batch = [t for g in sorted(groups, key=lambda g: g.group_id) for t in g.trajectories] if groups is not None else None
     t_batch = time.perf_counter()
     batch = share_batch(batch, trainer.grid.trainer_group, ctx.controller_rank, ctx.device)
     version_before = trainer.version
