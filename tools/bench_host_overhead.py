@@ -73,14 +73,17 @@ class NullAttention:
 
 
 def make_engine(batch: int, context: int, steps: int, page_size: int) -> Engine:
-    pages = batch * (-(-(context + steps + 16) // page_size) + 1)
+    # early sequences decode while later ones prefill (up to batch*context/max_batch_tokens steps):
+    # leave them room so that all `batch` are still running through the timed steps
+    margin = steps + 16 + 2 * (-(-batch * context // max(8192, batch)))
+    pages = batch * (-(-(context + margin) // page_size) + 1)
     cfg = EngineConfig(page_size=page_size, max_pages=pages, max_running=batch, max_batch_tokens=max(8192, batch))
     engine = Engine(NullModel(batch), cfg, eos_ids=[])
     engine.backend = NullAttention()
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
         prompt = torch.randint(6, VOCAB, (context,), generator=g).tolist()
-        engine.add(Request(i, prompt, max_new_tokens=steps + 16, temperature=0.0, ignore_eos=True))
+        engine.add(Request(i, prompt, max_new_tokens=margin, temperature=0.0, ignore_eos=True))
     while engine.scheduler.waiting or engine._pending or \
             any(s.num_uncached > 1 for s in engine.scheduler.running):  # prefill (not timed)
         engine.step()
