@@ -161,9 +161,9 @@ def test_a_launcher_on_the_wrong_node_rank_ends_the_job_naming_it(tmp_path):
 
 
 def kill_node_b(tmp_path, workers_too: bool):
-    """Run 8 steps; after 2, SIGKILL node B's launcher (and with workers_too its ranks, as when
+    """Run 40 steps (enough that a fast machine is still mid-run); after 2, SIGKILL node B's launcher (and with workers_too its ranks, as when
     the machine dies). Node A must end within 60 s naming node B's ranks. Returns (plan, run)."""
-    plan = write_job(tmp_path, steps=8, eta=1, checkpoint_every=1, nodes=TWO_NODES, layout={"train_gpus": 2, "dp": 2})
+    plan = write_job(tmp_path, steps=40, eta=1, checkpoint_every=1, nodes=TWO_NODES, layout={"train_gpus": 2, "dp": 2})
     run = tmp_path / "run"
     procs = launch(plan, run)
     assert wait_for(lambda: len(metrics(run)) >= 2, 300, procs["A"]), procs["A"].communicate()[0][-3000:]
@@ -203,7 +203,7 @@ def test_killing_node_b_launcher_ends_node_a_naming_its_ranks_then_both_resume(t
     assert all(c == 0 for c, _ in res.values()), res["A"][1][-3000:] + res["B"][1][-2000:]
     rows = metrics(run)
     steps = [r["step"] for r in rows]
-    assert steps == sorted(steps) and steps[-1] == 8 and len(steps) == len(set(steps)), steps
+    assert steps == sorted(steps) and steps[-1] == 40 and len(steps) == len(set(steps)), steps
     assert [r for r in rows if r["step"] > saved][0]["version"] == saved + 1  # continued, not restarted
     ids = [i for r in rows for i in r["problem_ids"]]
     assert len(ids) == len(set(ids)) and done >= 2
