@@ -23,9 +23,8 @@ import torch
 import torch.distributed as dist
 
 from hexrl import affinity, dist_rules
-from hexrl.data import dataset_problems
 from hexrl.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
-from hexrl.preflight import input_problems
+from hexrl.preflight import Inputs, check_inputs
 from hexrl.schema import ConfigError, Plan, TrainerLayout, load_plan
 from hexrl.watchdog import Watchdog, describe_exception
 
@@ -47,6 +46,7 @@ class RankContext:
     sync_groups: list  # per pipeline stage: (src rank, group) for the weight broadcast
     replica_group: object  # this rollout rank's TP group (None for TP 1 or trainer ranks)
     watchdog: Watchdog
+    inputs: Inputs  # the checked, tokenized prompts (tokenized once, by the checks)
 
     @property
     def info(self):
@@ -97,13 +97,13 @@ def world_from_env() -> tuple[int, int, int, int]:
 
 
 def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None,
-                      resume: str | None = None) -> Plan:
+                      resume: str | None = None) -> tuple[Plan, Inputs]:
     """The plan and the run's input files (tokenizer, every prompt, the checkpoint to resume),
     validated against this world before any collective; exits 2 with every problem."""
     try:
         plan = load_plan(path, world=(world, local_world))
-        if problems := (dataset_problems(plan.job.data.synthetic) + address_problems(plan)
-                        + input_problems(plan.job, resume) + affinity.core_problems(plan.job.cpu_affinity)):
+        inputs = check_inputs(plan.job, resume)
+        if problems := (address_problems(plan) + inputs.problems + affinity.core_problems(plan.job.cpu_affinity)):
             raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         if rank == 0:
@@ -111,7 +111,7 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
         sys.exit(2)
     if steps is not None:
         plan.job.rl.steps = steps
-    return plan
+    return plan, inputs
 
 
 def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
@@ -171,7 +171,7 @@ def is_peer_loss(e: BaseException) -> bool:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
-    plan = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
+    plan, inputs = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
     pinning = affinity.pin(plan.job.cpu_affinity, local_rank)  # before any thread or child process starts
     print(affinity.describe(rank, plan.ranks[rank].role, pinning), flush=True)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
@@ -191,7 +191,7 @@ def main(argv=None) -> None:
         run_dir = Path(args.run_dir or plan.job.out_dir)
         ctx = RankContext(plan, rank, local_rank, device, run_dir, Path(args.resume) if args.resume else None,
                           store, plan.trainer, sync, replica_groups.get(info.replica) if role == "rollout" else None,
-                          watchdog)
+                          watchdog, inputs)
         if role == "train":
             from hexrl.train.worker import run_trainer
 

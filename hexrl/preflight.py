@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hexrl.data import Problem, load_dataset
+from hexrl.data import Problem, dataset_problems, load_dataset
 from hexrl.tokenizer import load_tokenizer
 
 _SHOW = 3  # how many skipped prompts a message lists
@@ -61,24 +61,41 @@ def run_prompts(job, tokenizer) -> tuple[Prompts, Prompts]:
             encode_prompts(heldout, tokenizer, cfg.vocab_size, room))
 
 
-def input_problems(job, resume: str | None = None) -> list[str]:
-    """Every reason the run's input files cannot be used, each naming its file; [] when all is well."""
-    problems = []
+@dataclass
+class Inputs:
+    """What the checks found: every problem, and the usable prompts (None without a model path,
+    or when a check failed before tokenizing)."""
+
+    problems: list[str] = field(default_factory=list)
+    train: Prompts | None = None
+    heldout: Prompts | None = None
+
+
+def check_inputs(job, resume: str | None = None) -> Inputs:
+    """Every reason the run's inputs cannot be used (the synthetic data spec, the tokenizer, every
+    prompt, the --resume checkpoint), each naming its file. The prompts are tokenized once, here,
+    and the trainer takes them from the result."""
+    out = Inputs(dataset_problems(job.data.synthetic))
+    if out.problems:
+        return out
     if resume is not None:
         from hexrl.train.checkpoint import problems as checkpoint_problems  # torch: only the run needs it
 
-        problems += [f"--resume {resume}: {p}" for p in checkpoint_problems(resume)]
+        out.problems += [f"--resume {resume}: {p}" for p in checkpoint_problems(resume)]
     if not job.model.path:
-        return problems
+        return out
     try:
         tokenizer = load_tokenizer(job.model.path)
     except (OSError, ValueError) as e:
-        return problems + [f"model.path tokenizer: {e}"]
+        out.problems.append(f"model.path tokenizer: {e}")
+        return out
     where = f"data.path {job.data.path}" if job.data.path else "data.synthetic"
     try:
-        train, _ = run_prompts(job, tokenizer)
+        out.train, out.heldout = run_prompts(job, tokenizer)
     except (OSError, ValueError, TypeError) as e:
-        return problems + [f"{where}: {e}"]
-    if not train.problems:
-        problems.append(f"{where}: none of its {len(train.skipped)} training prompts can be used: {train.summary()}")
-    return problems
+        out.problems.append(f"{where}: {e}")
+        return out
+    if not out.train.problems:
+        out.problems.append(f"{where}: none of its {len(out.train.skipped)} training prompts can be used: "
+                            f"{out.train.summary()}")
+    return out

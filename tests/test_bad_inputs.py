@@ -11,7 +11,7 @@ import torch
 
 from hexrl.main import load_checked_plan
 from hexrl.model.tiny import make_tiny_model
-from hexrl.preflight import input_problems, run_prompts
+from hexrl.preflight import check_inputs, run_prompts
 from hexrl.schema import load_job
 from hexrl.tokenizer import TokenizerError, load_tokenizer
 from hexrl.train import checkpoint as ckpt
@@ -57,7 +57,9 @@ def test_prompts_outside_the_alphabet_are_skipped_and_counted(tmp_path):
     assert [p.prompt for p in train.problems] == [r["prompt"] for r in GOOD]
     assert len(train.skipped) == 1 and train.skipped[0][0] == 3  # the line number is its id
     assert "'Ü'" in train.skipped[0][1]  # the reason names the character
-    assert input_problems(job) == []  # a few bad prompts do not stop a run
+    checked = check_inputs(job)
+    assert checked.problems == []  # a few bad prompts do not stop a run
+    assert checked.train.problems == train.problems  # and the run takes the prompts from the checks
 
 
 def test_a_run_with_a_bad_prompt_trains_on_the_others(tmp_path):

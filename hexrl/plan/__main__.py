@@ -14,9 +14,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from hexrl.data import dataset_problems
 from hexrl.plan.planner import plan_job
-from hexrl.preflight import input_problems
+from hexrl.preflight import check_inputs
 from hexrl.plan.simulate import simulate
 from hexrl.schema import ConfigError, load_job, load_plan
 
@@ -50,9 +49,8 @@ def plan_main(argv) -> int:
     args = ap.parse_args(argv)
     try:
         job = load_job(args.job, check_paths=False)
-        problems = dataset_problems(job.data.synthetic)
-        if not problems and (job.data.synthetic or (job.data.path and Path(job.data.path).is_file())):
-            problems = input_problems(job)  # tokenize every prompt now, where the data is here to read
+        here = job.data.synthetic or (job.data.path and Path(job.data.path).is_file())
+        problems = check_inputs(job).problems if here else []  # tokenize every prompt where the data is
         if problems:
             raise ConfigError(problems, "invalid job")
         plan = plan_job(job, args.baseline or "two-phase", use_profiles=not args.no_profiles)

@@ -23,12 +23,11 @@ from hexrl.control.metrics import MetricsWriter, staleness_histogram
 from hexrl.heldout import greedy_accuracy
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.nodes import bind_host
-from hexrl.preflight import run_prompts
 from hexrl.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
 from hexrl.weights import send_stage, stage_specs
 
-from .checkpoint import full_param, resolve, shard_dims
+from .checkpoint import full_param, shard_dims
 from hexrl.schema.knobs import TrainKnobs
 
 from .trainer import DTYPES, TrainConfig, Trainer
@@ -134,7 +133,7 @@ def run_trainer(ctx, grid) -> None:
     is_controller = ctx.rank == ctx.controller_rank
     controller = metrics = None
     tokenizer = load_tokenizer(job.model.path)
-    train, heldout = run_prompts(job, tokenizer)  # the same usable prompts on every trainer rank
+    train, heldout = ctx.inputs.train, ctx.inputs.heldout  # the same usable prompts on every trainer rank
     if is_controller and train.skipped:
         print(f"[hexrl] skipped {len(train.skipped)} training prompts: {train.summary()}", flush=True)
     train, heldout = train.problems, heldout.problems
