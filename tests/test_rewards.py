@@ -193,6 +193,10 @@ def flaky_reward(completion, answer):
         os._exit(3)
     if completion == "nan":
         return float("nan")
+    if completion == "wait":  # until the file named by `answer` exists
+        while not os.path.exists(answer):
+            time.sleep(0.01)
+        return 1.0
     return 1.0 if completion == answer else 0.0
 
 
@@ -216,6 +220,21 @@ def test_pool_survives_hang_raise_and_death():
         assert pool.score([("x", "x")] * 4) == [1.0] * 4  # still working afterwards
     with pytest.raises(RuntimeError, match="closed"):
         pool.score([("x", "x")])
+
+
+def test_submit_returns_at_once_and_finished_hands_back_whole_batches(tmp_path):
+    """The rollout leader's use: submit a finished group, decode on, collect it when scored."""
+    go = tmp_path / "go"
+    with RewardPool(flaky_reward, workers=2, timeout_s=30) as pool:
+        slow = pool.submit([("wait", str(go))] * 3)  # both workers block until `go` exists
+        fast = pool.submit([("a", "a"), ("b", "c")])  # queued behind them: first in, first out
+        assert pool.finished(wait_s=0.2) == {} and pool.pending == 2
+        go.touch()
+        got = {}
+        while len(got) < 2:
+            got.update(pool.finished(wait_s=1.0))
+        assert got == {slow: [1.0, 1.0, 1.0], fast: [1.0, 0.0]} and pool.pending == 0
+        assert pool.submit([]) in pool.finished()  # an empty batch is done at once
 
 
 def test_pool_rejects_bad_arguments():

@@ -2,12 +2,15 @@
 
 A reward that raises, returns garbage, crashes its process or hangs scores 0.0 and is counted
 in `pool.stats`; a hung or dead worker is killed and replaced, so the caller keeps going.
+`submit` + `finished` score without waiting (the rollout leader decodes on meanwhile);
+`score` waits for its batch.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import itertools
 import signal
 import threading
 import time
@@ -53,7 +56,7 @@ def _warm_up(fn: RewardFn) -> None:
 
 
 def _worker_main(conn: Connection, fn: RewardFn) -> None:
-    """Worker loop: (idx, completion, answer) in, (idx, "ok"|"error", value) out; None stops it."""
+    """Worker loop: (job, completion, answer) in, (job, "ok"|"error", value) out; None stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _warm_up(fn)
     conn.send(("ready",))
@@ -64,14 +67,22 @@ def _worker_main(conn: Connection, fn: RewardFn) -> None:
             return
         if msg is None:
             return
-        idx, completion, answer = msg
+        job, completion, answer = msg
         try:
             value = float(fn(completion, answer))
             if not math.isfinite(value):
                 raise ValueError(f"reward returned {value}")
-            conn.send((idx, "ok", value))
+            conn.send((job, "ok", value))
         except BaseException as e:  # SystemExit too: the worker must survive its reward
-            conn.send((idx, "error", f"{type(e).__name__}: {e}"[:300]))
+            conn.send((job, "error", f"{type(e).__name__}: {e}"[:300]))
+
+
+@dataclass
+class _Batch:
+    """One submitted batch: a reward per item (None until scored) and how many are still out."""
+
+    rewards: list[float | None]
+    left: int
 
 
 @dataclass
@@ -80,7 +91,7 @@ class _Worker:
     conn: Connection
     started: float
     ready: bool = False
-    job: int | None = None
+    job: tuple[int, int] | None = None  # (ticket, index in its batch)
     deadline: float = math.inf
 
 
@@ -88,7 +99,7 @@ class RewardPool:
     """Run `fn(completion, answer) -> float` in `workers` spawned processes.
 
     `fn` is a reward name ("math", "exact", "code") or a picklable module-level function.
-    One `score` call runs at a time (a lock serialises callers).
+    Items are scored first in, first out, across batches; a lock makes the pool thread-safe.
     """
 
     def __init__(self, fn: RewardFn | str, workers: int = 2, timeout_s: float = 10.0,
@@ -112,6 +123,9 @@ class RewardPool:
         self._ctx = mp.get_context("spawn")  # fork would copy the caller's threads and CUDA state
         self._lock = threading.Lock()
         self._closed = False
+        self._queue: deque[tuple[tuple[int, int], str, object]] = deque()  # ((ticket, i), completion, answer)
+        self._batches: dict[int, _Batch] = {}
+        self._tickets = itertools.count()
         self._workers = [self._start() for _ in range(workers)]
         self._wait_all_ready()
 
@@ -140,56 +154,79 @@ class RewardPool:
 
     def _wait_all_ready(self) -> None:
         while not all(w.ready for w in self._workers):
-            self._poll(results=None, wait_s=0.5)
+            self._poll(wait_s=0.5)
 
     # -- scoring ---------------------------------------------------------------
 
-    def score(self, items: Iterable[tuple[str, object]]) -> list[float]:
-        """Rewards for (completion, answer) pairs, in order; failures score 0.0."""
+    def submit(self, items: Iterable[tuple[str, object]]) -> int:
+        """Queue (completion, answer) pairs for scoring and return at once; the ticket names the
+        batch in what `finished` returns."""
         if self._closed:
             raise RuntimeError("RewardPool is closed")
         items = list(items)
-        results: list[float | None] = [None] * len(items)
-        pending = deque(range(len(items)))
         with self._lock:
-            while pending or any(w.job is not None for w in self._workers):
-                self._dispatch(pending, items, results)
-                self._poll(results, wait_s=1.0)
-        return [0.0 if r is None else r for r in results]
+            ticket = next(self._tickets)
+            self._batches[ticket] = _Batch([None] * len(items), len(items))
+            self._queue.extend(((ticket, i), c, a) for i, (c, a) in enumerate(items))
+            self._dispatch()
+        return ticket
 
-    def _dispatch(self, pending: deque, items: list, results: list) -> None:
+    def finished(self, wait_s: float = 0.0) -> dict[int, list[float]]:
+        """Every submitted batch now fully scored, by ticket: its rewards in order, failures 0.0.
+        Waits up to `wait_s` for replies when items are out."""
+        with self._lock:
+            if self._queue or any(w.job is not None for w in self._workers):  # (a queue may wait on a restart)
+                self._poll(wait_s)
+                self._dispatch()
+            done = [t for t, b in self._batches.items() if b.left == 0]
+            return {t: [0.0 if r is None else r for r in self._batches.pop(t).rewards] for t in done}
+
+    @property
+    def pending(self) -> int:
+        """Submitted batches not yet returned by `finished`."""
+        return len(self._batches)
+
+    def score(self, items: Iterable[tuple[str, object]]) -> list[float]:
+        """Rewards for (completion, answer) pairs, in order, once all are scored; failures score 0.0."""
+        ticket = self.submit(items)
+        with self._lock:
+            while self._batches[ticket].left:
+                self._poll(wait_s=1.0)
+                self._dispatch()
+            return [0.0 if r is None else r for r in self._batches.pop(ticket).rewards]
+
+    def _dispatch(self) -> None:
         for i, w in enumerate(self._workers):
-            if not pending or not w.ready or w.job is not None:
+            if not self._queue or not w.ready or w.job is not None:
                 continue
-            idx = pending.popleft()
-            completion, answer = items[idx]
+            job, completion, answer = self._queue.popleft()
             try:
-                w.conn.send((idx, completion, answer))
+                w.conn.send((job, completion, answer))
             except (BrokenPipeError, ConnectionError, EOFError):  # died while idle: not this item's fault
-                pending.appendleft(idx)
+                self._queue.appendleft((job, completion, answer))
                 self._replace(i)
                 continue
             except Exception as e:  # the item itself cannot be pickled
-                self._finish(results, idx, "error", f"cannot send item: {e}")
+                self._finish(job, "error", f"cannot send item: {e}")
                 continue
-            w.job, w.deadline = idx, time.monotonic() + self.timeout_s
+            w.job, w.deadline = job, time.monotonic() + self.timeout_s
 
-    def _poll(self, results: list | None, wait_s: float) -> None:
+    def _poll(self, wait_s: float) -> None:
         """Wait for messages (or the nearest deadline), then handle replies, deaths and timeouts."""
         now = time.monotonic()
         nearest = min([w.deadline for w in self._workers if w.job is not None], default=math.inf)
         for conn in wait([w.conn for w in self._workers], timeout=max(0.0, min(wait_s, nearest - now))):
             i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
-            self._receive(i, results)
+            self._receive(i)
         now = time.monotonic()
         for i, w in enumerate(self._workers):
             if w.job is not None and now >= w.deadline:
-                self._finish(results, w.job, "timeout", f"no reward within {self.timeout_s}s")
+                self._finish(w.job, "timeout", f"no reward within {self.timeout_s}s")
                 self._replace(i)
             elif not w.ready and now - w.started > self.start_timeout_s:
                 raise RuntimeError(f"reward worker did not start within {self.start_timeout_s}s")
 
-    def _receive(self, i: int, results: list | None) -> None:
+    def _receive(self, i: int) -> None:
         w = self._workers[i]
         try:
             msg = w.conn.recv()
@@ -200,23 +237,24 @@ class RewardPool:
                 raise RuntimeError(f"reward worker died while starting (exit code {code}); "
                                    f"is {self.fn!r} importable in a fresh process?") from None
             if w.job is not None:
-                self._finish(results, w.job, "error", f"worker process died (exit code {code})")
+                self._finish(w.job, "error", f"worker process died (exit code {code})")
             self._replace(i)
             return
         if msg == ("ready",):
             w.ready = True
             return
-        idx, status, value = msg
-        if idx == w.job:
-            self._finish(results, idx, status, value)
+        job, status, value = msg
+        if job == w.job:
+            self._finish(job, status, value)
             w.job, w.deadline = None, math.inf
 
-    def _finish(self, results: list | None, idx: int, status: str, value) -> None:
+    def _finish(self, job: tuple[int, int], status: str, value) -> None:
         setattr(self.stats, status, getattr(self.stats, status) + 1)
-        if status == "ok":
-            results[idx] = value
-        else:
-            results[idx] = 0.0
+        ticket, idx = job
+        batch = self._batches[ticket]
+        batch.rewards[idx] = value if status == "ok" else 0.0
+        batch.left -= 1
+        if status != "ok":
             self.recent_errors.append(f"item {idx}: {status}: {value}")
 
     # -- lifetime --------------------------------------------------------------

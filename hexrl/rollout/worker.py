@@ -1,5 +1,8 @@
 """The rollout rank's loop: prompts in over ZeroMQ, trajectories (with rewards) out.
 
+A finished group goes to the reward workers and decoding goes on; the group is sent once its
+rewards are back, so a slow reward (math-verify, the code sandbox) never stalls the engine.
+
 The replica leader (TP rank 0) talks to the controller; the other TP ranks of the replica
 mirror its engine steps in `Engine.follow`. Every rank of the replica joins the weight
 broadcast when the controller announces a new version (between decode steps: the engine
@@ -62,6 +65,7 @@ class RolloutLeader:
         self.reward_name = reward
         self.rewards = RewardPool(reward, workers=reward_workers, timeout_s=reward_timeout_s)
         self.groups: dict[int, PendingGroup] = {}
+        self.scoring: dict[int, PendingGroup] = {}  # reward ticket -> finished group being scored
         self._last_beat = 0.0
 
     def run(self) -> None:
@@ -69,6 +73,8 @@ class RolloutLeader:
             while self._poll():
                 if self.engine.has_work():
                     self._collect(self.engine.step())
+                # nothing to decode: wait on the reward workers instead of spinning
+                self._send_scored(0.0 if self.engine.has_work() else 0.02)
                 self._heartbeat()
         except Exception as e:  # tell the controller why before the socket closes
             self.report_error(describe_exception(e))
@@ -85,7 +91,8 @@ class RolloutLeader:
         """Handle waiting messages (at most MAX_MESSAGES_PER_POLL, so a flood of prompts cannot
         starve decoding and heartbeats); False once told to stop."""
         for i in range(MAX_MESSAGES_PER_POLL):
-            msg = self.channel.recv(0.05 if i == 0 and not self.engine.has_work() else 0)
+            idle = i == 0 and not self.engine.has_work() and not self.scoring
+            msg = self.channel.recv(0.05 if idle else 0)
             if msg is None:
                 break
             kind = msg["type"]
@@ -112,18 +119,27 @@ class RolloutLeader:
             group = self.groups[gid]
             group.outputs[i] = out
             if len(group.outputs) == group.msg["n"]:
-                self._send_group(self.groups.pop(gid))
+                self._score(self.groups.pop(gid))
 
-    def _send_group(self, group: PendingGroup) -> None:
-        msg, outs = group.msg, [group.outputs[i] for i in range(group.msg["n"])]
+    def _score(self, group: PendingGroup) -> None:
+        """Hand a finished group's completions to the reward workers (no waiting)."""
+        msg = group.msg
         target = msg.get("tests") if self.reward_name == "code" else msg.get("answer")
-        rewards = self.rewards.score([(self.tokenizer.decode(o.token_ids), target) for o in outs])
-        for out, reward in zip(outs, rewards):
-            traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(out.prompt_ids), completion_ids=out.token_ids,
-                              logprobs=out.logprobs, versions=out.versions, reward=float(reward),
-                              finish_reason=out.finish_reason, problem_id=msg["problem_id"])
-            if not self.channel.send(trajectory_to_msg(traj, rank=self.rank), timeout_s=60):
-                raise RuntimeError("the controller stopped accepting trajectories for 60 s")
+        texts = [(self.tokenizer.decode(group.outputs[i].token_ids), target) for i in range(msg["n"])]
+        self.scoring[self.rewards.submit(texts)] = group
+
+    def _send_scored(self, wait_s: float) -> None:
+        """Send every group whose rewards are all back, as trajectories."""
+        for ticket, rewards in self.rewards.finished(wait_s).items():
+            group = self.scoring.pop(ticket)
+            msg = group.msg
+            for i, reward in enumerate(rewards):
+                out = group.outputs[i]
+                traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(out.prompt_ids),
+                                  completion_ids=out.token_ids, logprobs=out.logprobs, versions=out.versions,
+                                  reward=float(reward), finish_reason=out.finish_reason, problem_id=msg["problem_id"])
+                if not self.channel.send(trajectory_to_msg(traj, rank=self.rank), timeout_s=60):
+                    raise RuntimeError("the controller stopped accepting trajectories for 60 s")
 
     def _heartbeat(self) -> None:
         now = time.time()
