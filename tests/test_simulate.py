@@ -97,6 +97,23 @@ def test_simulation_agrees_with_the_planner_on_the_paper_setting(eta, tol):
     assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=tol)
 
 
+def test_rewards_are_scored_while_the_replica_decodes():
+    """As in the rollout leader, a finished group goes to the reward workers and its replica
+    decodes on: scoring intervals overlap decoding, and the planner predicts the step the
+    simulator runs with a slow reward (0.05 s a sample, 0.2 s a group) as with a fast one."""
+    job = hetero_job(0)
+    job["workload"]["reward_s_per_sample"] = 0.05
+    plan = plan_job(load_job(job), use_profiles=False)
+    res = simulate(plan, steps=5, warmup=1, gantt_steps=2, use_profiles=False)
+    spans = {}
+    for lane, kind, t0, t1 in res.gantt:
+        spans.setdefault((lane, kind), []).append((t0, t1))
+    scored = spans[("R0 reward", "reward")]
+    decoding = spans[("R0", "decode")]
+    assert any(a0 < b1 and b0 < a1 for a0, a1 in scored for b0, b1 in decoding)
+    assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=0.05)
+
+
 def test_gantt_lanes_do_not_overlap():
     res = simulate(plan_job(load_job(hetero_job(2)), use_profiles=False), steps=5, gantt_steps=2,
                    use_profiles=False)

@@ -16,8 +16,8 @@ class Candidate:
     train: TrainPlan
     rollout: RolloutPlan
     C_T: float  # training
-    C_gen: float  # rollout generation (makespan, tail, KV recompute)
-    C_reward: float
+    C_gen: float  # rollout generation (makespan, tail, KV recompute, any reward backlog)
+    C_reward: float  # the step's last group, scored after its decode ends
     C_sync: float  # weight update
     step_s: float
 
@@ -81,7 +81,10 @@ def candidate(cm: CostModel, per_node: tuple[int, ...], train: TrainPlan, roll: 
         edge = cm.head_params() * ((i == 0) + (i == train.pp - 1)) * 2
         stage_bytes.append((s.slots[0][0], s.layers * layer_bytes + edge))
     sync = cm.sync_s(stage_bytes, {r.node for r in roll.replicas})
-    reward = roll.reward_s
-    gen = cm.gen_s(roll.gen_s + reward, roll.wave_s + reward, train.time_s, sync) - reward
+    # scoring overlaps decoding: a step's generation lasts at least its reward work, and the last
+    # group is scored after its decode ends (the tail, C_reward)
+    reward = cm.group_reward_s()
+    theta, wave = max(roll.gen_s, roll.reward_s - reward), max(roll.wave_s, roll.reward_s - reward)
+    gen = cm.gen_s(theta + reward, wave + reward, train.time_s, sync) - reward
     step = cm.step_s(train.time_s, gen + reward, sync)
     return Candidate(per_node, train, roll, train.time_s, gen, reward, sync, step)

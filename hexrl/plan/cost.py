@@ -20,8 +20,9 @@ WORKSPACE_BYTES = 1.5e9  # allocator slack, kernels' scratch, CUDA context
 ALLREDUCE_LATENCY_S = 8e-6  # one small NVLink all-reduce (decode-time TP)
 MAX_DECODE_BATCH = 1024  # engine cap on running sequences per replica
 REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5}
-# The rollout leader scores a finished group in its RewardPool (hexrl/rollout/worker.py, default
-# reward_workers=2) before it decodes on: a group's G rewards stall its replica ceil(G / 2) rewards.
+# The rollout leader hands a finished group to its RewardPool (hexrl/rollout/worker.py, default
+# reward_workers=2) and decodes on: scoring overlaps decoding; only the step's last group, and any
+# backlog when scoring is slower than decoding, comes after it.
 REWARD_WORKERS = 2
 # Share of a link's rate a large (64 MB bucket) NCCL broadcast reaches; an assumption (nccl-tests
 # bus bandwidth on TCP/RoCE NICs), not a measurement of this cluster: a profile of the weight
@@ -341,8 +342,9 @@ class CostModel:
 
     def rollout_wave(self, replicas) -> tuple[float, float]:
         """(wave_s, reward_s) for replicas (objects with gpu_type, tp, batch, share): the time an idle
-        rollout needs to generate one step's B groups dealt out by share, and the longest reward
-        stall of one replica over a step (its groups times group_reward_s)."""
+        rollout needs to generate one step's B groups dealt out by share, and the reward work of
+        the busiest replica over a step (its groups times group_reward_s), which its reward
+        workers do while it decodes."""
         active = [r for r in replicas if r.share > 0] or list(replicas)
         groups = self.w.samples / self.w.group
         n = [math.ceil(r.share * groups - 1e-9) * self.w.group for r in active]  # whole groups
@@ -389,7 +391,8 @@ class CostModel:
         return total
 
     def group_reward_s(self) -> float:
-        """Seconds a replica stalls to score one finished group (G samples on REWARD_WORKERS)."""
+        """Seconds a replica's reward workers take to score one finished group (G samples on
+        REWARD_WORKERS)."""
         return math.ceil(self.w.group / REWARD_WORKERS) * self.w.reward_s
 
     def step_s(self, train_s: float, gen_s: float, sync_s: float) -> float:

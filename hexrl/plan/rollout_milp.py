@@ -45,7 +45,7 @@ class RolloutPlan:
     gen_s: float  # the throughput makespan (the gate's long tail is added in candidate.py)
     tokens_per_s: float  # generated tokens/s of all replicas
     wave_s: float = 0.0  # one step's groups generated from idle (CostModel.rollout_wave)
-    reward_s: float = 0.0  # the longest reward stall of one replica per step
+    reward_s: float = 0.0  # reward work of the busiest replica per step (overlaps its decoding)
 
 
 def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):

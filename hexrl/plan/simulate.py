@@ -7,8 +7,9 @@ closed form. The control side is the runtime's own code, imported, not re-implem
 StalenessGate (hexrl/control/gate.py) decides when a prompt group may be handed out, the
 Dispatcher (control/dispatch.py) picks its replica (least in flight per share), and the
 ReplayBuffer (control/buffer.py) hands the trainer B groups oldest first and drops groups
-more than eta versions old. A finished group stalls its replica while its rewards are scored
-(as hexrl/rollout/worker.py does), then enters the buffer. The trainer takes B groups per
+more than eta versions old. A finished group goes to its replica's reward workers, which
+score groups one after another while the replica decodes on (as hexrl/rollout/worker.py
+does), then enters the buffer. The trainer takes B groups per
 step (time: the plan's C_T scaled by the batch's tokens), then publishes weights: every
 replica stops at its next step boundary, joins the broadcast (C_sync), recomputes the KV of
 its running sequences, and decodes on.
@@ -40,7 +41,7 @@ class Replica:
         self.ver = np.zeros(0, dtype=np.int64)  # weight version of the oldest token
         self.grp = np.zeros(0, dtype=np.int64)
         self.queue: deque = deque()  # (group, length)
-        self.stall = 0.0  # reward scoring owed before the next decode step
+        self.reward_free = 0.0  # when the reward workers finish the groups handed to them so far
         self.chunk = None  # (compute_start, k steps, a, c, S0, b)
         self.chunk_id = 0
         self.busy = 0.0  # seconds decoding, prefilling or recomputing
@@ -149,34 +150,29 @@ class Simulation:
 
     # ------------------------------------------------------------------ rollout
     def start(self, r: Replica, t: float):
-        """Score finished groups (a stall), admit queued sequences (their prefill), then run
-        decode steps until one finishes."""
+        """Admit queued sequences (their prefill), then run decode steps until one finishes."""
         room = r.max_batch - len(r.rem)
         new = [r.queue.popleft() for _ in range(min(room, len(r.queue)))]
-        pre, stall = 0.0, r.stall
-        r.stall = 0.0
+        pre = 0.0
         if new:
             pre = self.cm.prefill_s(r.gpu_type, r.tp, len(new) * self.prompt, self.prompt / 2)
             r.rem = np.concatenate([r.rem, [n for _, n in new]])
             r.ctx = np.concatenate([r.ctx, np.full(len(new), self.prompt)])
             r.ver = np.concatenate([r.ver, np.full(len(new), self.live)])
             r.grp = np.concatenate([r.grp, [g for g, _ in new]])
-        self.mark(f"R{r.idx}", "reward", t, t + stall)
-        self.mark(f"R{r.idx}", "prefill", t + stall, t + stall + pre)
+        self.mark(f"R{r.idx}", "prefill", t, t + pre)
         b = len(r.rem)
         if b == 0:
             r.chunk = None
-            if stall:  # nothing to decode: the stall still occupies the replica
-                r.busy += stall
             return
         k = int(r.rem.min())
         a, c = r.coeffs(b)
         s0 = float(r.ctx.sum())
         dur = Replica.elapsed(k, a, c, s0, b)
-        r.chunk = (t + stall + pre, k, a, c, s0, b)
+        r.chunk = (t + pre, k, a, c, s0, b)
         r.chunk_id += 1
-        r.busy += stall + pre
-        self.push(t + stall + pre + dur, "chunk", r, r.chunk_id)
+        r.busy += pre
+        self.push(t + pre + dur, "chunk", r, r.chunk_id)
 
     def advance(self, r: Replica, t_end: float, j: int):
         """Apply j decode steps of the chunk in flight, ending at t_end; handle finished sequences."""
@@ -192,9 +188,11 @@ class Simulation:
                 g = int(g)
                 self.group_tokens[g] += int(n)
                 self.done[g].append(Trajectory(g, [], [0], [0.0], [int(v)]))  # oldest token's version
-                if len(self.done[g]) == self.G:  # scored on the replica, then sent
-                    r.stall += self.reward_s
-                    self.push(t_end + r.stall, "accept", g)
+                if len(self.done[g]) == self.G:  # to the reward workers; sent once scored
+                    t0 = max(t_end, r.reward_free)
+                    r.reward_free = t0 + self.reward_s
+                    self.mark(f"R{r.idx} reward", "reward", t0, r.reward_free)
+                    self.push(r.reward_free, "accept", g)
             keep = ~done
             r.rem, r.ctx, r.ver, r.grp = r.rem[keep], r.ctx[keep], r.ver[keep], r.grp[keep]
 
@@ -210,7 +208,7 @@ class Simulation:
         if r.chunk is None:
             return t
         cs, k, a, c, s0, b = r.chunk
-        if t <= cs:  # still scoring or prefilling: that completes, no decode step is taken
+        if t <= cs:  # still prefilling: that completes, no decode step is taken
             self.advance(r, cs, 0)
             return cs
         # smallest j with elapsed(j) >= t - cs: the root of c*b/2 j^2 + (a + c*s0 - c*b/2) j = t - cs
