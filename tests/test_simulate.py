@@ -97,6 +97,19 @@ def test_simulation_agrees_with_the_planner_on_the_paper_setting(eta, tol):
     assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=tol)
 
 
+@pytest.mark.parametrize("eta", [0, 1, 2, None])
+def test_a_plan_recosts_to_its_own_prediction(eta):
+    """`plan simulate` costs the placement a plan describes (hexrl/plan/fixed.py): that must give
+    the planner's own prediction. (At eta = 1 it did not: each replica's running batch was capped
+    at an even part of the gate's (eta + 1) * B * G, not its share, so the 2-GPU H800 replica was
+    costed at 114 running sequences instead of the 256 the planner gave it.)"""
+    from hexrl.plan.fixed import plan_candidate
+    plan = plan_job(load_job(hetero_job(eta)), use_profiles=False)
+    cand = plan_candidate(CostModel(plan.job, use_profiles=False), plan)
+    assert cand.step_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-3)
+    assert [r.batch for r in cand.rollout.replicas] == [r.knobs.max_running for r in plan.replicas]
+
+
 def test_rewards_are_scored_while_the_replica_decodes():
     """As in the rollout leader, a finished group goes to the reward workers and its replica
     decodes on: scoring intervals overlap decoding, and the planner predicts the step the

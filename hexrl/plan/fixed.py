@@ -193,15 +193,17 @@ def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
     """Makespan of fixed replicas at their largest (or given) batch; shares as given or by throughput."""
     if p:
         return None
-    # running sequences per replica: KV memory, the given max_running, and the gate's share of
-    # the (eta + 1) * B * G sequences it lets run at once
-    gate = math.inf if cm.w.eta is None else math.ceil((cm.w.eta + 1) * cm.w.samples / len(reps))
-    pts = [cm.decode_point(k, tp, int(min(cm.max_decode_batch(k, tp), mb or math.inf, gate)))
-           for k, tp, _, _, mb in reps]
     given = [s for _, _, _, s, _ in reps]
     if any(s is not None for s in given) and any(s is None for s in given):
         p.append("layout.rollout_replicas: give a share for every replica or for none")
         return None
+    # running sequences per replica: KV memory, the given max_running, and the replica's part of
+    # the (eta + 1) * B * G sequences the gate lets run at once (the dispatcher deals groups by
+    # share; without shares, evenly)
+    parts = [float(s) / sum(map(float, given)) for s in given] if given[0] is not None else [1 / len(reps)] * len(reps)
+    gate = [math.inf if cm.w.eta is None else math.ceil((cm.w.eta + 1) * cm.w.samples * f) for f in parts]
+    pts = [cm.decode_point(k, tp, int(max(1, min(cm.max_decode_batch(k, tp), mb or math.inf, g))))
+           for (k, tp, _, _, mb), g in zip(reps, gate)]
     # each replica loses its KV recompute R once per step and decodes at h otherwise
     h, R, tokens = [pt.tokens_per_s for pt in pts], [pt.recompute_s for pt in pts], cm.w.gen_tokens
     if given[0] is not None:
