@@ -157,6 +157,19 @@ def test_output_length_forms():
         load_job(small_job(rl=rl, workload={"output_len": {"histogram": {"edges": [0, 1], "counts": [1, 2]}}}))
 
 
+def test_equal_reward_fraction():
+    """The share of groups filtered for equal rewards: generation does 1 / (1 - f) of a step."""
+    from hexrl.plan.cost import workload_of
+    rl = {"batch_size": 4, "group_size": 2, "max_new_tokens": 100}
+    job = load_job(small_job(rl=rl, workload={"equal_reward_fraction": 0.75}))
+    assert job.workload.to_dict()["equal_reward_fraction"] == 0.75
+    assert workload_of(job).gen_samples == pytest.approx(4 * 2 * 4)
+    with pytest.raises(ConfigError, match=r"workload.equal_reward_fraction: must be <= 0.99, got 1"):
+        load_job(small_job(rl=rl, workload={"equal_reward_fraction": 1}))
+    with pytest.raises(ConfigError, match=r"workload.equal_reward_fraction: rl.filter_equal_groups is false"):
+        load_job(small_job(rl={**rl, "filter_equal_groups": False}, workload={"equal_reward_fraction": 0.5}))
+
+
 def test_plan_round_trip_and_world_checks(tmp_path):
     job = load_job(demo_job())
     plan = plan_job(job)

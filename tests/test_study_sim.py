@@ -38,18 +38,28 @@ def profiles(tmp: Path, name: str, **change) -> Path:
 
 def test_simulated_staleness_stays_within_eta(tmp_path):
     prof = profiles(tmp_path, "p")
-    sync = ls.simulate(tiny_run(tmp_path, "sync", 0), prof, prompt=7, completion=4, steps=8)
+    sync = ls.simulate(tiny_run(tmp_path, "sync", 0), prof, prompt=7, completion=4, equal=0.0, steps=8)
     assert sync["staleness"] and set(sync["staleness"]) == {0} and sync["mean_staleness"] == 0
-    asyn = ls.simulate(tiny_run(tmp_path, "async", 2), prof, prompt=7, completion=4, steps=8)
+    asyn = ls.simulate(tiny_run(tmp_path, "async", 2), prof, prompt=7, completion=4, equal=0.0, steps=8)
     assert max(asyn["staleness"]) <= 2 and asyn["step_s"] > 0
     plan = json.loads((tmp_path / "async" / "plan_simulated.json").read_text())
-    assert plan["workload"] == {"prompt_len": 7, "output_len": {"mean": 4, "max": 5}}  # the measured workload
+    assert plan["workload"] == {"prompt_len": 7, "output_len": {"mean": 4, "max": 5},  # the measured workload
+                                "equal_reward_fraction": 0.0}
+
+
+def test_the_measured_filtered_share_slows_the_simulated_rollout(tmp_path):
+    """Half the groups filtered: the rollout generates twice the groups per step (trainer-bound
+    runs aside), so a rollout-bound synchronous step takes longer."""
+    prof = profiles(tmp_path, "p", train_mfu=0.5)
+    plain = ls.simulate(tiny_run(tmp_path, "plain", 0), prof, 7, 4, 0.0, 8)
+    half = ls.simulate(tiny_run(tmp_path, "half", 0), prof, 7, 4, 0.5, 8)
+    assert half["step_s"] > 1.3 * plain["step_s"]
 
 
 def test_the_profile_sets_the_simulated_trainer_speed(tmp_path):
     """Trainer-bound at eta=4: halving the profile's train_mfu doubles the step (weight sync aside)."""
-    slow = ls.simulate(tiny_run(tmp_path, "a", 4), profiles(tmp_path, "slow", train_mfu=0.004), 7, 4, 8)
-    slower = ls.simulate(tiny_run(tmp_path, "b", 4), profiles(tmp_path, "slower", train_mfu=0.002), 7, 4, 8)
+    slow = ls.simulate(tiny_run(tmp_path, "a", 4), profiles(tmp_path, "slow", train_mfu=0.004), 7, 4, 0.0, 8)
+    slower = ls.simulate(tiny_run(tmp_path, "b", 4), profiles(tmp_path, "slower", train_mfu=0.002), 7, 4, 0.0, 8)
     assert slow["trainer_idle"] < 0.05 and slower["trainer_idle"] < 0.05  # the trainer never waits
     assert slower["step_s"] / slow["step_s"] == pytest.approx(2.0, rel=0.05)
     assert slower["rollout_idle"] > slow["rollout_idle"]  # the rollout waits more on a slower trainer

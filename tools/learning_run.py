@@ -199,7 +199,8 @@ def study(a) -> None:
     rows = []
     for name, runs in stats.items():
         completion = statistics.fmean(s["completion_len"] for s in runs)  # this configuration's measured mean
-        sim = ls.simulate(a.out / f"{name}-s0", prof.parent, prompt, completion, min(a.steps, 40))
+        equal = statistics.fmean(s["equal_fraction"] for s in runs)
+        sim = ls.simulate(a.out / f"{name}-s0", prof.parent, prompt, completion, equal, min(a.steps, 40))
         rows.append(ls.aggregate(name, runs, sim))
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
              else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, lr {a.lr}, {where}; "

@@ -43,8 +43,9 @@ def run_stats(run: Path) -> dict:
            "wall_by_step": {e["step"]: e["wall_s"] for e in evals}, "wall_s": wall,
            "step_s": statistics.median(steps), "traj_per_s": metrics[-1]["trajectories_trained"] / wall,
            "generated_per_s": metrics[-1]["trajectories_produced"] / wall,
-           # the simulator trains every group; equal-reward groups are filtered here, so generation does more
+           # equal-reward groups are filtered, so generation does more; the simulator is given this share
            "generated_per_trained": metrics[-1]["trajectories_produced"] / max(1, metrics[-1]["trajectories_trained"]),
+           "equal_fraction": metrics[-1]["trajectories_filtered"] / max(1, metrics[-1]["trajectories_produced"]),
            "trainer_wait": sum(m["wait_s"] for m in metrics) / wall,
            "trainer_idle_cpu": 1 - cpu["train"]["utilisation"] if "train" in cpu else None,
            "rollout_idle_cpu": 1 - cpu["rollout"]["utilisation"] if "rollout" in cpu else None,
@@ -80,14 +81,16 @@ def prompt_len(job: dict) -> float:
     return statistics.fmean(len(tok.encode(tok.chat_prompt(p.prompt))) for p in train)
 
 
-def simulate(run: Path, profiles: Path, prompt: float, completion: float, steps: int) -> dict:
-    """The simulator CLI on the run's plan, with the measured workload and the CPU profile."""
+def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal: float, steps: int) -> dict:
+    """The simulator CLI on the run's plan, with the measured workload (prompt and completion
+    lengths, the share of groups filtered for equal rewards) and the CPU profile."""
     out = run / "simulated.json"
     if not out.exists():
         plan = json.loads((run / "plan.json").read_text())
         max_new = plan["rl"]["max_new_tokens"]
         plan["workload"] = {"prompt_len": max(1, round(prompt)),
-                            "output_len": {"mean": min(max(1.0, completion), max_new), "max": max_new}}
+                            "output_len": {"mean": min(max(1.0, completion), max_new), "max": max_new},
+                            "equal_reward_fraction": round(min(equal, 0.99), 4)}
         (run / "plan_simulated.json").write_text(json.dumps(plan, indent=1))
         warm = min(3, steps - 1)
         subprocess.run([sys.executable, "-m", "hexrl.plan", "simulate", str(run / "plan_simulated.json"),
@@ -139,7 +142,7 @@ def tables(rows: list[dict]) -> str:
     lines += ["", "Simulator (python -m hexrl.plan simulate, CPU profile) next to measured:", "",
               "| config | step s: measured / simulated (ratio) | mean staleness: measured / simulated "
               "| trainer idle: measured wait / simulated | rollout idle: measured / simulated "
-              "| generated per trained (simulated: 1) |", "|---|---|---|---|---|---|"]
+              "| generated per trained (simulated with the measured share filtered) |", "|---|---|---|---|---|---|"]
     for r in rows:
         s = r["sim"]
         lines.append(f"| {r['name']} | {fmt(r['step_s'], '.3f')} / {s['step_s']:.3f} "

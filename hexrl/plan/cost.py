@@ -34,7 +34,8 @@ NCCL_EFFICIENCY = 0.8
 class Workload:
     """The per-step numbers the cost models need, derived from a job."""
 
-    samples: int  # rollouts per step: B * G
+    samples: int  # rollouts trained per step: B * G
+    equal_fraction: float  # share of generated groups filtered for equal rewards (generated again)
     group: int
     prompt_len: int
     mean_out: float
@@ -50,8 +51,13 @@ class Workload:
     reward_s: float  # reward time of one sample on one worker
 
     @property
+    def gen_samples(self) -> float:
+        """Rollouts generated per step: B * G, and again for every filtered group."""
+        return self.samples / (1 - self.equal_fraction)
+
+    @property
     def gen_tokens(self) -> float:
-        return self.samples * self.mean_out
+        return self.gen_samples * self.mean_out
 
 
 def workload_of(job: Job) -> Workload:
@@ -64,7 +70,8 @@ def workload_of(job: Job) -> Workload:
     if reward_s is None:
         reward_s = REWARD_S_PER_SAMPLE[job.reward.name]
     return Workload(
-        samples=rl.batch_size * rl.group_size, group=rl.group_size, prompt_len=wl.prompt_len,
+        samples=rl.batch_size * rl.group_size, equal_fraction=wl.equal_reward_fraction,
+        group=rl.group_size, prompt_len=wl.prompt_len,
         mean_out=mean, max_out=d.max(), max_seq=wl.prompt_len + rl.max_new_tokens,
         micro_tokens=job.runtime.get("trainer", {}).get("micro_batch_tokens", wl.prompt_len + rl.max_new_tokens),
         ctx_decode=wl.prompt_len + second / (2 * mean),
@@ -344,19 +351,31 @@ class CostModel:
         """(wave_s, reward_s) for replicas (objects with gpu_type, tp, batch, share): the time an idle
         rollout needs to generate one step's B groups dealt out by share, and the reward work of
         the busiest replica over a step (its groups times group_reward_s), which its reward
-        workers do while it decodes."""
+        workers do while it decodes. Filtered groups (equal rewards) are generated again once
+        they are found, late in a wave (a group ends with its longest sample): at eta = 0, where
+        nothing else runs meanwhile, a wave for each round of them while a round holds a whole
+        group; with eta >= 1 one wave of them all (the gate lets the rounds overlap)."""
         active = [r for r in replicas if r.share > 0] or list(replicas)
-        groups = self.w.samples / self.w.group
-        n = [math.ceil(r.share * groups - 1e-9) * self.w.group for r in active]  # whole groups
+        groups = self.w.gen_samples / self.w.group
+        if self.w.eta != 0:
+            return self._one_wave(active, self.w.gen_samples), max(r.share for r in active) * groups * self.group_reward_s()
+        wave, part = 0.0, 1.0
+        while part == 1.0 or self.w.samples * part >= self.w.group:
+            wave += self._one_wave(active, self.w.samples * part)
+            part *= self.w.equal_fraction
+        return wave, max(r.share for r in active) * groups * self.group_reward_s()
+
+    def _one_wave(self, active, samples: float) -> float:
+        """Seconds for the slowest replica to generate `samples` sequences dealt out by share at once."""
+        n = [math.ceil(r.share * samples / self.w.group - 1e-9) * self.w.group for r in active]  # whole groups
         kinds = {(r.gpu_type, r.tp, r.batch, k) for r, k in zip(active, n)}  # replicas repeat
-        wave = max(self.wave_s(t, tp, b, k, self.w.samples) for t, tp, b, k in kinds)
+        wave = max(self.wave_s(t, tp, b, k, samples) for t, tp, b, k in kinds)
         # the slowest of m replicas, not the average one: the tokens a replica is dealt vary (sd
         # sqrt(n) sd(L) while it has a queue), and E[max of m] ~ mean + sd sqrt(2 ln m)
         d = self.lengths
         sd_len = math.sqrt(max(0.0, d.second_moment() - d.mean() ** 2))
         sd = max(math.sqrt(max(0.0, k - b)) * sd_len / self.decode_point(t, tp, b).tokens_per_s for t, tp, b, k in kinds)
-        wave += sd * math.sqrt(2 * math.log(len(active))) if len(active) > 1 else 0.0
-        return wave, max(r.share for r in active) * groups * self.group_reward_s()
+        return wave + (sd * math.sqrt(2 * math.log(len(active))) if len(active) > 1 else 0.0)
 
     def gen_s(self, theta_s: float, wave_s: float, train_s: float, sync_s: float) -> float:
         """Generation time of a step as the staleness gate lets it overlap training (reward included).

@@ -9,7 +9,8 @@ Dispatcher (control/dispatch.py) picks its replica (least in flight per share), 
 ReplayBuffer (control/buffer.py) hands the trainer B groups oldest first and drops groups
 more than eta versions old. A finished group goes to its replica's reward workers, which
 score groups one after another while the replica decodes on (as hexrl/rollout/worker.py
-does), then enters the buffer. The trainer takes B groups per
+does), then enters the buffer. A share `workload.equal_reward_fraction` of the groups (drawn at
+random) get equal rewards, and the buffer filters them as the runtime does. The trainer takes B groups per
 step (time: the plan's C_T scaled by the batch's tokens), then publishes weights: every
 replica stops at its next step boundary, joins the broadcast (C_sync), recomputes the KV of
 its running sequences, and decodes on.
@@ -91,7 +92,9 @@ class Simulation:
         for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
             self.replicas[r.id] = Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm)
         self.gate = StalenessGate(self.B, self.eta, rl.max_running)
-        self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=False)
+        self.equal_fraction = self.job.workload.equal_reward_fraction
+        self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=self.equal_fraction > 0)
+        self.equal: set[int] = set()  # groups whose rewards come out all equal (filtered)
         self.dispatcher = Dispatcher({i: r.share for i, r in self.replicas.items() if r.share > 0})
         self.events: list = []
         self.order = 0
@@ -133,12 +136,15 @@ class Simulation:
             r = self.replicas[rid]
             self.group_tokens[gid] = 0
             self.done[gid] = []
+            if self.equal_fraction and self.rng.random() < self.equal_fraction:
+                self.equal.add(gid)
             r.queue.extend((gid, int(n)) for n in self.cm.lengths.sample(self.rng, self.G))
             if r.chunk is None and not r.paused:
                 self.start(r, t)
 
     def accept(self, t: float, gid: int):
         """A scored group reaches the controller: file its trajectories, maybe train."""
+        self.equal.discard(gid)
         for traj in self.done.pop(gid):
             status = self.buffer.add(traj)
         if status != "pending":
@@ -187,7 +193,8 @@ class Simulation:
             for g, n, v in zip(r.grp[done], r.ctx[done], r.ver[done]):
                 g = int(g)
                 self.group_tokens[g] += int(n)
-                self.done[g].append(Trajectory(g, [], [0], [0.0], [int(v)]))  # oldest token's version
+                reward = float(g not in self.equal and not self.done[g])  # unequal: the first scores 1
+                self.done[g].append(Trajectory(g, [], [0], [0.0], [int(v)], reward))  # oldest token's version
                 if len(self.done[g]) == self.G:  # to the reward workers; sent once scored
                     t0 = max(t_end, r.reward_free)
                     r.reward_free = t0 + self.reward_s

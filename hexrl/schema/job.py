@@ -230,11 +230,16 @@ class WorkloadSpec:
     prompt_len: int = 256
     output_len: dict = field(default_factory=dict)  # {samples} | {histogram: {edges, counts}} | {mean, max}
     reward_s_per_sample: float | None = None  # None: the reward's default
+    # share of generated groups whose rewards are all equal, filtered (rl.filter_equal_groups)
+    # and generated again: generation does 1 / (1 - f) of a step's groups
+    equal_reward_fraction: float = 0.0
 
     def to_dict(self) -> dict:
         d = {"prompt_len": self.prompt_len, "output_len": self.output_len}
         if self.reward_s_per_sample is not None:
             d["reward_s_per_sample"] = self.reward_s_per_sample
+        if self.equal_reward_fraction:
+            d["equal_reward_fraction"] = self.equal_reward_fraction
         return d
 
 
@@ -242,10 +247,14 @@ _DIST_KEYS = {"samples", "histogram", "mean", "max"}
 
 
 def _read_workload(r: Reader, d, rl: RLSpec) -> WorkloadSpec:
-    d = r.section(d, "workload", {"prompt_len", "output_len", "reward_s_per_sample"} | _DIST_KEYS)
+    d = r.section(d, "workload", {"prompt_len", "output_len", "reward_s_per_sample", "equal_reward_fraction"}
+                  | _DIST_KEYS)
     w = WorkloadSpec()
     w.prompt_len = r.num(d, "prompt_len", "workload", 256, integer=True, lo=1)
     w.reward_s_per_sample = r.num(d, "reward_s_per_sample", "workload", None, lo=0)
+    w.equal_reward_fraction = r.num(d, "equal_reward_fraction", "workload", 0.0, lo=0, hi=0.99)
+    if w.equal_reward_fraction and not rl.filter_equal_groups:
+        r.bad("workload.equal_reward_fraction", "rl.filter_equal_groups is false: no group is filtered")
     flat = {k: d[k] for k in _DIST_KEYS if k in d}
     if flat and "output_len" in d:
         r.bad("workload", "give the output length distribution once: under output_len")
