@@ -41,7 +41,8 @@ def run_stats(run: Path) -> dict:
     cpu = {json.loads(p.read_text())["role"]: json.loads(p.read_text()) for p in sorted((run / "cpu").glob("*.json"))}
     out = {"acc_by_step": {e["step"]: e["heldout_accuracy"] for e in evals},
            "wall_by_step": {e["step"]: e["wall_s"] for e in evals}, "wall_s": wall,
-           "step_s": statistics.median(steps), "traj_per_s": metrics[-1]["trajectories_trained"] / wall,
+           "step_s": statistics.median(steps), "train_s": statistics.median(m["train_s"] for m in metrics),
+           "traj_per_s": metrics[-1]["trajectories_trained"] / wall,
            "generated_per_s": metrics[-1]["trajectories_produced"] / wall,
            # equal-reward groups are filtered, so generation does more; the simulator is given this share
            "generated_per_trained": metrics[-1]["trajectories_produced"] / max(1, metrics[-1]["trajectories_trained"]),
@@ -98,7 +99,8 @@ def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal:
                        check=True, cwd=ROOT, env={**os.environ, "HEXRL_PROFILES": str(profiles)})
     sim = json.loads(out.read_text())
     hist = {int(k): v for k, v in sim["staleness"].items()}
-    return {"step_s": sim["step_time_s"], "trainer_idle": sim["idle"]["train"], "rollout_idle": sim["idle"]["rollout"],
+    return {"step_s": sim["step_time_s"], "train_s": sim["trainer_busy"] * sim["step_time_s"],
+            "trainer_idle": sim["idle"]["train"], "rollout_idle": sim["idle"]["rollout"],
             "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values())), "staleness": hist}
 
 
@@ -118,7 +120,7 @@ def fmt(s: dict | None, f: str = ".3f", of: int | None = None) -> str:
 
 
 def aggregate(name: str, stats: list[dict], sim: dict) -> dict:
-    keys = ("wall_s", "step_s", "traj_per_s", "generated_per_s", "trainer_wait", "trainer_idle_cpu",
+    keys = ("wall_s", "step_s", "train_s", "traj_per_s", "generated_per_s", "trainer_wait", "trainer_idle_cpu",
             "rollout_idle_cpu", "mean_staleness", "generated_per_trained") + tuple(f"{k}_{t}" for t in TARGETS for k in ("step", "wall"))
     row = {"name": name, "seeds": len(stats), "sim": sim, **{k: spread(s[k] for s in stats) for k in keys}}
     eval_steps = sorted(set.intersection(*(set(s["acc_by_step"]) for s in stats)))
@@ -141,13 +143,15 @@ def tables(rows: list[dict]) -> str:
                      f"{fmt(r['trainer_wait'], '.2f')} ({fmt(r['trainer_idle_cpu'], '.2f')}) | "
                      f"{fmt(r['rollout_idle_cpu'], '.2f')} |")
     lines += ["", "Simulator (python -m hexrl.plan simulate, CPU profile) next to measured:", "",
-              "| config | step s: measured / simulated (ratio) | mean staleness: measured / simulated "
+              "| config | step s: measured / simulated (ratio) | training s per step: measured / simulated (ratio) "
+              "| mean staleness: measured / simulated "
               "| trainer idle: measured wait / simulated | rollout idle: measured / simulated "
-              "| generated per trained (simulated with the measured share filtered) |", "|---|---|---|---|---|---|"]
+              "| generated per trained (simulated with the measured share filtered) |", "|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["sim"]
         lines.append(f"| {r['name']} | {fmt(r['step_s'], '.3f')} / {s['step_s']:.3f} "
-                     f"({s['step_s'] / r['step_s']['mean']:.2f}x) | {fmt(r['mean_staleness'], '.2f')} / "
+                     f"({s['step_s'] / r['step_s']['mean']:.2f}x) | {fmt(r['train_s'], '.3f')} / {s['train_s']:.3f} "
+                     f"({s['train_s'] / r['train_s']['mean']:.2f}x) | {fmt(r['mean_staleness'], '.2f')} / "
                      f"{s['mean_staleness']:.2f} | {fmt(r['trainer_wait'], '.2f')} / {s['trainer_idle']:.2f} | "
                      f"{fmt(r['rollout_idle_cpu'], '.2f')} / {s['rollout_idle']:.2f} | "
                      f"{fmt(r['generated_per_trained'], '.1f')} |")
