@@ -199,9 +199,9 @@ def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
         return None
     # running sequences per replica: KV memory, the given max_running, and the replica's part of
     # the (eta + 1) * B * G sequences the gate lets run at once (the dispatcher deals groups by
-    # share; without shares, evenly)
+    # share; without shares, evenly; a replica of share 0 gets no work and keeps its knobs)
     parts = [float(s) / sum(map(float, given)) for s in given] if given[0] is not None else [1 / len(reps)] * len(reps)
-    gate = [math.inf if cm.w.eta is None else math.ceil((cm.w.eta + 1) * cm.w.samples * f) for f in parts]
+    gate = [math.inf if cm.w.eta is None or f == 0 else math.ceil((cm.w.eta + 1) * cm.w.samples * f) for f in parts]
     pts = [cm.decode_point(k, tp, int(max(1, min(cm.max_decode_batch(k, tp), mb or math.inf, g))))
            for (k, tp, _, _, mb), g in zip(reps, gate)]
     # each replica loses its KV recompute R once per step and decodes at h otherwise
