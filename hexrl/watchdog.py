@@ -139,8 +139,12 @@ class Watchdog:
     def _run(self) -> None:
         while not self._stop.wait(self.interval):
             try:
-                self.beat()
-                msg = self.launcher_lost() or self.check()
+                # the launcher first: a local check, and the store may have died with it (rank 0's
+                # agent hosts it), which leaves beat() waiting out the store's timeout
+                msg = self.launcher_lost()
+                if msg is None:
+                    self.beat()
+                    msg = self.check()
             except Exception as e:  # losing the store means the job's agent is gone
                 msg = f"lost the rendezvous store ({e!r}); the job is ending"
             if msg and not self._stop.is_set():
@@ -149,8 +153,10 @@ class Watchdog:
 
 
 def _exit_now(msg: str) -> None:
-    print(f"[hexrl] stopping: {msg}", file=sys.stderr, flush=True)
-    os._exit(1)
+    try:  # stderr may be a pipe whose reader died with the launcher: exit all the same
+        print(f"[hexrl] stopping: {msg}", file=sys.stderr, flush=True)
+    finally:
+        os._exit(1)
 
 
 def describe_exception(e: BaseException) -> str:

@@ -102,9 +102,26 @@ def test_effective_config_equals_the_plan(tmp_path, which):
     try:  # rank 0 writes the file once every role has built its trainer or engine; no step is needed
         assert wait_for(lambda: (run / "effective_config.json").exists(), 240, proc), proc.stdout.read()
     finally:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher (its ranks run in sessions of their own)
         proc.wait()
+        proc.stdout.close()  # the ranks' stderr now leads nowhere: they must end all the same
     assert json.loads((run / "effective_config.json").read_text()) == expected(plan)
+    # the orphaned ranks notice their launcher is gone and exit (they once ran on for 30 minutes:
+    # the watchdog's message to the closed pipe raised, and its thread died before os._exit)
+    assert wait_for(lambda: not ranks_running(str(path)), 30), ranks_running(str(path))
+
+
+def ranks_running(plan_path: str) -> list[int]:
+    """Pids of live processes whose command line names this plan."""
+    pids = []
+    for d in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if plan_path.encode() in f.read() and d.isdigit():
+                    pids.append(int(d))
+        except OSError:
+            continue
+    return pids
 
 
 def test_dp_all_reduce_is_costed_in_the_dtype_the_trainer_reduces_in():
