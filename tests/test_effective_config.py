@@ -29,7 +29,7 @@ def test_plan_records_the_knobs_the_cost_model_assumed(max_new, recompute):
     plan = plan_job(load_job(long_job(max_new)))
     k = plan.train_knobs
     assert k.activation_checkpointing is recompute is plan.predicted["activation_recompute"]
-    assert k.micro_batch_tokens == 256 + max_new  # micro-batches of the longest sequence
+    assert k.micro_batch_tokens == max(4096, 256 + max_new)  # the longest sequence, short ones packed to 4096
     assert (k.dtype, k.grad_reduce_dtype) == ("bfloat16", "float32")
     cm = CostModel(plan.job)
     costed = plan_candidate(cm, plan)  # re-costing the written plan gives the same replicas

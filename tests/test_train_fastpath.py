@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hexrl.model.attention import CausalAttention, per_sequence_attention, torch_varlen, varlen_function
+from hexrl.model.attention import CausalAttention, torch_varlen, varlen_function
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from hexrl.model.tiny import tiny_config
@@ -17,6 +17,17 @@ def packed(hq=4, hkv=2, d=8, dtype=torch.float32, device="cpu", seed=0):
     g = torch.Generator().manual_seed(seed)
     t = sum(LENS)
     return [torch.randn(t, h, d, generator=g).to(device, dtype) for h in (hq, hkv, hkv)]
+
+
+def per_sequence_attention(lens, q, k, v):
+    """The reference: causal attention computed for each sequence on its own."""
+    outs, start = [], 0
+    for n in lens:
+        s = slice(start, start + n)
+        qs, ks, vs = (t[s].transpose(0, 1) for t in (q, k, v))  # [H, n, D]
+        outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True).transpose(0, 1))
+        start += n
+    return torch.cat(outs)
 
 
 def reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, **kw):
@@ -42,7 +53,20 @@ def test_varlen_adapter_passes_causal_and_gqa_for_either_torch_api(api):
     q, k, v = packed()
     cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
     got = torch_varlen(fake)(q, k, v, cu, 9)
-    torch.testing.assert_close(got, CausalAttention(LENS)(0, q, k, v), atol=0, rtol=0)
+    torch.testing.assert_close(got, per_sequence_attention(LENS, q, k, v), atol=0, rtol=0)
+
+
+def test_cpu_packed_attention_and_its_gradients_match_each_sequence_alone():
+    lens = [7, 1, 12, 3, 12, 2]
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(sum(lens), h, 8, generator=g, dtype=torch.float64, requires_grad=True) for h in (4, 2, 2))
+    got = CausalAttention(lens)(0, q, k, v)  # one SDPA call over the padded batch
+    want = per_sequence_attention(lens, q, k, v)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-12)
+    w = torch.randn(got.shape, generator=g, dtype=torch.float64)
+    grads = torch.autograd.grad((got * w).sum(), (q, k, v))
+    for a, b in zip(grads, torch.autograd.grad((want * w).sum(), (q, k, v))):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
 
 
 def test_packed_attention_never_crosses_sequences_on_cpu():

@@ -25,13 +25,14 @@ class CausalAttention:
 
     Equal lengths: one batched SDPA call. Unequal lengths on CUDA in fp16/bf16: one variable-length
     flash-attention call (`torch.nn.attention.varlen.varlen_attn` when this torch has it, else
-    FlashAttention's `flash_attn_varlen_func` when installed). Otherwise one SDPA call per sequence
-    (the CPU path, and the reference the varlen path is tested against).
+    FlashAttention's `flash_attn_varlen_func` when installed). Otherwise (the CPU path) one SDPA
+    call over the sequences right-padded to the longest.
     """
 
     def __init__(self, seq_lens: list[int]):
         self.seq_lens = [int(n) for n in seq_lens]
         self._cu: torch.Tensor | None = None  # cumulative lengths on the device, made once per batch
+        self._padded: torch.Tensor | None = None  # each token's row in the padded layout, made once per batch
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if len(set(self.seq_lens)) == 1:  # equal lengths: one batched call
@@ -43,17 +44,30 @@ class CausalAttention:
                 cu = [0, *accumulate(self.seq_lens)]
                 self._cu = torch.tensor(cu, dtype=torch.int32).to(q.device, non_blocking=True)
             return varlen(q, k, v, self._cu, max(self.seq_lens))
-        return per_sequence_attention(self.seq_lens, q, k, v)
+        if self._padded is None:
+            self._padded = padded_rows(self.seq_lens, q.device)
+        return padded_attention(self.seq_lens, self._padded, q, k, v)
 
 
-def per_sequence_attention(seq_lens: list[int], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention within each packed sequence, one SDPA call per sequence."""
-    outs, start = [], 0
-    for n in seq_lens:
-        end = start + n
-        outs.append(_sdpa(q[None, start:end], k[None, start:end], v[None, start:end])[0])
-        start = end
-    return torch.cat(outs)
+def padded_rows(seq_lens: list[int], device: torch.device) -> torch.Tensor:
+    """Row of each packed token in a [len(seq_lens) * max(seq_lens)] right-padded layout."""
+    lens = torch.tensor(seq_lens)
+    starts = torch.arange(len(seq_lens)) * max(seq_lens) - (torch.cumsum(lens, 0) - lens)  # row minus packed offset
+    return (torch.arange(int(lens.sum())) + starts.repeat_interleave(lens)).to(device)
+
+
+def padded_attention(seq_lens: list[int], rows: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor) -> torch.Tensor:
+    """Causal attention within each packed sequence as one SDPA call over the sequences right-padded
+    to the longest (rows from `padded_rows`). A real token attends only to keys at or before it, so
+    padding, which always follows the last real token, is never attended; one call instead of one
+    per sequence is what keeps thousands of short sequences cheap on CPU."""
+    b, s = len(seq_lens), max(seq_lens)
+
+    def pad(t: torch.Tensor) -> torch.Tensor:
+        return t.new_zeros(b * s, *t.shape[1:]).index_copy(0, rows, t).view(b, s, *t.shape[1:])
+
+    return _sdpa(pad(q), pad(k), pad(v)).reshape(b * s, *q.shape[1:]).index_select(0, rows)
 
 
 @lru_cache(maxsize=None)

@@ -19,6 +19,7 @@ BYTES_PER_PARAM_TRAIN = 18  # bf16 weights 2 + fp32 grads 4 + fp32 master 4 + Ad
 WORKSPACE_BYTES = 1.5e9  # allocator slack, kernels' scratch, CUDA context
 ALLREDUCE_LATENCY_S = 8e-6  # one small NVLink all-reduce (decode-time TP)
 MAX_DECODE_BATCH = 1024  # engine cap on running sequences per replica
+MIN_MICRO_TOKENS = 4096  # short sequences are packed up to this (the trainer's default): tiny micro-batches pay per-op overhead
 REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5}
 # The rollout leader hands a finished group to its RewardPool (hexrl/rollout/worker.py, default
 # reward_workers=2) and decodes on: scoring overlaps decoding; only the step's last group, and any
@@ -41,7 +42,7 @@ class Workload:
     mean_out: float
     max_out: float
     max_seq: int  # prompt + max_new_tokens: a micro-batch holds at least one whole sequence
-    micro_tokens: int  # tokens per training micro-batch: max_seq unless the job's runtime knobs say
+    micro_tokens: int  # tokens per training micro-batch: max(max_seq, MIN_MICRO_TOKENS) unless the job's runtime knobs say
     ctx_decode: float  # time-averaged context length of a decoding sequence
     ctx_attn: float  # average causal attention context of a trained token
     tokens: float  # tokens trained per step (prompt + output)
@@ -73,7 +74,8 @@ def workload_of(job: Job) -> Workload:
         samples=rl.batch_size * rl.group_size, equal_fraction=wl.equal_reward_fraction,
         group=rl.group_size, prompt_len=wl.prompt_len,
         mean_out=mean, max_out=d.max(), max_seq=wl.prompt_len + rl.max_new_tokens,
-        micro_tokens=job.runtime.get("trainer", {}).get("micro_batch_tokens", wl.prompt_len + rl.max_new_tokens),
+        micro_tokens=job.runtime.get("trainer", {}).get("micro_batch_tokens",
+                                                        max(MIN_MICRO_TOKENS, wl.prompt_len + rl.max_new_tokens)),
         ctx_decode=wl.prompt_len + second / (2 * mean),
         ctx_attn=seq_second / (2 * seq_mean),
         tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta, minibatches=rl.ppo_minibatches,
@@ -144,7 +146,7 @@ class CostModel:
 
     # ------------------------------------------------------------------ training
     def microbatches(self, dp: int) -> int:
-        """Micro-batches per PPO minibatch per DP replica (each holds up to max_seq tokens)."""
+        """Micro-batches per PPO minibatch per DP replica (each holds up to micro_tokens tokens)."""
         w = self.w
         return max(1, math.ceil(w.tokens / (w.minibatches * dp * w.micro_tokens)))
 

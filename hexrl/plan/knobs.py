@@ -1,7 +1,7 @@
 """The runtime knobs of a candidate, as the cost model assumed them (written into plan.json).
 
 Trainer: activation recompute as the training search chose it, micro-batches of the longest
-sequence (prompt + max_new_tokens, `Workload.micro_tokens`), bf16 compute on GPUs (float32 on
+sequence (prompt + max_new_tokens) or 4096 tokens if more (`Workload.micro_tokens`), bf16 compute on GPUs (float32 on
 the CPU stand-in), float32 gradient all-reduce. Each replica: its decode batch from the rollout
 MILP as `max_running`, and a KV pool of the pages the cost model's memory budget holds, no more
 than `max_running` longest sequences need. The job's `runtime` overrides win.

@@ -26,6 +26,7 @@ class TorchPagedAttention:
         self.pool, self.meta = pool, meta
         self.fresh = meta.q_lens == meta.kv_lens  # no cached context: plain causal attention over the new tokens
         if self.fresh:
+            self.causal = CausalAttention(meta.q_lens)  # one per step: its index is shared by every layer
             return
         dev, ps = meta.positions.device, meta.page_size
         table = meta.block_table  # [B, W]
@@ -50,8 +51,7 @@ class TorchPagedAttention:
         cache = self.pool.layer(layer)
         write_kv(cache, self.meta.slot_pages, self.meta.slot_offsets, k, v)
         if self.fresh:
-            return CausalAttention(self.meta.q_lens)(layer, q, k.to(cache.dtype).to(q.dtype),
-                                                     v.to(cache.dtype).to(q.dtype))
+            return self.causal(layer, q, k.to(cache.dtype).to(q.dtype), v.to(cache.dtype).to(q.dtype))
         b, span = self.shape
         keys = cache[:, 0].index_select(0, self.page_ids).view(b, span, *cache.shape[-2:])[:, :self.keep].to(q.dtype)
         values = cache[:, 1].index_select(0, self.page_ids).view(b, span, *cache.shape[-2:])[:, :self.keep].to(q.dtype)
