@@ -28,6 +28,9 @@ class GPU:
     decode_mfu: float = 0.50  # compute-bound decode matmuls (large batches)
     hbm_efficiency: float = 0.75  # fraction of HBM bandwidth decode reaches
     decode_overhead_s: float = 2e-3  # per decode step: scheduler, launches, sampling
+    # per finished sample, between decode steps: detokenize, hand to the reward workers, send the
+    # trajectory (the rollout leader's host work; tools/bench_kernels.py measures it)
+    host_s_per_sample: float = 2e-4
     mem_util: float = 0.90  # fraction of HBM the engines may use
     train_scale_loss: float = 0.0  # training efficiency lost per doubling of the trainer past one node
 

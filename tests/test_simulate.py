@@ -50,7 +50,8 @@ def test_synchronous_step_matches_hand_computation():
     a, c = cm.decode_coeffs("H100", 1, 2)
     decode = 10 * a + c * (10 * 32 + 2 * 45)
     prefill = cm.prefill_s("H100", 1, 2 * 16, 8)
-    expect = prefill + decode + cm.w.reward_s + sim.cand.C_T + sim.cand.C_sync
+    host = 2 * cm.gpus["H100"].host_s_per_sample  # the leader hands both samples over before scoring
+    expect = prefill + decode + host + cm.w.reward_s + sim.cand.C_T + sim.cand.C_sync
     assert res.step_time_s == pytest.approx(expect, rel=1e-9)
     assert res.staleness == {0: 10} and res.violations == 0
     assert res.tokens_per_s == pytest.approx(2 * 26 / expect, rel=1e-9)
@@ -125,6 +126,22 @@ def test_rewards_are_scored_while_the_replica_decodes():
     decoding = spans[("R0", "decode")]
     assert any(a0 < b1 and b0 < a1 for a0, a1 in scored for b0, b1 in decoding)
     assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=0.05)
+
+
+def test_host_work_per_sample_holds_up_the_replica():
+    """Between decode steps the rollout leader hands finished samples to the reward workers and
+    sends their trajectories: the simulator charges host_s_per_sample for each on the replica's
+    own lane, so a slow host slows generation by about samples x host time, as the planner prices it."""
+    plan = plan_job(load_job(hetero_job(0)), use_profiles=False)
+    fast = Simulation(plan, use_profiles=False)
+    slow = Simulation(plan, use_profiles=False)
+    for s, host in ((fast, 0.0), (slow, 2e-3)):
+        for r in s.replicas.values():
+            s.host_s[r.idx] = host
+    a, b = fast.run(steps=4, warmup=1, gantt_steps=1), slow.run(steps=4, warmup=1, gantt_steps=1)
+    assert not any(kind == "host" for _, kind, _, _ in a.gantt) and any(kind == "host" for _, kind, _, _ in b.gantt)
+    per_replica = 64 * 8 / sum(1 for r in plan.replicas if r.share > 0)  # samples each replica finishes per step
+    assert 0.5 * per_replica * 2e-3 < b.step_time_s - a.step_time_s < 1.5 * per_replica * 2e-3
 
 
 def test_filtered_groups_are_generated_again():

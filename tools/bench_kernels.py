@@ -275,6 +275,60 @@ def train_point(model: Decoder, seq_len: int, n_seqs: int) -> dict:
     return {"seq_len": seq_len, "tokens": n, "seconds": seconds, "s_per_token": seconds / n}
 
 
+class _Chars:
+    """A stand-in tokenizer for host_point: ids to characters (the rollout leader decodes completions)."""
+
+    @staticmethod
+    def decode(ids: list[int]) -> str:
+        return "".join(chr(48 + i % 10) for i in ids)
+
+
+def host_point(groups: int = 64, group: int = 8, prompt_len: int = 12, out_len: int = 5) -> dict:
+    """Seconds per finished sample of the rollout leader's host work between decode steps, through
+    its own functions: completions to the reward workers ("exact") and back, then each trajectory
+    encoded, sealed and sent over ZeroMQ to a local controller socket (drained after the clock stops)."""
+    from hexrl.comm import DealerChannel, RouterChannel, new_secret
+    from hexrl.plan.cost import REWARD_WORKERS
+    from hexrl.rewards import RewardPool
+    from hexrl.rollout.sequence import Finished
+    from hexrl.rollout.worker import PendingGroup, reward_inputs, trajectory_messages
+
+    secret = new_secret()
+    router, dealer = RouterChannel(secret), DealerChannel("replica-0", secret)
+    dealer.connect(router.bind("127.0.0.1"))
+    pool = RewardPool("exact", workers=REWARD_WORKERS, timeout_s=30)
+
+    def finished_group(gid: int) -> PendingGroup:
+        msg = {"group_id": gid, "problem_id": gid, "prompt_ids": list(range(3, 3 + prompt_len)), "n": group,
+               "answer": "12345"}
+        out = {i: Finished(f"{gid}:{i}", msg["prompt_ids"], [4 + i % 5] * out_len, [-0.5] * out_len, [0] * out_len,
+                           "length") for i in range(group)}
+        return PendingGroup(msg, out)
+
+    def run(first: int) -> float:
+        t0, scoring = time.perf_counter(), {}
+        for gid in range(first, first + groups):
+            g = finished_group(gid)
+            scoring[pool.submit(reward_inputs(g, "exact", _Chars))] = g
+        while scoring:
+            for ticket, rewards in pool.finished(0.001).items():
+                for m in trajectory_messages(scoring.pop(ticket), rewards, rank=1):
+                    dealer.send(m, timeout_s=60)
+        seconds = time.perf_counter() - t0
+        while router.recv(timeout_s=0.2) is not None:
+            pass
+        return seconds
+
+    try:
+        run(0)  # warm-up: worker start, connection
+        seconds = statistics.median(run(groups * (i + 1)) for i in range(3))
+    finally:
+        pool.close()
+        dealer.close()
+        router.close()
+    return {"samples": groups * group, "seconds": seconds, "s_per_sample": seconds / (groups * group)}
+
+
 def optimizer_point(model: Decoder) -> list[dict]:
     """Seconds of one trainer optimizer step (hexrl.train.optim.AdamW: fused AdamW on float32
     masters from float32 main_grad, then the copy back into the compute-dtype weights)."""
@@ -365,6 +419,9 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     train = [train_point(model, s, n) for s, n in grid.train]
     log("train: " + ", ".join(f"seq {r['seq_len']} {r['s_per_token'] * 1e6:.3f} us/token" for r in train))
     optimizer = optional("optimizer", lambda: optimizer_point(model), errors, log)
+    host = optional("host", host_point, errors, log)
+    if host:
+        log(f"host work per finished sample (reward round trip, trajectory send): {host['s_per_sample'] * 1e6:.0f} us")
     prefill = optional("prefill", lambda: [prefill_point(model, b, p, grid, attention) for b, p in grid.prefill],
                        errors, log)
     sampling = optional("sampling", lambda: sampling_points(grid.sample_batches, cfg.vocab_size, dtype, device),
@@ -372,7 +429,7 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     logprob = optional("logprob", lambda: logprob_points(grid.logprob_tokens, cfg.vocab_size, dtype, device),
                        errors, log)
     return {"copy_Bps": bw, "matmul_flops": peak, "decode": decode, "prefill": prefill, "train": train,
-            "optimizer": optimizer, "sampling": sampling, "logprob": logprob, "errors": errors}
+            "optimizer": optimizer, "host": host, "sampling": sampling, "logprob": logprob, "errors": errors}
 
 
 def table(m: dict, cfg: ModelConfig, elem: int, datasheet) -> list[tuple[str, str, str, str, float]]:
@@ -420,10 +477,12 @@ def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelCon
         # planner keys (hexrl/plan/catalogue.py GPU fields): measured peaks ...
         "hbm_TBps": m["copy_Bps"] / 1e12, "bf16_tflops": m["matmul_flops"] / 1e12,
         "decode": m["decode"], "prefill": m["prefill"], "train": m["train"], "optimizer": m["optimizer"],
-        "train_s_per_token": statistics.median(r["s_per_token"] for r in m["train"]),
+        "host": m["host"], "train_s_per_token": statistics.median(r["s_per_token"] for r in m["train"]),
         "prefill_tokens_per_s": statistics.median(r["tokens_per_s"] for r in m["prefill"]) if m["prefill"] else None,
         "sampling": m["sampling"], "logprob": m["logprob"], "errors": m["errors"],
     }
+    if m["host"]:
+        profile["host_s_per_sample"] = m["host"]["s_per_sample"]
     if total_GB:
         profile["hbm_GB"] = total_GB
     profile.update(calibrate(profile))  # ... and efficiencies fitted through the planner's cost model
@@ -475,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, point, meas, roof, ratio in table(m, cfg, dtype.itemsize, datasheet):
         print(f"{what:<18}{point:<22}{meas:>18}{roof:>26}{ratio:>9.1%}")
     keys = {k: profile[k] for k in ("hbm_GB", "hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu",
-                                    "decode_overhead_s", "prefill_mfu", "train_mfu") if k in profile}
+                                    "decode_overhead_s", "prefill_mfu", "train_mfu", "host_s_per_sample")
+            if k in profile}
     print("planner keys: " + ", ".join(f"{k}={v:.4g}" for k, v in keys.items()))
     out = args.out or ("profiles" if cuda else None)
     if out:

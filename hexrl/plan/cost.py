@@ -293,8 +293,8 @@ class CostModel:
         a, c = self.decode_coeffs(gpu_type, tp, b)
         step = a + c * b * w.ctx_decode
         prefill = self.prefill_s(gpu_type, tp, w.prompt_len, w.prompt_len / 2)
-        # each step finishes b / mean_out sequences on average; their successors need a prefill
-        rate = b / (step + b / w.mean_out * prefill)
+        # each step finishes b / mean_out sequences on average: their host work, their successors' prefill
+        rate = b / (step + b / w.mean_out * (prefill + self.gpus[gpu_type].host_s_per_sample))
         recompute = self.prefill_s(gpu_type, tp, b * w.ctx_decode, w.ctx_decode / 2)
         return DecodePoint(gpu_type, tp, b, step, rate, recompute)
 

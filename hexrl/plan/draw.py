@@ -54,7 +54,7 @@ def draw_plan(plan: Plan, path: str) -> bool:
 
 
 GANTT_COLORS = {"train": "tab:blue", "sync": "tab:red", "decode": "tab:orange", "prefill": "tab:green",
-                "recompute": "tab:purple", "reward": "tab:brown"}
+                "recompute": "tab:purple", "reward": "tab:brown", "host": "tab:gray"}
 
 
 def draw_gantt(gantt: list, path: str, title: str = "") -> bool:

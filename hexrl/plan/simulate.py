@@ -88,6 +88,7 @@ class Simulation:
         self.B, self.G, self.eta = rl.batch_size, rl.group_size, rl.eta
         self.prompt = cm.w.prompt_len
         self.reward_s = cm.group_reward_s()
+        self.host_s = {r.id: cm.gpus[r.gpu_type].host_s_per_sample for r in plan.replicas}
         self.replicas = {}
         for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
             self.replicas[r.id] = Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm)
@@ -180,8 +181,9 @@ class Simulation:
         r.busy += pre
         self.push(t + pre + dur, "chunk", r, r.chunk_id)
 
-    def advance(self, r: Replica, t_end: float, j: int):
-        """Apply j decode steps of the chunk in flight, ending at t_end; handle finished sequences."""
+    def advance(self, r: Replica, t_end: float, j: int) -> float:
+        """Apply j decode steps of the chunk in flight, ending at t_end; handle finished sequences.
+        Returns the host seconds their hand-off takes before the replica's next step."""
         cs = r.chunk[0]
         r.busy += t_end - cs
         self.mark(f"R{r.idx}", "decode", cs, t_end)
@@ -189,6 +191,10 @@ class Simulation:
         r.ctx = r.ctx + j
         r.chunk = None
         done = r.rem <= 0
+        host = self.host_s[r.idx] * int(done.sum())
+        if host:
+            self.mark(f"R{r.idx}", "host", t_end, t_end + host)
+            r.busy += host
         if done.any():
             for g, n, v in zip(r.grp[done], r.ctx[done], r.ver[done]):
                 g = int(g)
@@ -196,17 +202,18 @@ class Simulation:
                 reward = float(g not in self.equal and not self.done[g])  # unequal: the first scores 1
                 self.done[g].append(Trajectory(g, [], [0], [0.0], [int(v)], reward))  # oldest token's version
                 if len(self.done[g]) == self.G:  # to the reward workers; sent once scored
-                    t0 = max(t_end, r.reward_free)
+                    t0 = max(t_end + host, r.reward_free)  # handed over (and later sent) by the host work
                     r.reward_free = t0 + self.reward_s
                     self.mark(f"R{r.idx} reward", "reward", t0, r.reward_free)
                     self.push(r.reward_free, "accept", g)
             keep = ~done
             r.rem, r.ctx, r.ver, r.grp = r.rem[keep], r.ctx[keep], r.ver[keep], r.grp[keep]
+        return host
 
     def on_chunk(self, t: float, r: Replica, chunk_id: int):
         if chunk_id != r.chunk_id or r.chunk is None:
             return  # cut short by a weight update
-        self.advance(r, t, r.chunk[1])
+        t += self.advance(r, t, r.chunk[1])
         if r.chunk is None and not r.paused:
             self.start(r, t)
 
@@ -216,8 +223,7 @@ class Simulation:
             return t
         cs, k, a, c, s0, b = r.chunk
         if t <= cs:  # still prefilling: that completes, no decode step is taken
-            self.advance(r, cs, 0)
-            return cs
+            return cs + self.advance(r, cs, 0)
         # smallest j with elapsed(j) >= t - cs: the root of c*b/2 j^2 + (a + c*s0 - c*b/2) j = t - cs
         qa, qb = c * b / 2, a + c * s0 - c * b / 2
         x = t - cs
@@ -225,8 +231,7 @@ class Simulation:
         j = min(k, max(1, math.ceil(j - 1e-9)))
         end = cs + Replica.elapsed(j, a, c, s0, b)
         r.chunk_id += 1
-        self.advance(r, end, j)
-        return end
+        return end + self.advance(r, end, j)
 
     # ------------------------------------------------------------------ trainer
     def try_train(self, t: float):

@@ -123,22 +123,13 @@ class RolloutLeader:
 
     def _score(self, group: PendingGroup) -> None:
         """Hand a finished group's completions to the reward workers (no waiting)."""
-        msg = group.msg
-        target = msg.get("tests") if self.reward_name == "code" else msg.get("answer")
-        texts = [(self.tokenizer.decode(group.outputs[i].token_ids), target) for i in range(msg["n"])]
-        self.scoring[self.rewards.submit(texts)] = group
+        self.scoring[self.rewards.submit(reward_inputs(group, self.reward_name, self.tokenizer))] = group
 
     def _send_scored(self, wait_s: float) -> None:
         """Send every group whose rewards are all back, as trajectories."""
         for ticket, rewards in self.rewards.finished(wait_s).items():
-            group = self.scoring.pop(ticket)
-            msg = group.msg
-            for i, reward in enumerate(rewards):
-                out = group.outputs[i]
-                traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(out.prompt_ids),
-                                  completion_ids=out.token_ids, logprobs=out.logprobs, versions=out.versions,
-                                  reward=float(reward), finish_reason=out.finish_reason, problem_id=msg["problem_id"])
-                if not self.channel.send(trajectory_to_msg(traj, rank=self.rank), timeout_s=60):
+            for msg in trajectory_messages(self.scoring.pop(ticket), rewards, self.rank):
+                if not self.channel.send(msg, timeout_s=60):
                     raise RuntimeError("the controller stopped accepting trajectories for 60 s")
 
     def _heartbeat(self) -> None:
@@ -146,6 +137,25 @@ class RolloutLeader:
         if now - self._last_beat >= HEARTBEAT_S:
             self.channel.send(message("heartbeat", rank=self.rank, time=now), timeout_s=1)
             self._last_beat = now
+
+
+def reward_inputs(group: PendingGroup, reward: str, tokenizer) -> list[tuple[str, object]]:
+    """(completion text, answer or tests) for each sample of a finished group."""
+    msg = group.msg
+    target = msg.get("tests") if reward == "code" else msg.get("answer")
+    return [(tokenizer.decode(group.outputs[i].token_ids), target) for i in range(msg["n"])]
+
+
+def trajectory_messages(group: PendingGroup, rewards: list[float], rank: int) -> list[dict]:
+    """The `trajectory` messages of a scored group, one per sample."""
+    msg, out = group.msg, []
+    for i, reward in enumerate(rewards):
+        o = group.outputs[i]
+        traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(o.prompt_ids), completion_ids=o.token_ids,
+                          logprobs=o.logprobs, versions=o.versions, reward=float(reward),
+                          finish_reason=o.finish_reason, problem_id=msg["problem_id"])
+        out.append(trajectory_to_msg(traj, rank=rank))
+    return out
 
 
 def check_kv_room(model, knobs, replica_id: int, device: torch.device) -> None:
