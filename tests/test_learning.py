@@ -13,17 +13,18 @@ def test_async_grpo_improves_reward_and_heldout_accuracy(tmp_path):
     # Phase 1: the default supervised warm start (2-digit addition), stopped early at 30% dev accuracy.
     warm_start.main([str(tmp_path / "model"), "--target-acc", "0.3", "--n-heldout", "200"])
     # Phase 2: hexrl with eta = 4 and the decoupled objective, through torchrun.
-    learning_run.main([str(tmp_path), "--only", "4:decoupled", "--steps", "40", "--batch", "64", "--group", "8",
-                       "--lr", "5e-4", "--eval-every", "20"])
+    # the study's settings (README, issue 19), where eta = 4 gained 0.19-0.23 held-out in 50 steps over 3 seeds
+    learning_run.main([str(tmp_path), "--only", "4:decoupled", "--steps", "50", "--batch", "64", "--group", "8",
+                       "--lr", "2.5e-4", "--eval-every", "25"])
     run = tmp_path / "eta4-decoupled"
     rewards = [json.loads(x)["reward_mean"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in evals] == [0, 20, 40]
+    assert [e["step"] for e in evals] == [0, 25, 50]
     first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
     assert last > first + 0.08, rewards
-    # 40 steps gained 0.095-0.105 held-out in four runs (0.365 -> 0.46-0.47), and single evaluations
-    # move by a few points either way; 0.05 (10 of 200 problems) is far above that noise.
-    assert evals[-1]["heldout_accuracy"] > evals[0]["heldout_accuracy"] + 0.05, evals
+    # one greedy evaluation of 200 problems has a standard error of about 0.035, the difference of two
+    # about 0.05: a gain of 0.1 (20 problems) is half the study's smallest, and twice that noise
+    assert evals[-1]["heldout_accuracy"] > evals[0]["heldout_accuracy"] + 0.1, evals
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary[0]["max_staleness"] <= 4 and summary[0]["traj_per_s"] > 0
 
