@@ -7,10 +7,11 @@ import signal
 import pytest
 
 from hexrl.model.tiny import make_tiny_model
-from hexrl.plan.cost import CostModel
+from hexrl.plan.cost import MIN_MICRO_TOKENS, CostModel
 from hexrl.plan.fixed import plan_candidate
 from hexrl.plan.planner import plan_job
 from hexrl.schema import ConfigError, load_job, load_plan
+from hexrl.train import TrainConfig
 from runtime_utils import ROOT, torchrun, wait_for, write_job
 from test_plan import hetero_job
 
@@ -30,6 +31,7 @@ def test_plan_records_the_knobs_the_cost_model_assumed(max_new, recompute):
     k = plan.train_knobs
     assert k.activation_checkpointing is recompute is plan.predicted["activation_recompute"]
     assert k.micro_batch_tokens == max(4096, 256 + max_new)  # the longest sequence, short ones packed to 4096
+    assert MIN_MICRO_TOKENS == TrainConfig().micro_batch_tokens  # the planner's floor is the trainer's default
     assert (k.dtype, k.grad_reduce_dtype) == ("bfloat16", "float32")
     cm = CostModel(plan.job)
     costed = plan_candidate(cm, plan)  # re-costing the written plan gives the same replicas

@@ -137,7 +137,7 @@ def test_host_work_per_sample_holds_up_the_replica():
     slow = Simulation(plan, use_profiles=False)
     for s, host in ((fast, 0.0), (slow, 2e-3)):
         for r in s.replicas.values():
-            s.host_s[r.idx] = host
+            r.host_s = host
     a, b = fast.run(steps=4, warmup=1, gantt_steps=1), slow.run(steps=4, warmup=1, gantt_steps=1)
     assert not any(kind == "host" for _, kind, _, _ in a.gantt) and any(kind == "host" for _, kind, _, _ in b.gantt)
     per_replica = 64 * 8 / sum(1 for r in plan.replicas if r.share > 0)  # samples each replica finishes per step

@@ -358,14 +358,14 @@ class CostModel:
         nothing else runs meanwhile, a wave for each round of them while a round holds a whole
         group; with eta >= 1 one wave of them all (the gate lets the rounds overlap)."""
         active = [r for r in replicas if r.share > 0] or list(replicas)
-        groups = self.w.gen_samples / self.w.group
+        reward = max(r.share for r in active) * self.w.gen_samples / self.w.group * self.group_reward_s()
         if self.w.eta != 0:
-            return self._one_wave(active, self.w.gen_samples), max(r.share for r in active) * groups * self.group_reward_s()
+            return self._one_wave(active, self.w.gen_samples), reward
         wave, part = 0.0, 1.0
         while part == 1.0 or self.w.samples * part >= self.w.group:
             wave += self._one_wave(active, self.w.samples * part)
             part *= self.w.equal_fraction
-        return wave, max(r.share for r in active) * groups * self.group_reward_s()
+        return wave, reward
 
     def _one_wave(self, active, samples: float) -> float:
         """Seconds for the slowest replica to generate `samples` sequences dealt out by share at once."""

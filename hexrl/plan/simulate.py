@@ -37,6 +37,7 @@ class Replica:
 
     def __init__(self, idx: int, gpu_type: str, tp: int, max_batch: int, share: float, cm: CostModel):
         self.idx, self.gpu_type, self.tp, self.max_batch, self.share, self.cm = idx, gpu_type, tp, max_batch, share, cm
+        self.host_s = cm.gpus[gpu_type].host_s_per_sample  # leader's host work per finished sample
         self.rem = np.zeros(0, dtype=np.int64)  # tokens still to generate
         self.ctx = np.zeros(0, dtype=np.int64)  # prompt + generated so far
         self.ver = np.zeros(0, dtype=np.int64)  # weight version of the oldest token
@@ -45,7 +46,7 @@ class Replica:
         self.reward_free = 0.0  # when the reward workers finish the groups handed to them so far
         self.chunk = None  # (compute_start, k steps, a, c, S0, b)
         self.chunk_id = 0
-        self.busy = 0.0  # seconds decoding, prefilling or recomputing
+        self.busy = 0.0  # seconds decoding, prefilling, recomputing or handing off finished samples
         self.paused = False
         self._coeffs: dict[int, tuple[float, float]] = {}
 
@@ -88,7 +89,6 @@ class Simulation:
         self.B, self.G, self.eta = rl.batch_size, rl.group_size, rl.eta
         self.prompt = cm.w.prompt_len
         self.reward_s = cm.group_reward_s()
-        self.host_s = {r.id: cm.gpus[r.gpu_type].host_s_per_sample for r in plan.replicas}
         self.replicas = {}
         for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
             self.replicas[r.id] = Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm)
@@ -191,7 +191,7 @@ class Simulation:
         r.ctx = r.ctx + j
         r.chunk = None
         done = r.rem <= 0
-        host = self.host_s[r.idx] * int(done.sum())
+        host = r.host_s * int(done.sum())
         if host:
             self.mark(f"R{r.idx}", "host", t_end, t_end + host)
             r.busy += host
