@@ -31,6 +31,9 @@ class GPU:
     # per finished sample, between decode steps: detokenize, hand to the reward workers, send the
     # trajectory (the rollout leader's host work; tools/bench_kernels.py measures it)
     host_s_per_sample: float = 2e-4
+    # per trajectory the controller receives (seal checked, decoded, admitted, filed): its thread
+    # shares trainer rank 0's core, so at eta >= 1 this slows training (bench_kernels measures it)
+    control_s_per_sample: float = 5e-5
     mem_util: float = 0.90  # fraction of HBM the engines may use
     train_scale_loss: float = 0.0  # training efficiency lost per doubling of the trainer past one node
 

@@ -23,7 +23,7 @@ from bench_rollout import model_config  # noqa: E402
 from hexrl.gpus import CATALOGUE, GPU, gpu, read_profile  # noqa: E402
 
 PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
-                "train_mfu", "host_s_per_sample"}
+                "train_mfu", "host_s_per_sample", "control_s_per_sample"}
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +58,8 @@ def test_bench_kernels_writes_a_profile_the_planner_reads(cpu_profile, monkeypat
         profile["train_mfu"])
     assert planned.host_s_per_sample == pytest.approx(profile["host"]["s_per_sample"])
     assert 0 < planned.host_s_per_sample < 0.1 and profile["host"]["samples"] == 512
+    assert planned.control_s_per_sample == pytest.approx(profile["control"]["s_per_sample"])
+    assert 0 < planned.control_s_per_sample < 0.01 and profile["control"]["samples"] == 1024
     assert gpu("cpu", use_profiles=False) == CATALOGUE["cpu"]
 
 

@@ -47,6 +47,9 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     assert rows[-1]["rejected_messages"] + rows[-1].get("unknown_peer", 0) >= 1
     ids = [i for r in rows for i in r["problem_ids"]]
     assert len(ids) == len(set(ids)), "a prompt was trained twice"
+    engine = json.loads((tmp_path / "run" / "engine" / "replica0.json").read_text())  # how full the batches were
+    assert sum(engine["finished"].values()) >= rows[-1]["trajectories_produced"] and engine["steps"] > 0
+    assert 1 <= engine["mean_batch"] == engine["generated_tokens"] / engine["steps"]
     from hexrl.model.checkpoint import load_pretrained
 
     assert load_pretrained(tmp_path / "run" / "final").cfg.num_hidden_layers == 4

@@ -144,6 +144,27 @@ def test_host_work_per_sample_holds_up_the_replica():
     assert 0.5 * per_replica * 2e-3 < b.step_time_s - a.step_time_s < 1.5 * per_replica * 2e-3
 
 
+def test_controller_work_takes_the_trainers_core_only_while_it_trains():
+    """The controller thread runs on trainer rank 0's core: trajectories arriving during a training
+    step make it longer by control_s_per_sample each (eta = 2); at eta = 0 none arrive while the
+    trainer trains (the gate is shut), so training time is unchanged."""
+    def train_s(eta, control_s):
+        sim = Simulation(plan_job(load_job(hetero_job(eta)), use_profiles=False), use_profiles=False)
+        sim.control_s = control_s
+        res = sim.run(steps=6, warmup=2, gantt_steps=6)
+        return res.trainer_busy * res.step_time_s, res, sim
+
+    quiet, _, _ = train_s(2, 0.0)
+    busy, res, sim = train_s(2, 2e-3)
+    assert any(kind == "control" for _, kind, _, _ in res.gantt)
+    # at most every trajectory of a step (B x G) arrives during its training
+    assert 0 < busy - quiet <= 1.05 * sim.B * sim.G * 2e-3
+    sync_quiet, _, _ = train_s(0, 0.0)
+    sync_busy, res0, _ = train_s(0, 2e-3)
+    assert sync_busy == pytest.approx(sync_quiet, rel=1e-9)
+    assert not any(kind == "control" for _, kind, _, _ in res0.gantt)
+
+
 def test_filtered_groups_are_generated_again():
     """With workload.equal_reward_fraction f, the simulator's buffer filters about f of the groups
     (random, seeded) as the runtime does, and they are generated again; at eta = 0 the planner

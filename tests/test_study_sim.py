@@ -65,5 +65,24 @@ def test_the_profile_sets_the_simulated_trainer_speed(tmp_path):
     assert slower["rollout_idle"] > slow["rollout_idle"]  # the rollout waits more on a slower trainer
 
 
+def test_windows_measure_each_span_of_steps_on_its_own():
+    """The filtered share rises as the model learns; each window reports its own, from counter deltas,
+    and its step time from wall time with evaluation excluded (`wall_s`)."""
+    rows, produced, filtered = [], 0, 0
+    for step in range(1, 5):
+        share = 0.25 if step <= 2 else 0.5  # of this step's generated trajectories, filtered
+        produced += round(512 / (1 - share))
+        filtered += round(512 / (1 - share)) - 512
+        rows.append({"wall_s": step * (1.0 if step <= 2 else 2.0) + (step > 2) * -2.0, "train_s": 0.4,
+                     "trajectories_produced": produced, "trajectories_filtered": filtered,
+                     "rollout_tokens_per_s": 3.0 * round(512 / (1 - share)), "step_s": 1.0,
+                     "staleness_hist": {"0": 256, str(step): 256}})
+    first, second = ls.windows(rows, 2)
+    assert first["steps"] == [0, 2] and second["steps"] == [2, 4]
+    assert first["step_s"] == pytest.approx(1.0) and second["step_s"] == pytest.approx(2.0)
+    assert first["equal_fraction"] == pytest.approx(0.25, abs=1e-3) and second["equal_fraction"] == pytest.approx(0.5, abs=1e-3)
+    assert first["completion_len"] == pytest.approx(3.0) and first["mean_staleness"] == pytest.approx(0.75)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -198,16 +198,14 @@ def study(a) -> None:
     prompt = ls.prompt_len(job)
     rows = []
     for name, runs in stats.items():
-        completion = statistics.fmean(s["completion_len"] for s in runs)  # this configuration's measured mean
-        equal = statistics.fmean(s["equal_fraction"] for s in runs)
-        sim = ls.simulate(a.out / f"{name}-s0", prof.parent, prompt, completion, equal, min(a.steps, 40))
-        rows.append(ls.aggregate(name, runs, sim))
+        sims = ls.simulate_windows(a.out / f"{name}-s0", prof.parent, prompt, runs, min(a.steps, 40))
+        rows.append(ls.aggregate(name, runs, sims))
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
              else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, lr {a.lr}, {where}; "
             f"warm start {ws['heldout_accuracy']:.3f} held-out; mean [min-max] over seeds {list(range(a.seeds))}.\n"
             f"Wall time excludes evaluation; trainer wait = time the trainer waited for a batch / wall; "
             f"idle by /proc = 1 - the rank's CPU utilisation over its whole life (start-up and evaluation "
-            f"included); measured step s = median step (evaluation excluded).")
+            f"included).")
     text = head + "\n\n" + ls.tables(rows)
     print(text)
     (a.out / "study.md").write_text(text + "\n")

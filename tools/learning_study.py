@@ -7,8 +7,11 @@ Each rank has its own core (1 trainer rank + 1 rollout rank, `cpu_affinity` in t
 the runs, the CPU "device" is profiled on one pinned core into OUT/profiles/cpu.json
 (tools/bench_kernels.py, the format the planner reads for GPUs), and each configuration's plan,
 with the workload the runs measured (prompt and completion lengths), goes through the simulator
-CLI (`python -m hexrl.plan simulate`) with that profile. OUT/study.md and OUT/study.json hold
-mean and min-max over seeds next to the simulator's prediction; OUT/study.png the curves.
+CLI (`python -m hexrl.plan simulate`) with that profile. The workload drifts as the model learns
+(more groups come out all correct and are filtered, so each step generates more), so the
+simulator is run once per window of WINDOW steps with that window's measured filtered share and
+completion length, and compared window by window. OUT/study.md and OUT/study.json hold mean and
+min-max over seeds next to the simulator's prediction; OUT/study.png the curves.
 Finished runs, the profile and the simulations are reused, so a re-run only adds what is missing.
 """
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = [("0", True), ("1", True), ("2", True), ("4", True), ("4", False)]  # (eta, decoupled)
 TARGETS = (0.7, 0.8, 0.9)  # held-out accuracy levels: steps and wall seconds to reach each
+WINDOW = 50  # steps per simulator comparison window
 
 
 # ----------------------------------------------------------------------------- one run
@@ -32,8 +36,6 @@ def run_stats(run: Path) -> dict:
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     wall = metrics[-1]["wall_s"]
-    walls = [0.0] + [m["wall_s"] for m in metrics]
-    steps = sorted(b - a for a, b in zip(walls, walls[1:]))  # evaluation excluded from wall_s
     hist: dict[int, int] = {}
     for m in metrics:
         for age, n in m["staleness_hist"].items():
@@ -41,7 +43,7 @@ def run_stats(run: Path) -> dict:
     cpu = {json.loads(p.read_text())["role"]: json.loads(p.read_text()) for p in sorted((run / "cpu").glob("*.json"))}
     out = {"acc_by_step": {e["step"]: e["heldout_accuracy"] for e in evals},
            "wall_by_step": {e["step"]: e["wall_s"] for e in evals}, "wall_s": wall,
-           "step_s": statistics.median(steps), "train_s": statistics.median(m["train_s"] for m in metrics),
+           "step_s": wall / len(metrics), "train_s": statistics.fmean(m["train_s"] for m in metrics),
            "traj_per_s": metrics[-1]["trajectories_trained"] / wall,
            "generated_per_s": metrics[-1]["trajectories_produced"] / wall,
            # equal-reward groups are filtered, so generation does more; the simulator is given this share
@@ -54,9 +56,31 @@ def run_stats(run: Path) -> dict:
            "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values())), "staleness": hist,
            "completion_len": sum(m["rollout_tokens_per_s"] * m["step_s"] for m in metrics)
            / max(1, metrics[-1]["trajectories_produced"])}
+    out["windows"] = windows(metrics, min(WINDOW, len(metrics)))
     for t in TARGETS:
         hit = next((e for e in evals if e["heldout_accuracy"] >= t), None)
         out[f"step_{t}"], out[f"wall_{t}"] = (hit["step"], hit["wall_s"]) if hit else (None, None)
+    return out
+
+
+def windows(metrics: list[dict], width: int) -> list[dict]:
+    """Per window of `width` steps: mean step seconds (wall, evaluation excluded), training seconds,
+    the share of generated trajectories filtered for equal rewards, mean completion tokens, and the
+    mean staleness of what was trained."""
+    out, prev = [], {"wall_s": 0.0, "trajectories_produced": 0, "trajectories_filtered": 0}
+    for end in range(width, len(metrics) + 1, width):
+        seg, last = metrics[end - width:end], metrics[end - 1]
+        produced = max(1, last["trajectories_produced"] - prev["trajectories_produced"])
+        hist: dict[int, int] = {}
+        for m in seg:
+            for age, n in m["staleness_hist"].items():
+                hist[int(age)] = hist.get(int(age), 0) + n
+        out.append({"steps": [end - width, end], "step_s": (last["wall_s"] - prev["wall_s"]) / width,
+                    "train_s": statistics.fmean(m["train_s"] for m in seg),
+                    "equal_fraction": (last["trajectories_filtered"] - prev["trajectories_filtered"]) / produced,
+                    "completion_len": sum(m["rollout_tokens_per_s"] * m["step_s"] for m in seg) / produced,
+                    "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values()))})
+        prev = last
     return out
 
 
@@ -82,19 +106,21 @@ def prompt_len(job: dict) -> float:
     return statistics.fmean(len(tok.encode(tok.chat_prompt(p.prompt))) for p in train)
 
 
-def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal: float, steps: int) -> dict:
+def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal: float, steps: int,
+             tag: str = "") -> dict:
     """The simulator CLI on the run's plan, with the measured workload (prompt and completion
-    lengths, the share of groups filtered for equal rewards) and the CPU profile."""
-    out = run / "simulated.json"
+    lengths, the share of groups filtered for equal rewards) and the CPU profile; `tag` names the
+    files (one per window)."""
+    out = run / f"simulated{tag}.json"
     if not out.exists():
         plan = json.loads((run / "plan.json").read_text())
         max_new = plan["rl"]["max_new_tokens"]
         plan["workload"] = {"prompt_len": max(1, round(prompt)),
                             "output_len": {"mean": min(max(1.0, completion), max_new), "max": max_new},
                             "equal_reward_fraction": round(min(equal, 0.99), 4)}
-        (run / "plan_simulated.json").write_text(json.dumps(plan, indent=1))
+        (run / f"plan_simulated{tag}.json").write_text(json.dumps(plan, indent=1))
         warm = min(3, steps - 1)
-        subprocess.run([sys.executable, "-m", "hexrl.plan", "simulate", str(run / "plan_simulated.json"),
+        subprocess.run([sys.executable, "-m", "hexrl.plan", "simulate", str(run / f"plan_simulated{tag}.json"),
                         "--steps", str(steps), "--warmup", str(warm), "--json", str(out)],
                        check=True, cwd=ROOT, env={**os.environ, "HEXRL_PROFILES": str(profiles)})
     sim = json.loads(out.read_text())
@@ -102,6 +128,26 @@ def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal:
     return {"step_s": sim["step_time_s"], "train_s": sim["trainer_busy"] * sim["step_time_s"],
             "trainer_idle": sim["idle"]["train"], "rollout_idle": sim["idle"]["rollout"],
             "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values())), "staleness": hist}
+
+
+def simulate_windows(run: Path, profiles: Path, prompt: float, stats: list[dict], steps: int) -> list[dict]:
+    """The simulator once per window (on the plan of `run`), with that window's workload averaged
+    over the seeds in `stats`, next to the window's measurements."""
+    out = []
+    for i, w in enumerate(stats[0]["windows"]):
+        ws = [s["windows"][i] for s in stats if len(s["windows"]) > i]
+        completion = statistics.fmean(x["completion_len"] for x in ws)
+        equal = statistics.fmean(x["equal_fraction"] for x in ws)
+        sim = simulate(run, profiles, prompt, completion, equal, steps, tag=f"-w{w['steps'][0]}")
+        out.append({"steps": w["steps"], "equal_fraction": equal, "completion_len": completion, "sim": sim,
+                    **{k: spread(x[k] for x in ws) for k in ("step_s", "train_s", "mean_staleness")}})
+    return out
+
+
+def whole_run(windows: list[dict]) -> dict:
+    """The simulated run: each window's simulated figures, averaged (windows have equal steps)."""
+    keys = ("step_s", "train_s", "trainer_idle", "rollout_idle", "mean_staleness")
+    return {k: statistics.fmean(w["sim"][k] for w in windows) for k in keys}
 
 
 # ----------------------------------------------------------------------------- aggregate
@@ -119,10 +165,11 @@ def fmt(s: dict | None, f: str = ".3f", of: int | None = None) -> str:
     return text + (f" ({s['n']}/{of})" if of and s["n"] < of else "")
 
 
-def aggregate(name: str, stats: list[dict], sim: dict) -> dict:
+def aggregate(name: str, stats: list[dict], sim_windows: list[dict]) -> dict:
     keys = ("wall_s", "step_s", "train_s", "traj_per_s", "generated_per_s", "trainer_wait", "trainer_idle_cpu",
             "rollout_idle_cpu", "mean_staleness", "generated_per_trained") + tuple(f"{k}_{t}" for t in TARGETS for k in ("step", "wall"))
-    row = {"name": name, "seeds": len(stats), "sim": sim, **{k: spread(s[k] for s in stats) for k in keys}}
+    row = {"name": name, "seeds": len(stats), "sim": whole_run(sim_windows), "windows": sim_windows,
+           **{k: spread(s[k] for s in stats) for k in keys}}
     eval_steps = sorted(set.intersection(*(set(s["acc_by_step"]) for s in stats)))
     row["acc_by_step"] = {st: spread(s["acc_by_step"][st] for s in stats) for st in eval_steps}
     row["wall_by_step"] = {st: spread(s["wall_by_step"][st] for s in stats) for st in eval_steps}
@@ -142,7 +189,9 @@ def tables(rows: list[dict]) -> str:
                      f"{fmt(r['traj_per_s'], '.0f')} | {fmt(r['generated_per_s'], '.0f')} | "
                      f"{fmt(r['trainer_wait'], '.2f')} ({fmt(r['trainer_idle_cpu'], '.2f')}) | "
                      f"{fmt(r['rollout_idle_cpu'], '.2f')} |")
-    lines += ["", "Simulator (python -m hexrl.plan simulate, CPU profile) next to measured:", "",
+    lines += ["", f"Simulator (python -m hexrl.plan simulate, CPU profile) next to measured, whole run: the simulator "
+              f"runs once per {WINDOW}-step window with that window's measured workload, and its figures are "
+              "averaged over the windows; measured step = wall (evaluation excluded) / steps:", "",
               "| config | step s: measured / simulated (ratio) | training s per step: measured / simulated (ratio) "
               "| mean staleness: measured / simulated "
               "| trainer idle: measured wait / simulated | rollout idle: measured / simulated "
@@ -155,6 +204,14 @@ def tables(rows: list[dict]) -> str:
                      f"{s['mean_staleness']:.2f} | {fmt(r['trainer_wait'], '.2f')} / {s['trainer_idle']:.2f} | "
                      f"{fmt(r['rollout_idle_cpu'], '.2f')} / {s['rollout_idle']:.2f} | "
                      f"{fmt(r['generated_per_trained'], '.1f')} |")
+    spans = [w["steps"] for w in rows[0]["windows"]]
+    lines += ["", "Step seconds per window, measured (mean over seeds) / simulated (ratio), and the share of "
+              "generated groups filtered for equal rewards in that window (f, the workload the simulator is given):",
+              "", "| config | " + " | ".join(f"steps {a}-{b}" for a, b in spans) + " |", "|---|" + "---|" * len(spans)]
+    for r in rows:
+        cells = [f"{w['step_s']['mean']:.2f} / {w['sim']['step_s']:.2f} ({w['sim']['step_s'] / w['step_s']['mean']:.2f}x,"
+                 f" f {w['equal_fraction']:.2f})" for w in r["windows"]]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     steps = sorted(set.intersection(*(set(r["acc_by_step"]) for r in rows)))
     lines += ["", "Held-out accuracy at fixed steps, mean [min-max] over seeds:", "",
               "| config | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]

@@ -13,7 +13,8 @@ does), then enters the buffer. A share `workload.equal_reward_fraction` of the g
 random) get equal rewards, and the buffer filters them as the runtime does. The trainer takes B groups per
 step (time: the plan's C_T scaled by the batch's tokens), then publishes weights: every
 replica stops at its next step boundary, joins the broadcast (C_sync), recomputes the KV of
-its running sequences, and decodes on.
+its running sequences, and decodes on. The controller thread shares trainer rank 0's core: each
+trajectory that arrives while the trainer trains costs it `control_s_per_sample` more.
 """
 
 import heapq
@@ -47,6 +48,7 @@ class Replica:
         self.chunk = None  # (compute_start, k steps, a, c, S0, b)
         self.chunk_id = 0
         self.busy = 0.0  # seconds decoding, prefilling, recomputing or handing off finished samples
+        self.steps = self.seq_steps = 0  # decode steps taken, and sequences decoded over them
         self.paused = False
         self._coeffs: dict[int, tuple[float, float]] = {}
 
@@ -76,6 +78,7 @@ class SimResult:
     violations: int  # trajectories trained although staler than eta (0: the buffer dropped them)
     dropped_stale: int  # trajectories the buffer dropped as more than eta versions old
     predicted_step_s: float
+    mean_batch: float  # sequences per decode step, over the run (the engine's RUN_DIR/engine figure)
     gantt: list = field(default_factory=list)  # (lane, kind, t0, t1) of the first steps
 
 
@@ -92,6 +95,9 @@ class Simulation:
         self.replicas = {}
         for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
             self.replicas[r.id] = Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm)
+        controller = plan.ranks[plan.trainer.rank(0, 0, 0)]  # the trainer slot that hosts the controller
+        self.control_s = cm.gpus[controller.gpu_type].control_s_per_sample
+        self.control_debt = 0.0  # controller seconds taken from the training step in flight
         self.gate = StalenessGate(self.B, self.eta, rl.max_running)
         self.equal_fraction = self.job.workload.equal_reward_fraction
         self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=self.equal_fraction > 0)
@@ -146,7 +152,10 @@ class Simulation:
     def accept(self, t: float, gid: int):
         """A scored group reaches the controller: file its trajectories, maybe train."""
         self.equal.discard(gid)
-        for traj in self.done.pop(gid):
+        trajectories = self.done.pop(gid)
+        if self.training:  # the controller thread receives them on the trainer's core
+            self.control_debt += len(trajectories) * self.control_s
+        for traj in trajectories:
             status = self.buffer.add(traj)
         if status != "pending":
             self.dispatcher.done(gid)
@@ -187,6 +196,8 @@ class Simulation:
         cs = r.chunk[0]
         r.busy += t_end - cs
         self.mark(f"R{r.idx}", "decode", cs, t_end)
+        r.steps += j
+        r.seq_steps += j * len(r.rem)
         r.rem = r.rem - j
         r.ctx = r.ctx + j
         r.chunk = None
@@ -257,6 +268,12 @@ class Simulation:
         self.push(t + dur, "trained")
 
     def on_trained(self, t: float):
+        if self.control_debt > 0:  # the step ends later by the controller's share of the core
+            debt, self.control_debt = self.control_debt, 0.0
+            self.train_time += debt
+            self.mark("trainer", "control", t, t + debt)
+            self.push(t + debt, "trained")
+            return
         self.training = False
         self.trained += 1
         self.step_ends.append(t)
@@ -331,6 +348,7 @@ class Simulation:
             staleness=dict(sorted(self.staleness.items())), violations=self.violations,
             dropped_stale=self.buffer.dropped.get("stale", 0),
             predicted_step_s=self.cand.step_s, gantt=self.gantt,
+            mean_batch=sum(r.seq_steps for r in self.replicas.values()) / max(1, sum(r.steps for r in self.replicas.values())),
         )
 
 

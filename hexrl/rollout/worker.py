@@ -10,8 +10,10 @@ then drops its KV pages and recomputes every unfinished sequence).
 """
 from __future__ import annotations
 
+import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -22,7 +24,7 @@ from hexrl.trajectory import Trajectory
 from hexrl.watchdog import describe_exception
 from hexrl.weights import TensorSpec, load_into, receive_stage
 
-from .engine import Engine
+from .engine import Engine, EngineStats
 from .sequence import Finished, Request
 
 HEARTBEAT_S = 1.0
@@ -208,3 +210,16 @@ def run_rollout(ctx) -> None:
     leader = RolloutLeader(engine, replica.id, ctx.rank, ctx.store, receive, job.reward.name,
                            job.reward.timeout_s, tokenizer)
     leader.run()
+    write_engine_stats(ctx.run_dir, replica.id, engine.stats)
+
+
+def write_engine_stats(run_dir: Path, replica_id: int, stats: EngineStats) -> dict:
+    """RUN_DIR/engine/replica<ID>.json: the engine's counters over the run; `mean_batch` (sequences
+    per model step) tells how full the batches were, which sets the engine's efficiency."""
+    out = {**asdict(stats), "mean_batch": stats.generated_tokens / max(1, stats.steps)}
+    path = Path(run_dir) / "engine" / f"replica{replica_id}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(out, indent=1) + "\n")
+    tmp.replace(path)
+    return out
