@@ -50,6 +50,7 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     engine = json.loads((tmp_path / "run" / "engine" / "replica0.json").read_text())  # how full the batches were
     assert sum(engine["finished"].values()) >= rows[-1]["trajectories_produced"] and engine["steps"] > 0
     assert 1 <= engine["mean_batch"] == engine["generated_tokens"] / engine["steps"]
+    assert 0 < engine["mixed_steps"] <= engine["steps"] and engine["seconds"] > 0
     from hexrl.model.checkpoint import load_pretrained
 
     assert load_pretrained(tmp_path / "run" / "final").cfg.num_hidden_layers == 4

@@ -19,6 +19,7 @@ the same per-request seeds, so all ranks stay in lockstep without shipping token
 from __future__ import annotations
 
 import random
+import time
 import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
@@ -82,6 +83,8 @@ class EngineStats:
     preemptions: int = 0
     interrupts: int = 0  # weight updates
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
+    mixed_steps: int = 0  # steps that prefilled (admissions, recompute) besides decoding
+    seconds: float = 0.0  # wall time inside step(), host work and device sync included
     finished: dict[str, int] = field(default_factory=dict)  # finish_reason -> count
 
 
@@ -268,6 +271,7 @@ class Engine:
 
     @torch.no_grad()
     def _step(self, new: list[Request]) -> list[Finished]:
+        t0 = time.perf_counter()
         for r in new:
             self.scheduler.add(self._sequence(r))
         decodes = self.scheduler.decode_only()
@@ -276,11 +280,15 @@ class Engine:
             return []
         logits = self._forward(step)
         tokens, logprobs = self._sample(logits, step)
-        self.stats.steps += 1
-        self.stats.preemptions = self.scheduler.preemptions
-        self.stats.prefill_tokens += step.meta.num_tokens - len(step.sampling)
-        self.stats.generated_tokens += len(step.sampling)
-        return self._append(step.sampling, tokens, logprobs)
+        finished = self._append(step.sampling, tokens, logprobs)
+        s = self.stats
+        s.steps += 1
+        s.mixed_steps += decodes is None
+        s.preemptions = self.scheduler.preemptions
+        s.prefill_tokens += step.meta.num_tokens - len(step.sampling)
+        s.generated_tokens += len(step.sampling)
+        s.seconds += time.perf_counter() - t0
+        return finished
 
     def _schedule(self) -> "StepInputs | None":
         """The general step: chunks of prefills, decodes and admissions."""
