@@ -51,7 +51,8 @@ def test_synchronous_step_matches_hand_computation():
     decode = 10 * a + c * (10 * 32 + 2 * 45)
     prefill = cm.prefill_s("H100", 1, 2 * 16, 8)
     host = 2 * cm.gpus["H100"].host_s_per_sample  # the leader hands both samples over before scoring
-    expect = prefill + decode + host + cm.w.reward_s + sim.cand.C_T + sim.cand.C_sync
+    control = 2 * cm.gpus["H100"].control_s_per_sample  # the controller thread takes both in
+    expect = prefill + decode + host + cm.w.reward_s + control + sim.cand.C_T + sim.cand.C_sync
     assert res.step_time_s == pytest.approx(expect, rel=1e-9)
     assert res.staleness == {0: 10} and res.violations == 0
     assert res.tokens_per_s == pytest.approx(2 * 26 / expect, rel=1e-9)
@@ -145,24 +146,26 @@ def test_host_work_per_sample_holds_up_the_replica():
 
 
 def test_controller_work_takes_the_trainers_core_only_while_it_trains():
-    """The controller thread runs on trainer rank 0's core: trajectories arriving during a training
-    step make it longer by control_s_per_sample each (eta = 2); at eta = 0 none arrive while the
-    trainer trains (the gate is shut), so training time is unchanged."""
-    def train_s(eta, control_s):
+    """The controller thread takes arriving groups in one after another (its own lane) on trainer
+    rank 0's core: trajectories it takes in during a training step make that step longer by
+    control_s_per_sample each (eta = 2); at eta = 0 none arrive while the trainer trains (the gate
+    is shut), so no training step is lengthened."""
+    def run(eta, control_s):
         sim = Simulation(plan_job(load_job(hetero_job(eta)), use_profiles=False), use_profiles=False)
         sim.control_s = control_s
         res = sim.run(steps=6, warmup=2, gantt_steps=6)
-        return res.trainer_busy * res.step_time_s, res, sim
+        spans = {lane: [(t0, t1) for ln, kind, t0, t1 in res.gantt if ln == lane and kind == "control"]
+                 for lane in ("trainer", "controller")}
+        return res.trainer_busy * res.step_time_s, spans, sim
 
-    quiet, _, _ = train_s(2, 0.0)
-    busy, res, sim = train_s(2, 2e-3)
-    assert any(kind == "control" for _, kind, _, _ in res.gantt)
+    quiet, _, _ = run(2, 0.0)
+    busy, spans, sim = run(2, 2e-3)
+    assert spans["trainer"] and spans["controller"]
     # at most every trajectory of a step (B x G) arrives during its training
     assert 0 < busy - quiet <= 1.05 * sim.B * sim.G * 2e-3
-    sync_quiet, _, _ = train_s(0, 0.0)
-    sync_busy, res0, _ = train_s(0, 2e-3)
-    assert sync_busy == pytest.approx(sync_quiet, rel=1e-9)
-    assert not any(kind == "control" for _, kind, _, _ in res0.gantt)
+    _, spans, sim = run(0, 2e-3)
+    assert not spans["trainer"] and len(spans["controller"]) >= 6 * sim.B  # every group, one at a time
+    assert all(b0 >= a1 - 1e-12 for (_, a1), (b0, _) in zip(spans["controller"], spans["controller"][1:]))
 
 
 def test_filtered_groups_are_generated_again():

@@ -22,6 +22,9 @@ from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
 
 
+MAX_RECEIVE_PER_LOOP = 64  # messages handled between two dispatch rounds (a few groups' trajectories)
+
+
 @dataclass
 class ReplicaInfo:
     id: int
@@ -218,10 +221,16 @@ class Controller:
                 "max_new_tokens": rl.max_new_tokens, "seed": rl.seed * 1_000_003 + gid}
 
     def _receive(self, timeout_s: float) -> None:
+        """Handle waiting messages, at most MAX_RECEIVE_PER_LOOP: trajectories can arrive as fast as
+        they are handled, and draining them all would hold back the prompts that replace filtered groups."""
         got = self.router.recv(timeout_s)
-        while got is not None:
+        for _ in range(MAX_RECEIVE_PER_LOOP):
+            if got is None:
+                return
             self._handle(*got)
             got = self.router.recv(0)
+        if got is not None:
+            self._handle(*got)
 
     def _handle(self, peer: str, msg: dict) -> None:
         replica = self.by_name.get(peer)

@@ -13,8 +13,10 @@ does), then enters the buffer. A share `workload.equal_reward_fraction` of the g
 random) get equal rewards, and the buffer filters them as the runtime does. The trainer takes B groups per
 step (time: the plan's C_T scaled by the batch's tokens), then publishes weights: every
 replica stops at its next step boundary, joins the broadcast (C_sync), recomputes the KV of
-its running sequences, and decodes on. The controller thread shares trainer rank 0's core: each
-trajectory that arrives while the trainer trains costs it `control_s_per_sample` more.
+its running sequences, and decodes on. The controller thread handles arriving groups one after
+another, `control_s_per_sample` per trajectory (so a burst of finished groups reaches the buffer,
+and their replacements reach the replicas, spread out), on trainer rank 0's core: what it handles
+while the trainer trains makes the training step that much longer.
 """
 
 import heapq
@@ -98,6 +100,7 @@ class Simulation:
         controller = plan.ranks[plan.trainer.rank(0, 0, 0)]  # the trainer slot that hosts the controller
         self.control_s = cm.gpus[controller.gpu_type].control_s_per_sample
         self.control_debt = 0.0  # controller seconds taken from the training step in flight
+        self.control_free = 0.0  # when the controller thread is done with the groups that arrived so far
         self.gate = StalenessGate(self.B, self.eta, rl.max_running)
         self.equal_fraction = self.job.workload.equal_reward_fraction
         self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=self.equal_fraction > 0)
@@ -149,12 +152,20 @@ class Simulation:
             if r.chunk is None and not r.paused:
                 self.start(r, t)
 
+    def arrive(self, t: float, gid: int):
+        """A scored group's trajectories reach the controller thread, which takes them in turn."""
+        work = self.G * self.control_s
+        start = max(t, self.control_free)
+        self.control_free = start + work
+        self.mark("controller", "control", start, self.control_free)
+        if self.training:  # the controller thread receives them on the trainer's core
+            self.control_debt += work
+        self.push(self.control_free, "accept", gid)
+
     def accept(self, t: float, gid: int):
-        """A scored group reaches the controller: file its trajectories, maybe train."""
+        """The controller has taken a group in: file its trajectories, maybe train."""
         self.equal.discard(gid)
         trajectories = self.done.pop(gid)
-        if self.training:  # the controller thread receives them on the trainer's core
-            self.control_debt += len(trajectories) * self.control_s
         for traj in trajectories:
             status = self.buffer.add(traj)
         if status != "pending":
@@ -216,7 +227,7 @@ class Simulation:
                     t0 = max(t_end + host, r.reward_free)  # handed over (and later sent) by the host work
                     r.reward_free = t0 + self.reward_s
                     self.mark(f"R{r.idx} reward", "reward", t0, r.reward_free)
-                    self.push(r.reward_free, "accept", g)
+                    self.push(r.reward_free, "arrive", g)
             keep = ~done
             r.rem, r.ctx, r.ver, r.grp = r.rem[keep], r.ctx[keep], r.ver[keep], r.grp[keep]
         return host
@@ -313,6 +324,7 @@ class Simulation:
     def run(self, steps: int = 12, warmup: int = 2, gantt_steps: int = 3) -> SimResult:
         handlers = {
             "chunk": self.on_chunk,
+            "arrive": self.arrive,
             "accept": self.accept,
             "trained": self.on_trained,
             "synced": self.on_synced,
