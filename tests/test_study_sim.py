@@ -56,6 +56,16 @@ def test_the_measured_filtered_share_slows_the_simulated_rollout(tmp_path):
     assert half["step_s"] > 1.3 * plain["step_s"]
 
 
+def test_a_simulation_is_reused_only_for_the_same_workload(tmp_path):
+    """The study caches each window's simulation; another filtered share (a study with more seeds
+    averages differently) must run it again, not return the old result."""
+    prof, run = profiles(tmp_path, "p"), tiny_run(tmp_path, "r", 0)
+    plain = ls.simulate(run, prof, 7, 4, 0.0, 8, tag="-w0")
+    assert ls.simulate(run, prof, 7, 4, 0.0, 8, tag="-w0") == plain  # reused
+    half = ls.simulate(run, prof, 7, 4, 0.5, 8, tag="-w0")
+    assert half["step_s"] > 1.3 * plain["step_s"]
+
+
 def test_the_profile_sets_the_simulated_trainer_speed(tmp_path):
     """Trainer-bound at eta=4: halving the profile's train_mfu doubles the step (weight sync aside)."""
     slow = ls.simulate(tiny_run(tmp_path, "a", 4), profiles(tmp_path, "slow", train_mfu=0.004), 7, 4, 0.0, 8)

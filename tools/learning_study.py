@@ -16,6 +16,7 @@ Finished runs, the profile and the simulations are reused, so a re-run only adds
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -110,19 +111,23 @@ def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal:
              tag: str = "") -> dict:
     """The simulator CLI on the run's plan, with the measured workload (prompt and completion
     lengths, the share of groups filtered for equal rewards) and the CPU profile; `tag` names the
-    files (one per window)."""
-    out = run / f"simulated{tag}.json"
-    if not out.exists():
-        plan = json.loads((run / "plan.json").read_text())
-        max_new = plan["rl"]["max_new_tokens"]
-        plan["workload"] = {"prompt_len": max(1, round(prompt)),
-                            "output_len": {"mean": min(max(1.0, completion), max_new), "max": max_new},
-                            "equal_reward_fraction": round(min(equal, 0.99), 4)}
-        (run / f"plan_simulated{tag}.json").write_text(json.dumps(plan, indent=1))
+    files (one per window); a simulation is reused only for the same workload and profile."""
+    out, plan_path = run / f"simulated{tag}.json", run / f"plan_simulated{tag}.json"
+    plan = json.loads((run / "plan.json").read_text())
+    max_new = plan["rl"]["max_new_tokens"]
+    plan["workload"] = {"prompt_len": max(1, round(prompt)),
+                        "output_len": {"mean": min(max(1.0, completion), max_new), "max": max_new},
+                        "equal_reward_fraction": round(min(equal, 0.99), 4)}
+    prof = profiles / "cpu.json"
+    key = {"plan": plan, "profile": hashlib.sha256(prof.read_bytes()).hexdigest() if prof.exists() else None}
+    key_path = run / f"simulated{tag}.key.json"
+    if not (out.exists() and key_path.exists() and json.loads(key_path.read_text()) == key):
+        plan_path.write_text(json.dumps(plan, indent=1))
         warm = min(3, steps - 1)
-        subprocess.run([sys.executable, "-m", "hexrl.plan", "simulate", str(run / f"plan_simulated{tag}.json"),
+        subprocess.run([sys.executable, "-m", "hexrl.plan", "simulate", str(plan_path),
                         "--steps", str(steps), "--warmup", str(warm), "--json", str(out)],
                        check=True, cwd=ROOT, env={**os.environ, "HEXRL_PROFILES": str(profiles)})
+        key_path.write_text(json.dumps(key))
     sim = json.loads(out.read_text())
     hist = {int(k): v for k, v in sim["staleness"].items()}
     return {"step_s": sim["step_time_s"], "train_s": sim["trainer_busy"] * sim["step_time_s"],
