@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from hexrl.files import write_json_atomic
+
 _KEY = "hexrl/effective/"
 WAIT_S = 600  # every role publishes right after building its model; a dead rank is the watchdog's job
 
@@ -53,8 +55,5 @@ def write(store, replica_ids: list[int], run_dir: Path) -> dict:
     store.wait(keys, timedelta(seconds=WAIT_S))
     train, *reps = [json.loads(store.get(k)) for k in keys]
     out = {"train": train, "rollout": {"replicas": [{"id": i, **r} for i, r in zip(replica_ids, reps)]}}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / "effective_config.json.tmp"
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(run_dir / "effective_config.json")  # readers never see half a file
+    write_json_atomic(run_dir / "effective_config.json", out)
     return out

@@ -428,8 +428,7 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     host = optional("host", host_point, errors, log)
     if host:
         log(f"host work per finished sample (reward round trip, trajectory send): {host['s_per_sample'] * 1e6:.0f} us")
-    control = optional("control", lambda: sorted((control_point() for _ in range(3)),
-                                                 key=lambda r: r["s_per_sample"])[1], errors, log)  # median of 3
+    control = optional("control", control_point, errors, log)
     if control:
         log(f"controller work per received trajectory: {control['s_per_sample'] * 1e6:.0f} us")
     prefill = optional("prefill", lambda: [prefill_point(model, b, p, grid, attention) for b, p in grid.prefill],
@@ -480,8 +479,14 @@ def table(m: dict, cfg: ModelConfig, elem: int, datasheet) -> list[tuple[str, st
 def control_point(groups: int = 128, group: int = 8, prompt_len: int = 12, out_len: int = 5) -> dict:
     """Seconds per received trajectory of the controller thread's work, which shares trainer rank 0's
     core: through the controller's own receive loop, each message is taken off the ZeroMQ socket, its
-    seal checked, decoded, validated, admitted and filed in the replay buffer. A stand-in replica in
-    this process takes the prompts and sends the trajectories before the clock starts."""
+    seal checked, decoded, validated, admitted and filed in the replay buffer. Median of 3 runs."""
+    seconds = statistics.median(_control_seconds(groups, group, prompt_len, out_len) for _ in range(3))
+    return {"samples": groups * group, "seconds": seconds, "s_per_sample": seconds / (groups * group)}
+
+
+def _control_seconds(groups: int, group: int, prompt_len: int, out_len: int) -> float:
+    """One control_point run: a stand-in replica in this process takes the prompts and sends the
+    trajectories before the clock starts."""
     from types import SimpleNamespace
 
     from hexrl.comm import DealerChannel, RouterChannel, message, new_secret
@@ -497,7 +502,8 @@ def control_point(groups: int = 128, group: int = 8, prompt_len: int = 12, out_l
                          temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=out_len, seed=0)
     problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(groups)]
     prompt = list(range(3, 3 + prompt_len))
-    ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: prompt, [ReplicaInfo(0, 1.0)], router, 64)
+    ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: prompt, [ReplicaInfo(0, 1.0)], router,
+                     vocab_size=64)
     try:
         dealer.send(message("heartbeat", rank=1, time=0.0))
         deadline = time.monotonic() + 10
@@ -519,7 +525,7 @@ def control_point(groups: int = 128, group: int = 8, prompt_len: int = 12, out_l
     finally:
         dealer.close()
         router.close()
-    return {"samples": groups * group, "seconds": seconds, "s_per_sample": seconds / (groups * group)}
+    return seconds
 
 
 def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelConfig, dtype_name: str,

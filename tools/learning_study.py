@@ -37,10 +37,7 @@ def run_stats(run: Path) -> dict:
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     wall = metrics[-1]["wall_s"]
-    hist: dict[int, int] = {}
-    for m in metrics:
-        for age, n in m["staleness_hist"].items():
-            hist[int(age)] = hist.get(int(age), 0) + n
+    hist = staleness(metrics)
     cpu = {json.loads(p.read_text())["role"]: json.loads(p.read_text()) for p in sorted((run / "cpu").glob("*.json"))}
     out = {"acc_by_step": {e["step"]: e["heldout_accuracy"] for e in evals},
            "wall_by_step": {e["step"]: e["wall_s"] for e in evals}, "wall_s": wall,
@@ -49,14 +46,11 @@ def run_stats(run: Path) -> dict:
            "generated_per_s": metrics[-1]["trajectories_produced"] / wall,
            # equal-reward groups are filtered, so generation does more; the simulator is given this share
            "generated_per_trained": metrics[-1]["trajectories_produced"] / max(1, metrics[-1]["trajectories_trained"]),
-           "equal_fraction": metrics[-1]["trajectories_filtered"] / max(1, metrics[-1]["trajectories_produced"]),
            "trainer_wait": sum(m["wait_s"] for m in metrics) / wall,
            "trainer_idle_cpu": 1 - cpu["train"]["utilisation"] if "train" in cpu else None,
            "rollout_idle_cpu": 1 - cpu["rollout"]["utilisation"] if "rollout" in cpu else None,
            "cores": {role: c["actual"] for role, c in cpu.items()},
-           "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values())), "staleness": hist,
-           "completion_len": sum(m["rollout_tokens_per_s"] * m["step_s"] for m in metrics)
-           / max(1, metrics[-1]["trajectories_produced"])}
+           "mean_staleness": mean_age(hist), "staleness": hist}
     out["windows"] = windows(metrics, min(WINDOW, len(metrics)))
     for t in TARGETS:
         hit = next((e for e in evals if e["heldout_accuracy"] >= t), None)
@@ -72,17 +66,26 @@ def windows(metrics: list[dict], width: int) -> list[dict]:
     for end in range(width, len(metrics) + 1, width):
         seg, last = metrics[end - width:end], metrics[end - 1]
         produced = max(1, last["trajectories_produced"] - prev["trajectories_produced"])
-        hist: dict[int, int] = {}
-        for m in seg:
-            for age, n in m["staleness_hist"].items():
-                hist[int(age)] = hist.get(int(age), 0) + n
         out.append({"steps": [end - width, end], "step_s": (last["wall_s"] - prev["wall_s"]) / width,
                     "train_s": statistics.fmean(m["train_s"] for m in seg),
                     "equal_fraction": (last["trajectories_filtered"] - prev["trajectories_filtered"]) / produced,
                     "completion_len": sum(m["rollout_tokens_per_s"] * m["step_s"] for m in seg) / produced,
-                    "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values()))})
+                    "mean_staleness": mean_age(staleness(seg))})
         prev = last
     return out
+
+
+def staleness(metrics: list[dict]) -> dict[int, int]:
+    """Trained trajectories by staleness (versions behind), summed over the steps' histograms."""
+    hist: dict[int, int] = {}
+    for m in metrics:
+        for age, n in m["staleness_hist"].items():
+            hist[int(age)] = hist.get(int(age), 0) + n
+    return hist
+
+
+def mean_age(hist: dict[int, int]) -> float:
+    return sum(a * n for a, n in hist.items()) / max(1, sum(hist.values()))
 
 
 # ----------------------------------------------------------------------------- profile + simulator
@@ -132,7 +135,7 @@ def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal:
     hist = {int(k): v for k, v in sim["staleness"].items()}
     return {"step_s": sim["step_time_s"], "train_s": sim["trainer_busy"] * sim["step_time_s"],
             "trainer_idle": sim["idle"]["train"], "rollout_idle": sim["idle"]["rollout"],
-            "mean_staleness": sum(a * n for a, n in hist.items()) / max(1, sum(hist.values())), "staleness": hist}
+            "mean_staleness": mean_age(hist), "staleness": hist}
 
 
 def simulate_windows(run: Path, profiles: Path, prompt: float, stats: list[dict], steps: int) -> list[dict]:

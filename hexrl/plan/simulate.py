@@ -165,8 +165,7 @@ class Simulation:
     def accept(self, t: float, gid: int):
         """The controller has taken a group in: file its trajectories, maybe train."""
         self.equal.discard(gid)
-        trajectories = self.done.pop(gid)
-        for traj in trajectories:
+        for traj in self.done.pop(gid):
             status = self.buffer.add(traj)
         if status != "pending":
             self.dispatcher.done(gid)

@@ -10,7 +10,6 @@ then drops its KV pages and recomputes every unfinished sequence).
 """
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 from hexrl import effective
 from hexrl.comm import DealerChannel, lookup_endpoint, lookup_secret, message, trajectory_to_msg
+from hexrl.files import write_json_atomic
 from hexrl.rewards import RewardPool
 from hexrl.trajectory import Trajectory
 from hexrl.watchdog import describe_exception
@@ -217,9 +217,5 @@ def write_engine_stats(run_dir: Path, replica_id: int, stats: EngineStats) -> di
     """RUN_DIR/engine/replica<ID>.json: the engine's counters over the run; `mean_batch` (sequences
     per model step) tells how full the batches were, which sets the engine's efficiency."""
     out = {**asdict(stats), "mean_batch": stats.generated_tokens / max(1, stats.steps)}
-    path = Path(run_dir) / "engine" / f"replica{replica_id}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(out, indent=1) + "\n")
-    tmp.replace(path)
+    write_json_atomic(Path(run_dir) / "engine" / f"replica{replica_id}.json", out)
     return out
