@@ -3,6 +3,7 @@
 import os
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -193,6 +194,9 @@ def flaky_reward(completion, answer):
         os._exit(3)
     if completion == "nan":
         return float("nan")
+    if completion == "mark":  # leave the file named by `answer` behind
+        Path(answer).touch()
+        return 1.0
     if completion == "wait":  # until the file named by `answer` exists
         while not os.path.exists(answer):
             time.sleep(0.01)
@@ -235,6 +239,24 @@ def test_submit_returns_at_once_and_finished_hands_back_whole_batches(tmp_path):
             got.update(pool.finished(wait_s=1.0))
         assert got == {slow: [1.0, 1.0, 1.0], fast: [1.0, 0.0]} and pool.pending == 0
         assert pool.submit([]) in pool.finished()  # an empty batch is done at once
+
+
+def test_workers_score_a_whole_chunk_while_the_caller_does_not_poll(tmp_path):
+    """The leader polls once per decode step: each worker must score many items per poll, not one."""
+    marks = [tmp_path / f"m{i}" for i in range(12)]
+    with RewardPool(flaky_reward, workers=2, timeout_s=30) as pool:
+        ticket = pool.submit([("mark", str(m)) for m in marks])
+        deadline = time.monotonic() + 30
+        while not all(m.exists() for m in marks) and time.monotonic() < deadline:
+            time.sleep(0.01)  # no finished() call: nothing new is dispatched meanwhile
+        assert all(m.exists() for m in marks)
+        assert pool.finished() == {ticket: [1.0] * len(marks)}
+
+
+def test_an_unpicklable_item_fails_alone():
+    with RewardPool(flaky_reward, workers=1, timeout_s=30) as pool:
+        assert pool.score([("a", "a"), ("b", lambda: 0), ("c", "c")]) == [1.0, 0.0, 1.0]
+        assert pool.stats.error == 1 and "cannot send" in pool.recent_errors[-1]
 
 
 def test_pool_rejects_bad_arguments():

@@ -1,5 +1,6 @@
 """Trainer fast paths: variable-length attention for packed sequences (GPU parity marked `gpu`),
-float32 logits from low-precision weights, and the settings that were removed or made optional."""
+float32 logits from low-precision weights, an optimizer step with no host sync, and the settings
+that were removed or made optional."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -8,6 +9,7 @@ from hexrl.model.attention import CausalAttention, torch_varlen, varlen_function
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from hexrl.model.tiny import tiny_config
+from hexrl.train.optim import AdamW, clip_divisor, global_grad_norm
 from hexrl.train.trainer import TrainConfig
 
 LENS = [5, 1, 9, 3]
@@ -87,6 +89,55 @@ def test_fp32_logits_from_bf16_weights_are_not_rounded_to_bf16():
     assert got.dtype == torch.float32 and model.logits(h).dtype == torch.bfloat16
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert not torch.equal(got, got.bfloat16().float())  # more precision than bf16 logits carry
+
+
+def _params_with_grads(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(6, 4, generator=g)), torch.nn.Parameter(torch.randn(4, generator=g))]
+    grads = [torch.randn(p.shape, generator=g) * 3 for p in params]
+    return params, grads
+
+
+def test_clipping_on_the_device_matches_clip_grad_norm_and_torch_adamw():
+    ours, grads = _params_with_grads(0)
+    ref, _ = _params_with_grads(0)
+    opt = AdamW(ours, lr=1e-2, weight_decay=0.1)
+    torch_opt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
+                                  lr=1e-2)
+    for step in range(3):
+        for p, r, g in zip(ours, ref, grads):
+            p.main_grad, r.grad = g.clone() * (step + 1), g.clone() * (step + 1)
+        norm = global_grad_norm([p.main_grad for p in ours], None, torch.device("cpu"))
+        assert norm.dim() == 0  # stays a tensor: nothing waits for the device
+        opt.step(clip_divisor(norm, 0.5), skip=~torch.isfinite(norm))
+        assert norm.item() == pytest.approx(torch.nn.utils.clip_grad_norm_(ref, 0.5).item(), rel=1e-6)
+        torch_opt.step()
+        for p, r in zip(ours, ref):
+            torch.testing.assert_close(p.detach(), r.detach(), rtol=0, atol=1e-6)
+
+
+def test_a_non_finite_gradient_skips_the_update_on_the_device():
+    params, grads = _params_with_grads(1)
+    opt = AdamW(params, lr=1e-2)
+    for p, g in zip(params, grads):
+        p.main_grad = g.clone()
+    opt.step(clip_divisor(global_grad_norm([p.main_grad for p in params], None, torch.device("cpu")), 1.0))
+    before = [p.detach().clone() for p in params]
+    state = [{k: v.clone() for k, v in opt.opt.state[p].items()} for p in params]
+    params[1].main_grad = grads[1].clone()
+    params[1].main_grad[0] = float("inf")
+    params[0].main_grad = grads[0].clone()
+    norm = global_grad_norm([p.main_grad for p in params], None, torch.device("cpu"))
+    opt.step(clip_divisor(norm, 1.0), skip=~torch.isfinite(norm))
+    for p, b, st in zip(params, before, state):
+        assert torch.equal(p.detach(), b)  # weights, moments and the step count all untouched
+        assert all(torch.equal(opt.opt.state[p][k], v) for k, v in st.items())
+
+
+def test_strided_master_weights_are_refused():
+    """torch's fused CPU AdamW updates a strided view wrongly (0.2 off at lr 0.1 in one step)."""
+    with pytest.raises(ValueError, match="contiguous"):
+        AdamW([torch.nn.Parameter(torch.randn(4, 8)[:, :4])], lr=0.1)
 
 
 def test_float16_training_is_refused_and_entropy_is_optional():

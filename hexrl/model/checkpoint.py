@@ -95,7 +95,7 @@ def load_pretrained(
         if tuple(t.shape) != tuple(param.shape):
             problems.append(f"{source}: shape {tuple(t.shape)} in the checkpoint, config expects {tuple(param.shape)}")
             continue
-        state[name] = t.to(dtype=dtype)
+        state[name] = t.to(dtype=dtype).contiguous()  # a TP shard of columns is a strided view
     if problems:
         raise CheckpointError(f"{path}: checkpoint does not match config.json:\n  " + "\n  ".join(problems))
     model.load_state_dict(state, assign=True)

@@ -4,18 +4,23 @@ A reward that raises, returns garbage, crashes its process or hangs scores 0.0 a
 in `pool.stats`; a hung or dead worker is killed and replaced, so the caller keeps going.
 `submit` + `finished` score without waiting (the rollout leader decodes on meanwhile);
 `score` waits for its batch.
+
+An idle worker is handed a chunk of queued items in one message and streams a reply per item,
+so a worker keeps scoring while its caller decodes, however rarely the caller polls. Each item
+still has its own `timeout_s`: the clock restarts at every reply.
 """
 
 from __future__ import annotations
 
 import math
 import multiprocessing as mp
+import pickle
 import itertools
 import signal
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
 from typing import Callable, Iterable
 
@@ -49,32 +54,44 @@ class PoolStats:
         return asdict(self)
 
 
+def _picklable(item) -> bool:
+    try:
+        pickle.dumps(item)
+        return True
+    except Exception:
+        return False
+
+
 def _warm_up(fn: RewardFn) -> None:
     """Pay one-time import costs before the first timed call (math-verify's first: seconds)."""
     if fn is math_reward:
         math_reward("\\boxed{\\sqrt{4}}", "2")
 
 
+MAX_CHUNK = 32  # items handed to one worker at once: enough to outlast a decode step
+
+
 def _worker_main(conn: Connection, fn: RewardFn) -> None:
-    """Worker loop: (job, completion, answer) in, (job, "ok"|"error", value) out; None stops it."""
+    """Worker loop: a chunk of (job, completion, answer) in, one (job, "ok"|"error", value) out
+    per item, in order; None stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _warm_up(fn)
     conn.send(("ready",))
     while True:
         try:
-            msg = conn.recv()
+            chunk = conn.recv()
         except EOFError:
             return
-        if msg is None:
+        if chunk is None:
             return
-        job, completion, answer = msg
-        try:
-            value = float(fn(completion, answer))
-            if not math.isfinite(value):
-                raise ValueError(f"reward returned {value}")
-            conn.send((job, "ok", value))
-        except BaseException as e:  # SystemExit too: the worker must survive its reward
-            conn.send((job, "error", f"{type(e).__name__}: {e}"[:300]))
+        for job, completion, answer in chunk:
+            try:
+                value = float(fn(completion, answer))
+                if not math.isfinite(value):
+                    raise ValueError(f"reward returned {value}")
+                conn.send((job, "ok", value))
+            except BaseException as e:  # SystemExit too: the worker must survive its reward
+                conn.send((job, "error", f"{type(e).__name__}: {e}"[:300]))
 
 
 @dataclass
@@ -91,8 +108,8 @@ class _Worker:
     conn: Connection
     started: float
     ready: bool = False
-    job: tuple[int, int] | None = None  # (ticket, index in its batch)
-    deadline: float = math.inf
+    jobs: deque = field(default_factory=deque)  # its chunk's unscored items, oldest (being scored) first
+    deadline: float = math.inf  # for the oldest item
 
 
 class RewardPool:
@@ -175,7 +192,7 @@ class RewardPool:
         """Every submitted batch now fully scored, by ticket: its rewards in order, failures 0.0.
         Waits up to `wait_s` for replies when items are out."""
         with self._lock:
-            if self._queue or any(w.job is not None for w in self._workers):  # (a queue may wait on a restart)
+            if self._queue or any(w.jobs for w in self._workers):  # (a queue may wait on a restart)
                 self._poll(wait_s)
                 self._dispatch()
             done = [t for t, b in self._batches.items() if b.left == 0]
@@ -196,37 +213,49 @@ class RewardPool:
             return [0.0 if r is None else r for r in self._batches.pop(ticket).rewards]
 
     def _dispatch(self) -> None:
-        for i, w in enumerate(self._workers):
-            if not self._queue or not w.ready or w.job is not None:
-                continue
-            job, completion, answer = self._queue.popleft()
+        """Share the queue among the idle workers, one chunk each (a busy worker gets nothing:
+        it reads its next message only once its chunk is scored, so a send never blocks)."""
+        idle = [i for i, w in enumerate(self._workers) if w.ready and not w.jobs]
+        for n, i in enumerate(idle):
+            if not self._queue:
+                return
+            take = min(MAX_CHUNK, -(-len(self._queue) // (len(idle) - n)))
+            chunk = [self._queue.popleft() for _ in range(take)]
+            w = self._workers[i]
             try:
-                w.conn.send((job, completion, answer))
-            except (BrokenPipeError, ConnectionError, EOFError):  # died while idle: not this item's fault
-                self._queue.appendleft((job, completion, answer))
+                w.conn.send(chunk)
+            except (BrokenPipeError, ConnectionError, EOFError):  # died while idle: not the items' fault
+                self._queue.extendleft(reversed(chunk))
                 self._replace(i)
                 continue
-            except Exception as e:  # the item itself cannot be pickled
-                self._finish(job, "error", f"cannot send item: {e}")
+            except Exception as e:  # nothing was sent (pickling comes first): fail what cannot be pickled
+                bad = [item for item in chunk if not _picklable(item)] or chunk
+                for job, *_ in bad:
+                    self._finish(job, "error", f"cannot send item: {e}")
+                self._queue.extendleft(reversed([item for item in chunk if item not in bad]))
                 continue
-            w.job, w.deadline = job, time.monotonic() + self.timeout_s
+            w.jobs.extend(chunk)
+            w.deadline = time.monotonic() + self.timeout_s
 
     def _poll(self, wait_s: float) -> None:
         """Wait for messages (or the nearest deadline), then handle replies, deaths and timeouts."""
         now = time.monotonic()
-        nearest = min([w.deadline for w in self._workers if w.job is not None], default=math.inf)
+        nearest = min([w.deadline for w in self._workers if w.jobs], default=math.inf)
         for conn in wait([w.conn for w in self._workers], timeout=max(0.0, min(wait_s, nearest - now))):
             i = next(k for k, w in enumerate(self._workers) if w.conn is conn)
-            self._receive(i)
+            while self._workers[i].conn is conn and self._receive(i) and conn.poll():
+                pass  # every reply already there: a chunk streams one per item
         now = time.monotonic()
         for i, w in enumerate(self._workers):
-            if w.job is not None and now >= w.deadline:
-                self._finish(w.job, "timeout", f"no reward within {self.timeout_s}s")
+            if w.jobs and now >= w.deadline:
+                self._finish(w.jobs.popleft()[0], "timeout", f"no reward within {self.timeout_s}s")
+                self._requeue(w)
                 self._replace(i)
             elif not w.ready and now - w.started > self.start_timeout_s:
                 raise RuntimeError(f"reward worker did not start within {self.start_timeout_s}s")
 
-    def _receive(self, i: int) -> None:
+    def _receive(self, i: int) -> bool:
+        """Handle one message from worker i; False if it died (and was replaced)."""
         w = self._workers[i]
         try:
             msg = w.conn.recv()
@@ -236,17 +265,25 @@ class RewardPool:
             if not w.ready:
                 raise RuntimeError(f"reward worker died while starting (exit code {code}); "
                                    f"is {self.fn!r} importable in a fresh process?") from None
-            if w.job is not None:
-                self._finish(w.job, "error", f"worker process died (exit code {code})")
+            if w.jobs:  # replies come in order: the oldest unscored item is the one it died on
+                self._finish(w.jobs.popleft()[0], "error", f"worker process died (exit code {code})")
+                self._requeue(w)
             self._replace(i)
-            return
+            return False
         if msg == ("ready",):
             w.ready = True
-            return
+            return True
         job, status, value = msg
-        if job == w.job:
+        if w.jobs and job == w.jobs[0][0]:
+            w.jobs.popleft()
             self._finish(job, status, value)
-            w.job, w.deadline = None, math.inf
+            w.deadline = time.monotonic() + self.timeout_s if w.jobs else math.inf
+        return True
+
+    def _requeue(self, w: _Worker) -> None:
+        """Put a failed worker's unscored items back at the head of the queue, in order."""
+        self._queue.extendleft(reversed(w.jobs))
+        w.jobs.clear()
 
     def _finish(self, job: tuple[int, int], status: str, value) -> None:
         setattr(self.stats, status, getattr(self.stats, status) + 1)

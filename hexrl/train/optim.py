@@ -6,10 +6,12 @@ float32 buckets of `GradBuckets`). The global norm counts every parameter elemen
 whole model exactly once: TP-sharded parameters on every TP rank, TP-replicated ones
 (norms, row-parallel biases) on TP rank 0 only, a tied lm_head copy not at all, and only
 DP replica 0 contributes, all summed over every trainer rank.
+
+The norm stays on the device: clipping and the skip of a non-finite update are fused AdamW's
+`grad_scale` (gradients are divided by it) and `found_inf` (the update is skipped), so an
+optimizer step never waits for the GPU; the trainer reads every norm of a step in its one copy.
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.distributed as dist
@@ -25,26 +27,31 @@ class AdamW:
         self.params = list({id(p): p for p in params}.values())
         if masters is None:
             masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        if not all(m.is_contiguous() for m in masters):  # fused AdamW (torch 2.13, CPU) updates them wrongly
+            raise ValueError("AdamW: every master weight must be contiguous (a TP shard of columns is a strided view)")
         self.master = masters
         self.lr, self.warmup_steps, self.steps = lr, warmup_steps, 0
         decay = [m for m in self.master if m.dim() >= 2]
         no_decay = [m for m in self.master if m.dim() < 2]
-        fused = all(m.is_cuda for m in self.master)
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}],
-                                     lr=lr, betas=betas, eps=eps, fused=fused or None)
+                                     lr=lr, betas=betas, eps=eps, fused=True)  # CPU and CUDA alike
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up over the first `warmup_steps` optimizer steps, then constant."""
         return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps > 0 else self.lr
 
-    def step(self, grad_scale: float = 1.0) -> float:
-        """Apply one update from `main_grad` (times `grad_scale`); returns the lr used."""
+    def step(self, divisor: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> float:
+        """Apply one update from `main_grad` divided by `divisor` (a 0-dim device tensor, None: 1),
+        unless the 0-dim bool `skip` is true, without a host sync; returns the lr used. `steps`
+        counts the update either way: the caller takes skipped ones back once it has read them."""
         lr = self.lr_at(self.steps)
         for g in self.opt.param_groups:
             g["lr"] = lr
         for p, m in zip(self.params, self.master):
-            m.grad = p.main_grad.mul_(grad_scale) if grad_scale != 1.0 else p.main_grad
+            m.grad = p.main_grad
+        self.opt.grad_scale = divisor
+        self.opt.found_inf = None if skip is None else skip.float()
         self.opt.step()
         with torch.no_grad():
             for p, m in zip(self.params, self.master):
@@ -69,19 +76,21 @@ class AdamW:
                     p.copy_(m)
 
 
-def global_grad_norm(counted: list[torch.Tensor], group, device: torch.device) -> float:
-    """sqrt of the sum of squares of `counted` gradients, summed over `group`. The sum lives on the
-    rank's compute `device` also where nothing is counted (DP replicas > 0): NCCL needs every rank's."""
+def global_grad_norm(counted: list[torch.Tensor], group, device: torch.device) -> torch.Tensor:
+    """sqrt of the sum of squares of `counted` gradients, summed over `group`, as a 0-dim float32
+    tensor on the rank's compute `device` (also where nothing is counted, on DP replicas > 0:
+    NCCL needs every rank's)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
     for g in counted:
         sq += g.float().pow(2).sum()
     if group is not None:
         dist.all_reduce(sq, group=group)
-    return math.sqrt(sq.item())
+    return sq.sqrt()
 
 
-def clip_coef(norm: float, max_norm: float | None) -> float:
-    """The factor that brings the gradient to at most `max_norm` (1 when off or already within)."""
-    if not max_norm or not math.isfinite(norm):
-        return 1.0
-    return min(1.0, max_norm / (norm + 1e-6))  # as torch.nn.utils.clip_grad_norm_
+def clip_divisor(norm: torch.Tensor, max_norm: float | None) -> torch.Tensor | None:
+    """What to divide gradients by so their norm is at most `max_norm` (None when clipping is off):
+    1 when already within, else (norm + 1e-6) / max_norm, as torch.nn.utils.clip_grad_norm_."""
+    if not max_norm:
+        return None
+    return torch.clamp((norm + 1e-6) / max_norm, min=1.0)

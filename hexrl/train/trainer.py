@@ -33,7 +33,7 @@ from . import checkpoint as ckpt
 from .data_parallel import GradBuckets
 from .grid import Grid, build_grid
 from .loss import equal_reward_groups, group_advantages, ppo_terms
-from .optim import AdamW, clip_coef, global_grad_norm
+from .optim import AdamW, clip_divisor, global_grad_norm
 from .packing import MicroBatch, check_trajectories, plan_step
 from .pipeline import PipeComm, forward_only, train_1f1b
 from .vocab_parallel import vocab_parallel_logprobs
@@ -101,6 +101,7 @@ class _StepState:
 
     sums: torch.Tensor
     logprobs: dict = field(default_factory=dict)
+    norms: list = field(default_factory=list)  # each optimizer step's gradient norm, on the device
 
 
 class Trainer:
@@ -173,26 +174,29 @@ class Trainer:
         prox = self._forward_logprobs(self.model, mine) if c.decoupled else [[None] * len(m) for m in mine]
         ref = self._forward_logprobs(self.ref_model, mine) if self.ref_model else [[None] * len(m) for m in mine]
         state = _StepState(torch.zeros(len(SUMS), dtype=torch.float64, device=self.device))
-        norms, lr, nonfinite = [], self.optimizer.lr_at(self.optimizer.steps), 0
+        lr = self.optimizer.lr_at(self.optimizer.steps)
         for plan, mbs, p, r in zip(plans, mine, prox, ref):
-            norm, lr = self._train_minibatch(mbs, p, r, plan.num_loss_tokens, state)
-            norms.append(norm)
-            nonfinite += not math.isfinite(norm)
+            lr = self._train_minibatch(mbs, p, r, plan.num_loss_tokens, state)
         self.version += 1
-        sums, self.last_logprobs = self._to_host(state)
+        sums, norms, self.last_logprobs = self._to_host(state)
+        nonfinite = sum(not math.isfinite(n) for n in norms)
+        self.optimizer.steps -= nonfinite  # skipped updates do not advance the warm-up
         return self._metrics(sums, trajectories, seqs, dropped, plans, norms, lr, nonfinite)
 
-    def _to_host(self, state: _StepState) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """The step's metric sums (reduced over trainer ranks) and θ log-probs in one device-to-host copy."""
+    def _to_host(self, state: _StepState) -> tuple[torch.Tensor, list[float], dict[int, torch.Tensor]]:
+        """The step's metric sums (reduced over trainer ranks), gradient norms and θ log-probs in one
+        device-to-host copy."""
         sums = state.sums
         if self.grid.trainer_group is not None:
             sums = sums * (self.grid.tp_rank == 0)  # TP ranks hold the same values: count one
             dist.all_reduce(sums, group=self.grid.trainer_group)
         seqs = list(state.logprobs)
         parts = [state.logprobs[i] for i in seqs]
-        host = torch.cat([sums, *(lp.double() for lp in parts)]).cpu()
-        lps = host[len(SUMS):].float().split([len(lp) for lp in parts])
-        return host[:len(SUMS)], dict(zip(seqs, lps))
+        norms = [n.double().reshape(1) for n in state.norms]
+        host = torch.cat([sums, *norms, *(lp.double() for lp in parts)]).cpu()
+        k = len(SUMS) + len(norms)
+        lps = host[k:].float().split([len(lp) for lp in parts])
+        return host[:len(SUMS)], host[len(SUMS):k].tolist(), dict(zip(seqs, lps))
 
     def _forward_logprobs(self, model, mine: list[list[MicroBatch]]) -> list[list[torch.Tensor | None]]:
         """Log-probs of every micro-batch's targets under `model` (last stage; None elsewhere)."""
@@ -209,8 +213,9 @@ class Trainer:
         it = iter(out)
         return [[next(it) for _ in mbs] for mbs in mine]
 
-    def _train_minibatch(self, mbs, prox, ref, num_tokens: int, state: _StepState) -> tuple[float, float]:
-        """Forward/backward every micro-batch of one PPO mini-batch, then one optimizer step."""
+    def _train_minibatch(self, mbs, prox, ref, num_tokens: int, state: _StepState) -> float:
+        """Forward/backward every micro-batch of one PPO mini-batch, then one optimizer step (its
+        gradient norm goes to `state`, unread); returns the lr used."""
         c, g = self.config, self.grid
         self.grads.zero()
 
@@ -238,10 +243,8 @@ class Trainer:
         self.grads.wait()
         self._sum_tied_grads()
         norm = global_grad_norm([p.main_grad for p in self._norm_params], g.trainer_group, self.device)
-        lr = self.optimizer.lr_at(self.optimizer.steps)
-        if math.isfinite(norm):  # skip the update on a non-finite gradient (counted in the metrics)
-            lr = self.optimizer.step(clip_coef(norm, c.grad_clip))
-        return norm, lr
+        state.norms.append(norm)  # a non-finite gradient skips the update (counted in the metrics)
+        return self.optimizer.step(clip_divisor(norm, c.grad_clip), skip=~torch.isfinite(norm))
 
     def _run_stage(self, model, mb: MicroBatch, x: torch.Tensor | None) -> torch.Tensor:
         """This stage's layers on a micro-batch (token ids on the first stage, else activations)."""
