@@ -138,7 +138,8 @@ def main(argv=None) -> None:
                    help="the old layout: 2 trainer ranks + 1 rollout rank, not pinned (cores shared)")
     p.add_argument("--study", action="store_true", help="eta 0,1,2,4 decoupled + 4 naive over --seeds seeds, "
                    "with the simulator's prediction next to each (tools/learning_study.py)")
-    p.add_argument("--seeds", type=int, default=3, help="--study: seeds 0..N-1")
+    p.add_argument("--seeds", type=int, default=3, help="--study: N seeds, from --first-seed")
+    p.add_argument("--first-seed", type=int, default=0, help="--study: the first seed (e.g. to add seeds later)")
     p.add_argument("--smoke", action="store_true", help="--study: 8 steps, batch 16, one seed (checks the pipeline; "
                    "its numbers are not a result)")
     p.add_argument("--docs", type=Path, help="--study: also copy study.md and study.png into this directory")
@@ -186,7 +187,8 @@ def study(a) -> None:
     ws = warm_start(a.out, SMOKE_WARM_START if a.smoke else ())
     fields, where = layout(a.shared_cores)
     stats: dict[str, list[dict]] = {}
-    for seed in range(a.seeds):  # seed-major: an interrupted study has every configuration's first seeds
+    seeds = list(range(a.first_seed, a.first_seed + a.seeds))
+    for seed in seeds:  # seed-major: an interrupted study has every configuration's first seeds
         for eta, decoupled in ls.STUDY:
             name = f"eta{eta}-{'decoupled' if decoupled else 'naive'}"
             job = job_for(a.out, ws, f"{name}-s{seed}", ETAS[eta], decoupled, a, seed)
@@ -197,11 +199,11 @@ def study(a) -> None:
     prompt = ls.prompt_len(job)
     rows = []
     for name, runs in stats.items():
-        sims = ls.simulate_windows(a.out / f"{name}-s0", prof.parent, prompt, runs, min(a.steps, 40))
+        sims = ls.simulate_windows(a.out / f"{name}-s{seeds[0]}", prof.parent, prompt, runs, min(a.steps, 40))
         rows.append(ls.aggregate(name, runs, sims))
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
              else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, lr {a.lr}, {where}; "
-            f"warm start {ws['heldout_accuracy']:.3f} held-out; mean [min-max] over seeds {list(range(a.seeds))}.\n"
+            f"warm start {ws['heldout_accuracy']:.3f} held-out; mean [min-max] over seeds {seeds}.\n"
             f"Wall time excludes evaluation; trainer wait = time the trainer waited for a batch / wall; "
             f"idle by /proc = 1 - the rank's CPU utilisation over its whole life (start-up and evaluation "
             f"included).")
