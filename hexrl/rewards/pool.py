@@ -13,15 +13,15 @@ still has its own `timeout_s`: the clock restarts at every reply.
 from __future__ import annotations
 
 import math
-import multiprocessing as mp
-import pickle
 import itertools
+import multiprocessing as mp
 import signal
 import threading
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterable
 
 from hexrl.rewards.code import code_reward, unsafe_default
@@ -55,8 +55,9 @@ class PoolStats:
 
 
 def _picklable(item) -> bool:
+    """Whether `Connection.send` can pickle `item` (it uses this pickler)."""
     try:
-        pickle.dumps(item)
+        ForkingPickler.dumps(item)
         return True
     except Exception:
         return False
