@@ -75,13 +75,17 @@ def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a, seed: int |
     }
 
 
-def run_config(out: Path, job: dict, target: float) -> dict:
+def run_config(out: Path, job: dict, target: float, before=None) -> dict:
+    """Plan and run one configuration with torchrun (reused if it finished with the same job.json);
+    `before(run_dir)` is called just before a new run starts (the study profiles the CPU there)."""
     run = Path(job["out_dir"])
     same = (run / "job.json").exists() and json.loads((run / "job.json").read_text()) == job
     if not (same and (run / "final" / "config.json").exists()):
         shutil.rmtree(run, ignore_errors=True)  # a run that did not finish: start it again from scratch
         run.mkdir(parents=True)
         (run / "job.json").write_text(json.dumps(job, indent=1))
+        if before:
+            before(run)
         subprocess.run([sys.executable, "-m", "hexrl.plan", str(run / "job.json"), "-o", str(run / "plan.json")],
                        check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -188,18 +192,24 @@ def study(a) -> None:
     fields, where = layout(a.shared_cores)
     stats: dict[str, list[dict]] = {}
     seeds = list(range(a.first_seed, a.first_seed + a.seeds))
+    core = fields.get("cpu_affinity", {}).get("cores", [[sorted(os.sched_getaffinity(0))[0]]])[0][0]
+
+    def profile(run: Path) -> None:  # the machine as this run meets it
+        ls.profile(run, a.out / "model", core)
+
     for seed in seeds:  # seed-major: an interrupted study has every configuration's first seeds
         for eta, decoupled in ls.STUDY:
             name = f"eta{eta}-{'decoupled' if decoupled else 'naive'}"
             job = job_for(a.out, ws, f"{name}-s{seed}", ETAS[eta], decoupled, a, seed)
-            run_config(a.out, job, a.target)
+            run_config(a.out, job, a.target, before=profile)
             stats.setdefault(name, []).append(ls.run_stats(Path(job["out_dir"])))
-    core = fields.get("cpu_affinity", {}).get("cores", [[sorted(os.sched_getaffinity(0))[0]]])[0][0]
-    prof = ls.profile(a.out, a.out / "model", core)
+    late = ls.profile(a.out, a.out / "model", core).parent  # for runs that predate per-run profiles
     prompt = ls.prompt_len(job)
     rows = []
     for name, runs in stats.items():
-        sims = ls.simulate_windows(a.out / f"{name}-s{seeds[0]}", prof.parent, prompt, runs, min(a.steps, 40))
+        dirs = [a.out / f"{name}-s{seed}" for seed in seeds]
+        profs = [d / "profiles" if (d / "profiles" / "cpu.json").exists() else late for d in dirs]
+        sims = ls.simulate_windows(dirs, profs, prompt, runs, min(a.steps, 40))
         rows.append(ls.aggregate(name, runs, sims))
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
              else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, lr {a.lr}, {where}; "

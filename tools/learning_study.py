@@ -3,16 +3,18 @@
     python tools/learning_run.py OUT --study                  # eta 0,1,2,4 decoupled + eta 4 naive, 3 seeds
     python tools/learning_run.py OUT --study --smoke          # a few steps, one seed: checks the pipeline only
 
-Each rank has its own core (1 trainer rank + 1 rollout rank, `cpu_affinity` in the job). After
-the runs, the CPU "device" is profiled on one pinned core into OUT/profiles/cpu.json
-(tools/bench_kernels.py, the format the planner reads for GPUs), and each configuration's plan,
-with the workload the runs measured (prompt and completion lengths), goes through the simulator
-CLI (`python -m hexrl.plan simulate`) with that profile. The workload drifts as the model learns
-(more groups come out all correct and are filtered, so each step generates more), so the
-simulator is run once per window of WINDOW steps with that window's measured filtered share and
-completion length, and compared window by window. OUT/study.md and OUT/study.json hold mean and
+Each rank has its own core (1 trainer rank + 1 rollout rank, `cpu_affinity` in the job). Just
+before each run starts, the CPU "device" is profiled on one pinned core into RUN/profiles/cpu.json
+(tools/bench_kernels.py, the format the planner reads for GPUs): this machine's speed drifts by
+more than the 15% the simulator is held to, so each run is simulated with the machine it met.
+Runs from before per-run profiles use OUT/profiles/cpu.json, taken after all runs. Each run's
+plan, with the workload it measured (prompt and completion lengths), goes through the simulator
+CLI (`python -m hexrl.plan simulate`). The workload drifts as the model learns (more groups come
+out all correct and are filtered, so each step generates more), so the simulator is run once per
+window of WINDOW steps with that window's measured filtered share and completion length, and
+compared window by window, averaged over seeds. OUT/study.md and OUT/study.json hold mean and
 min-max over seeds next to the simulator's prediction; OUT/study.png the curves.
-Finished runs, the profile and the simulations are reused, so a re-run only adds what is missing.
+Finished runs, the profiles and the simulations are reused, so a re-run only adds what is missing.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 STUDY = [("0", True), ("1", True), ("2", True), ("4", True), ("4", False)]  # (eta, decoupled)
 TARGETS = (0.7, 0.8, 0.9)  # held-out accuracy levels: steps and wall seconds to reach each
 WINDOW = 50  # steps per simulator comparison window
+SIM_KEYS = ("step_s", "train_s", "trainer_idle", "rollout_idle", "mean_staleness")  # averaged over windows and seeds
 
 
 # ----------------------------------------------------------------------------- one run
@@ -91,7 +94,9 @@ def mean_age(hist: dict[int, int]) -> float:
 # ----------------------------------------------------------------------------- profile + simulator
 
 def profile(out: Path, model: Path, core: int) -> Path:
-    """OUT/profiles/cpu.json: the tiny model measured on one pinned core (kept once written)."""
+    """out/profiles/cpu.json: the tiny model measured on one pinned core (kept once written).
+    Each run takes one in its own directory just before it starts (this machine's speed drifts by
+    more than the 15% the simulator is held to); OUT's, taken after all runs, serves older runs."""
     path = out / "profiles" / "cpu.json"
     if not path.exists():
         subprocess.run([sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--out", str(path.parent),
@@ -138,24 +143,27 @@ def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal:
             "mean_staleness": mean_age(hist), "staleness": hist}
 
 
-def simulate_windows(run: Path, profiles: Path, prompt: float, stats: list[dict], steps: int) -> list[dict]:
-    """The simulator once per window (on the plan of `run`), with that window's workload averaged
-    over the seeds in `stats`, next to the window's measurements."""
+def simulate_windows(runs: list[Path], profiles: list[Path], prompt: float, stats: list[dict],
+                     steps: int) -> list[dict]:
+    """The simulator once per window of every seed's run, on that run's plan and profile with that
+    window's measured workload; per window, the simulated figures are averaged over the seeds and
+    put next to the measured ones."""
+    sims = [[simulate(run, prof, prompt, w["completion_len"], w["equal_fraction"], steps, tag=f"-w{w['steps'][0]}")
+             for w in st["windows"]] for run, prof, st in zip(runs, profiles, stats)]
     out = []
     for i, w in enumerate(stats[0]["windows"]):
-        ws = [s["windows"][i] for s in stats if len(s["windows"]) > i]
-        completion = statistics.fmean(x["completion_len"] for x in ws)
-        equal = statistics.fmean(x["equal_fraction"] for x in ws)
-        sim = simulate(run, profiles, prompt, completion, equal, steps, tag=f"-w{w['steps'][0]}")
-        out.append({"steps": w["steps"], "equal_fraction": equal, "completion_len": completion, "sim": sim,
-                    **{k: spread(x[k] for x in ws) for k in ("step_s", "train_s", "mean_staleness")}})
+        have = [k for k, st in enumerate(stats) if len(st["windows"]) > i]
+        ws = [stats[k]["windows"][i] for k in have]
+        out.append({"steps": w["steps"], "equal_fraction": statistics.fmean(x["equal_fraction"] for x in ws),
+                    "completion_len": statistics.fmean(x["completion_len"] for x in ws),
+                    "sim": {key: statistics.fmean(sims[k][i][key] for k in have) for key in SIM_KEYS},
+                    **{key: spread(x[key] for x in ws) for key in ("step_s", "train_s", "mean_staleness")}})
     return out
 
 
 def whole_run(windows: list[dict]) -> dict:
     """The simulated run: each window's simulated figures, averaged (windows have equal steps)."""
-    keys = ("step_s", "train_s", "trainer_idle", "rollout_idle", "mean_staleness")
-    return {k: statistics.fmean(w["sim"][k] for w in windows) for k in keys}
+    return {k: statistics.fmean(w["sim"][k] for w in windows) for k in SIM_KEYS}
 
 
 # ----------------------------------------------------------------------------- aggregate
@@ -198,8 +206,9 @@ def tables(rows: list[dict]) -> str:
                      f"{fmt(r['trainer_wait'], '.2f')} ({fmt(r['trainer_idle_cpu'], '.2f')}) | "
                      f"{fmt(r['rollout_idle_cpu'], '.2f')} |")
     lines += ["", f"Simulator (python -m hexrl.plan simulate, CPU profile) next to measured, whole run: the simulator "
-              f"runs once per {WINDOW}-step window with that window's measured workload, and its figures are "
-              "averaged over the windows; measured step = wall (evaluation excluded) / steps:", "",
+              f"runs once per {WINDOW}-step window of each seed's run, with that window's measured workload and the "
+              "run's own CPU profile (taken just before it started), and its figures are averaged over windows and "
+              "seeds; measured step = wall (evaluation excluded) / steps:", "",
               "| config | step s: measured / simulated (ratio) | training s per step: measured / simulated (ratio) "
               "| mean staleness: measured / simulated "
               "| trainer idle: measured wait / simulated | rollout idle: measured / simulated "
