@@ -191,6 +191,7 @@ def study(a) -> None:
     ws = warm_start(a.out, SMOKE_WARM_START if a.smoke else ())
     fields, where = layout(a.shared_cores)
     stats: dict[str, list[dict]] = {}
+    dirs: dict[str, list[Path]] = {}
     seeds = list(range(a.first_seed, a.first_seed + a.seeds))
     core = fields.get("cpu_affinity", {}).get("cores", [[sorted(os.sched_getaffinity(0))[0]]])[0][0]
 
@@ -202,14 +203,17 @@ def study(a) -> None:
             name = f"eta{eta}-{'decoupled' if decoupled else 'naive'}"
             job = job_for(a.out, ws, f"{name}-s{seed}", ETAS[eta], decoupled, a, seed)
             run_config(a.out, job, a.target, before=profile)
-            stats.setdefault(name, []).append(ls.run_stats(Path(job["out_dir"])))
-    late = ls.profile(a.out, a.out / "model", core).parent  # for runs that predate per-run profiles
+            dirs.setdefault(name, []).append(Path(job["out_dir"]))
+            stats.setdefault(name, []).append(ls.run_stats(dirs[name][-1]))
+    own = {d: d / "profiles" for runs in dirs.values() for d in runs if (d / "profiles" / "cpu.json").exists()}
+    late = None  # for runs that predate per-run profiles: one taken now
+    if len(own) < sum(map(len, dirs.values())):
+        late = ls.profile(a.out, a.out / "model", core).parent
     prompt = ls.prompt_len(job)
     rows = []
     for name, runs in stats.items():
-        dirs = [a.out / f"{name}-s{seed}" for seed in seeds]
-        profs = [d / "profiles" if (d / "profiles" / "cpu.json").exists() else late for d in dirs]
-        sims = ls.simulate_windows(dirs, profs, prompt, runs, min(a.steps, 40))
+        profs = [own.get(d) or late for d in dirs[name]]
+        sims = ls.simulate_windows(dirs[name], profs, prompt, runs, min(a.steps, 40))
         rows.append(ls.aggregate(name, runs, sims))
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
              else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, lr {a.lr}, {where}; "

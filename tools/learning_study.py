@@ -207,7 +207,8 @@ def tables(rows: list[dict]) -> str:
                      f"{fmt(r['rollout_idle_cpu'], '.2f')} |")
     lines += ["", f"Simulator (python -m hexrl.plan simulate, CPU profile) next to measured, whole run: the simulator "
               f"runs once per {WINDOW}-step window of each seed's run, with that window's measured workload and the "
-              "run's own CPU profile (taken just before it started), and its figures are averaged over windows and "
+              "run's own CPU profile (taken just before it started; runs older than that: one taken after all runs), "
+              "and its figures are averaged over windows and "
               "seeds; measured step = wall (evaluation excluded) / steps:", "",
               "| config | step s: measured / simulated (ratio) | training s per step: measured / simulated (ratio) "
               "| mean staleness: measured / simulated "
