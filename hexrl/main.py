@@ -96,6 +96,13 @@ def world_from_env() -> tuple[int, int, int, int]:
     return tuple(int(os.environ[k]) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"))
 
 
+def refuse(rank: int, why: str) -> None:
+    """Exit 2 naming why. Every rank prints it: torchrun stops the others as soon as one exits,
+    so a message left to rank 0 alone is lost whenever another rank gets there first."""
+    print(f"hexrl.main (rank {rank}): {why}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
 def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None,
                       resume: str | None = None) -> tuple[Plan, Inputs]:
     """The plan and the run's input files (tokenizer, every prompt, the checkpoint to resume),
@@ -106,9 +113,7 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
         if problems := (address_problems(plan) + inputs.problems + affinity.core_problems(plan.job.cpu_affinity)):
             raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
-        if rank == 0:
-            print(f"hexrl.main: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(rank, str(e))
     if steps is not None:
         plan.job.rl.steps = steps
     return plan, inputs
@@ -117,10 +122,8 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
 def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
     """Refuse to start a fresh run on top of an old one (metrics would interleave); exits 2."""
     if resume is None and (run_dir / "metrics.jsonl").exists():
-        if rank == 0:
-            print(f"hexrl.main: {run_dir} already holds a run (metrics.jsonl); continue it with "
-                  f"--resume {run_dir / 'checkpoints'}, or pass another --run-dir", file=sys.stderr, flush=True)
-        sys.exit(2)
+        refuse(rank, f"{run_dir} already holds a run (metrics.jsonl); continue it with "
+                     f"--resume {run_dir / 'checkpoints'}, or pass another --run-dir")
 
 
 def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
