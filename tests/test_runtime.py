@@ -51,6 +51,11 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     assert sum(engine["finished"].values()) >= rows[-1]["trajectories_produced"] and engine["steps"] > 0
     assert 1 <= engine["mean_batch"] == engine["generated_tokens"] / engine["steps"]
     assert 0 < engine["mixed_steps"] <= engine["steps"] and engine["seconds"] > 0
+    # the leader's time trace: cumulative counters, the last line written as it stopped
+    trace = [json.loads(x) for x in (tmp_path / "run" / "engine" / "replica0.jsonl").read_text().splitlines()]
+    assert all(a["sent"] <= b["sent"] and a["time"] <= b["time"] for a, b in zip(trace, trace[1:]))
+    assert trace[-1]["sent"] >= rows[-1]["trajectories_produced"] and trace[-1]["steps"] == engine["steps"]
+    assert trace[-1]["engine_step_s"] <= trace[-1]["engine_s"] < trace[-1]["time"] - trace[0]["time"] + 2.0
     from hexrl.model.checkpoint import load_pretrained
 
     assert load_pretrained(tmp_path / "run" / "final").cfg.num_hidden_layers == 4

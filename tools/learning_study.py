@@ -26,11 +26,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+
 ROOT = Path(__file__).resolve().parents[1]
 STUDY = [("0", True), ("1", True), ("2", True), ("4", True), ("4", False)]  # (eta, decoupled)
 TARGETS = (0.7, 0.8, 0.9)  # held-out accuracy levels: steps and wall seconds to reach each
 WINDOW = 50  # steps per simulator comparison window
-SIM_KEYS = ("step_s", "train_s", "trainer_idle", "rollout_idle", "mean_staleness")  # averaged over windows and seeds
+SIM_KEYS = ("step_s", "train_s", "trainer_idle", "rollout_idle", "mean_staleness", "rollout_s", "mean_batch")  # averaged over windows and seeds
 
 
 # ----------------------------------------------------------------------------- one run
@@ -55,6 +57,8 @@ def run_stats(run: Path) -> dict:
            "cores": {role: c["actual"] for role, c in cpu.items()},
            "mean_staleness": mean_age(hist), "staleness": hist}
     out["windows"] = windows(metrics, min(WINDOW, len(metrics)))
+    for w, r in zip(out["windows"], rollout_time(run, out["windows"]) or []):
+        w["rollout"] = r
     for t in TARGETS:
         hit = next((e for e in evals if e["heldout_accuracy"] >= t), None)
         out[f"step_{t}"], out[f"wall_{t}"] = (hit["step"], hit["wall_s"]) if hit else (None, None)
@@ -70,11 +74,35 @@ def windows(metrics: list[dict], width: int) -> list[dict]:
         seg, last = metrics[end - width:end], metrics[end - 1]
         produced = max(1, last["trajectories_produced"] - prev["trajectories_produced"])
         out.append({"steps": [end - width, end], "step_s": (last["wall_s"] - prev["wall_s"]) / width,
+                    "produced": [prev["trajectories_produced"], last["trajectories_produced"]],
                     "train_s": statistics.fmean(m["train_s"] for m in seg),
                     "equal_fraction": (last["trajectories_filtered"] - prev["trajectories_filtered"]) / produced,
                     "completion_len": sum(m["rollout_tokens_per_s"] * m["step_s"] for m in seg) / produced,
                     "mean_staleness": mean_age(staleness(seg))})
         prev = last
+    return out
+
+
+def rollout_time(run: Path, windows: list[dict]) -> list[dict] | None:
+    """Per window, seconds per step the rollout leader spent in engine steps, in the rest of its
+    loop on the CPU (prompts, rewards, sending), and waiting, with the engine's mean batch; from
+    RUN/engine/replica0.jsonl (hexrl/rollout/worker.py), lined up with the window by the
+    trajectories sent (the controller's `trajectories_produced`). None for runs without it."""
+    path = run / "engine" / "replica0.jsonl"
+    if not path.exists():
+        return None
+    trace = [json.loads(x) for x in path.read_text().splitlines()]
+    sent = [t["sent"] for t in trace]
+
+    def at(n: float, key: str) -> float:  # the counter when the n-th trajectory was sent
+        return float(np.interp(n, sent, [t[key] for t in trace]))
+
+    out = []
+    for w in windows:
+        (p0, p1), steps = w["produced"], w["steps"][1] - w["steps"][0]
+        d = {k: (at(p1, k) - at(p0, k)) / steps for k in ("time", "cpu_s", "engine_step_s", "steps", "generated_tokens")}
+        out.append({"engine_s": d["engine_step_s"], "host_s": d["cpu_s"] - d["engine_step_s"],
+                    "wait_s": d["time"] - d["cpu_s"], "mean_batch": d["generated_tokens"] / max(d["steps"], 1e-9)})
     return out
 
 
@@ -140,6 +168,7 @@ def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal:
     hist = {int(k): v for k, v in sim["staleness"].items()}
     return {"step_s": sim["step_time_s"], "train_s": sim["trainer_busy"] * sim["step_time_s"],
             "trainer_idle": sim["idle"]["train"], "rollout_idle": sim["idle"]["rollout"],
+            "rollout_s": sim["rollout_busy"] * sim["step_time_s"], "mean_batch": sim["mean_batch"],
             "mean_staleness": mean_age(hist), "staleness": hist}
 
 

@@ -10,6 +10,7 @@ then drops its KV pages and recomputes every unfinished sequence).
 """
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from .sequence import Finished, Request
 
 HEARTBEAT_S = 1.0
 MAX_MESSAGES_PER_POLL = 256
+TRACE_S = 2.0  # how often the leader appends where its time went to RUN/engine/replica<ID>.jsonl
 
 
 @dataclass
@@ -38,6 +40,19 @@ class SyncGroup:
     src: int
     group: object
     specs: list[TensorSpec]
+
+
+@dataclass
+class LeaderTime:
+    """Where the leader's wall time went, cumulative seconds per part of its loop (the engine's
+    own steps are `EngineStats.seconds`); `sent` counts trajectories sent, which lines the trace up
+    with the controller's `trajectories_produced`."""
+
+    poll_s: float = 0.0  # receiving prompts and weights (and waiting for them when idle)
+    engine_s: float = 0.0  # engine.step(), as the leader sees it
+    collect_s: float = 0.0  # filing finished samples, handing groups to the reward workers
+    send_s: float = 0.0  # collecting rewards (waiting for them when idle), sending trajectories
+    sent: int = 0
 
 
 @dataclass
@@ -60,7 +75,8 @@ class RolloutLeader:
     """Drives one replica's engine from controller messages; sends finished groups back."""
 
     def __init__(self, engine: Engine, replica_id: int, rank: int, store, receive_weights,
-                 reward: str, reward_timeout_s: float, tokenizer, reward_workers: int = 2):
+                 reward: str, reward_timeout_s: float, tokenizer, reward_workers: int = 2,
+                 trace: Path | None = None):
         self.engine, self.rank, self.receive_weights, self.tokenizer = engine, rank, receive_weights, tokenizer
         self.channel = DealerChannel(f"replica-{replica_id}", lookup_secret(store, timeout_s=300))
         self.channel.connect(lookup_endpoint(store, "controller", timeout_s=300))
@@ -69,15 +85,28 @@ class RolloutLeader:
         self.groups: dict[int, PendingGroup] = {}
         self.scoring: dict[int, PendingGroup] = {}  # reward ticket -> finished group being scored
         self._last_beat = 0.0
+        self.time, self.trace, self._last_trace = LeaderTime(), trace, 0.0
 
     def run(self) -> None:
+        t, clock = self.time, time.perf_counter
         try:
-            while self._poll():
-                if self.engine.has_work():
-                    self._collect(self.engine.step())
+            while True:
+                t0 = clock()
+                if not self._poll():
+                    break
+                t1 = clock()
+                finished = self.engine.step() if self.engine.has_work() else []
+                t2 = clock()
+                self._collect(finished)
+                t3 = clock()
                 # nothing to decode: wait on the reward workers instead of spinning
                 self._send_scored(0.0 if self.engine.has_work() else 0.02)
+                t4 = clock()
+                t.poll_s, t.engine_s, t.collect_s, t.send_s = (
+                    t.poll_s + t1 - t0, t.engine_s + t2 - t1, t.collect_s + t3 - t2, t.send_s + t4 - t3)
                 self._heartbeat()
+                self._write_trace()
+            self._write_trace(final=True)
         except Exception as e:  # tell the controller why before the socket closes
             self.report_error(describe_exception(e))
             raise
@@ -133,6 +162,23 @@ class RolloutLeader:
             for msg in trajectory_messages(self.scoring.pop(ticket), rewards, self.rank):
                 if not self.channel.send(msg, timeout_s=60):
                     raise RuntimeError("the controller stopped accepting trajectories for 60 s")
+                self.time.sent += 1
+
+    def _write_trace(self, final: bool = False) -> None:
+        """Every TRACE_S, one line of cumulative counters: the leader's time split, the engine's
+        stats and the process's CPU seconds (tools/learning_study.py compares them with the
+        simulator window by window)."""
+        now = time.time()
+        if self.trace is None or (now - self._last_trace < TRACE_S and not final):
+            return
+        self._last_trace = now
+        e = self.engine.stats
+        line = {"time": now, "cpu_s": time.process_time(), **asdict(self.time), "steps": e.steps,
+                "engine_step_s": e.seconds, "mixed_steps": e.mixed_steps, "generated_tokens": e.generated_tokens,
+                "prefill_tokens": e.prefill_tokens}
+        self.trace.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.trace, "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def _heartbeat(self) -> None:
         now = time.time()
@@ -208,7 +254,7 @@ def run_rollout(ctx) -> None:
         engine.follow(on_update=receive)
         return
     leader = RolloutLeader(engine, replica.id, ctx.rank, ctx.store, receive, job.reward.name,
-                           job.reward.timeout_s, tokenizer)
+                           job.reward.timeout_s, tokenizer, trace=Path(ctx.run_dir) / "engine" / f"replica{replica.id}.jsonl")
     leader.run()
     write_engine_stats(ctx.run_dir, replica.id, engine.stats)
 
