@@ -94,5 +94,41 @@ def test_windows_measure_each_span_of_steps_on_its_own():
     assert first["completion_len"] == pytest.approx(3.0) and first["mean_staleness"] == pytest.approx(0.75)
 
 
+def test_the_rollout_trace_is_cut_into_windows_by_trajectories_sent(tmp_path):
+    """The leader's cumulative counters, read at the trajectory counts where each window starts and
+    ends (the controller's `trajectories_produced`), per training step."""
+    (tmp_path / "engine").mkdir()
+    lines = [{"time": 10.0 * i, "cpu_s": 8.0 * i, "engine_step_s": 6.0 * i, "steps": 100 * i,
+              "generated_tokens": 1000 * i, "prefill_tokens": 500 * i, "sent": 400 * i} for i in range(5)]
+    (tmp_path / "engine" / "replica0.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    first, second = ls.rollout_time(tmp_path, [{"steps": [0, 2], "produced": [0, 800]},
+                                               {"steps": [2, 6], "produced": [800, 1400]}])
+    assert first == pytest.approx({"engine_s": 6.0, "host_s": 2.0, "wait_s": 2.0, "decode_steps": 100,
+                                   "generated": 1000, "prefill": 500, "sent": 400, "mean_batch": 10})
+    assert second["engine_s"] == pytest.approx(6.0 * 1.5 / 4) and second["sent"] == pytest.approx(150)
+
+
+def test_a_window_measured_slower_than_its_profile_is_simulated_that_much_slower(tmp_path):
+    """The engine took twice what the profile predicts for its measured steps, the host work 3x,
+    training 1.5x: the profile slowed by those factors predicts exactly that."""
+    prof = profiles(tmp_path, "p", host_s_per_sample=1e-4, control_s_per_sample=5e-5)
+    run = tiny_run(tmp_path, "r", 0)
+    sim = ls.simulate(run, prof, 7, 4, 0.0, 8, tag="-w0")
+    cm = ls.cost_model(run / "plan_simulated-w0.json", prof)
+    a, c = cm.decode_coeffs("cpu", 1, 16)
+    engine = 10 * a + c * 160 * (7 + 4 / 2) + cm.prefill_s("cpu", 1, 70, 7 / 2)
+    window = {"steps": [0, 10], "completion_len": 4, "train_s": 1.5 * sim["train_s"],
+              "rollout": {"engine_s": 2 * engine, "host_s": 3 * 1e-4 * 40, "decode_steps": 10, "generated": 160,
+                          "prefill": 70, "sent": 40, "mean_batch": 16}}
+    k = ls.speeds(run, prof, 7, window, sim)
+    assert k == pytest.approx({"rollout": 2.0, "host": 3.0, "train": 1.5})
+    slow = ls.at_speeds(prof, k, tmp_path / "slow")
+    cm2 = ls.cost_model(run / "plan_simulated-w0.json", slow)
+    assert cm2.decode_coeffs("cpu", 1, 16) == pytest.approx((2 * a, 2 * c))
+    assert cm2.prefill_s("cpu", 1, 70, 3.5) == pytest.approx(2 * cm.prefill_s("cpu", 1, 70, 3.5))
+    assert cm2.gpus["cpu"].host_s_per_sample == pytest.approx(3e-4)
+    assert ls.simulate(run, slow, 7, 4, 0.0, 8, tag="-w0-slow")["train_s"] == pytest.approx(1.5 * sim["train_s"], rel=0.05)
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

@@ -12,7 +12,11 @@ plan, with the workload it measured (prompt and completion lengths), goes throug
 CLI (`python -m hexrl.plan simulate`). The workload drifts as the model learns (more groups come
 out all correct and are filtered, so each step generates more), so the simulator is run once per
 window of WINDOW steps with that window's measured filtered share and completion length, and
-compared window by window, averaged over seeds. OUT/study.md and OUT/study.json hold mean and
+compared window by window, averaged over seeds. The rollout leader's time trace
+(RUN/engine/replica0.jsonl) tells how fast the machine really ran in each window against the
+profile (engine steps, host work; training from the metrics); each window is simulated a second
+time with the profile slowed to those speeds, which tests the simulator's model of the pipeline
+apart from the machine's drift. OUT/study.md and OUT/study.json hold mean and
 min-max over seeds next to the simulator's prediction; OUT/study.png the curves.
 Finished runs, the profiles and the simulations are reused, so a re-run only adds what is missing.
 """
@@ -84,10 +88,11 @@ def windows(metrics: list[dict], width: int) -> list[dict]:
 
 
 def rollout_time(run: Path, windows: list[dict]) -> list[dict] | None:
-    """Per window, seconds per step the rollout leader spent in engine steps, in the rest of its
-    loop on the CPU (prompts, rewards, sending), and waiting, with the engine's mean batch; from
-    RUN/engine/replica0.jsonl (hexrl/rollout/worker.py), lined up with the window by the
-    trajectories sent (the controller's `trajectories_produced`). None for runs without it."""
+    """Per window and training step: seconds the rollout leader spent in engine steps, in the rest
+    of its loop on the CPU (prompts, rewards, sending) and waiting; the engine's steps, generated
+    and prefilled tokens; trajectories sent. From RUN/engine/replica0.jsonl (hexrl/rollout/worker.py),
+    lined up with the window by trajectories sent (the controller's `trajectories_produced`).
+    None for runs without it."""
     path = run / "engine" / "replica0.jsonl"
     if not path.exists():
         return None
@@ -100,9 +105,12 @@ def rollout_time(run: Path, windows: list[dict]) -> list[dict] | None:
     out = []
     for w in windows:
         (p0, p1), steps = w["produced"], w["steps"][1] - w["steps"][0]
-        d = {k: (at(p1, k) - at(p0, k)) / steps for k in ("time", "cpu_s", "engine_step_s", "steps", "generated_tokens")}
+        keys = ("time", "cpu_s", "engine_step_s", "steps", "generated_tokens", "prefill_tokens")
+        d = {k: (at(p1, k) - at(p0, k)) / steps for k in keys}
         out.append({"engine_s": d["engine_step_s"], "host_s": d["cpu_s"] - d["engine_step_s"],
-                    "wait_s": d["time"] - d["cpu_s"], "mean_batch": d["generated_tokens"] / max(d["steps"], 1e-9)})
+                    "wait_s": d["time"] - d["cpu_s"], "decode_steps": d["steps"], "generated": d["generated_tokens"],
+                    "prefill": d["prefill_tokens"], "sent": (p1 - p0) / steps,
+                    "mean_batch": d["generated_tokens"] / max(d["steps"], 1e-9)})
     return out
 
 
@@ -172,27 +180,90 @@ def simulate(run: Path, profiles: Path, prompt: float, completion: float, equal:
             "mean_staleness": mean_age(hist), "staleness": hist}
 
 
+def cost_model(plan_path: Path, profiles: Path):
+    """The planner's cost model for a simulated plan (its measured workload) and a CPU profile."""
+    from hexrl.plan.cost import CostModel
+    from hexrl.schema import load_plan
+
+    before = os.environ.get("HEXRL_PROFILES")
+    os.environ["HEXRL_PROFILES"] = str(profiles)
+    try:
+        return CostModel(load_plan(plan_path, check_paths=False).job)
+    finally:
+        os.environ.pop("HEXRL_PROFILES") if before is None else os.environ.update(HEXRL_PROFILES=before)
+
+
+def speeds(run: Path, profiles: Path, prompt: float, w: dict, sim: dict) -> dict | None:
+    """How slow the machine ran in this window against its profile (measured / predicted seconds):
+    `rollout`, the engine's steps (the measured steps, batch and prefill tokens through the cost
+    model); `host`, the leader's other CPU work per trajectory sent; `train`, training against the
+    simulator's. None without the rollout trace."""
+    r = w.get("rollout")
+    if r is None:
+        return None
+    cm = cost_model(run / f"plan_simulated-w{w['steps'][0]}.json", profiles)
+    a, c = cm.decode_coeffs("cpu", 1, max(1, round(r["mean_batch"])))
+    context = prompt + w["completion_len"] / 2  # a decode step's mean context per sequence
+    engine = r["decode_steps"] * a + c * r["generated"] * context + cm.prefill_s("cpu", 1, r["prefill"], prompt / 2)
+    return {"rollout": r["engine_s"] / engine, "host": r["host_s"] / (cm.gpus["cpu"].host_s_per_sample * r["sent"]),
+            "train": w["train_s"] / sim["train_s"]}
+
+
+def at_speeds(profiles: Path, k: dict, out: Path) -> Path:
+    """A copy of the profile slowed by the measured factors `k` (speeds()), in out/cpu.json: the
+    rollout's decode and prefill fields by k["rollout"], its host work by k["host"], training and
+    the controller (on the trainer's core) by k["train"]."""
+    d = json.loads((profiles / "cpu.json").read_text())
+    for key in ("hbm_efficiency", "decode_mfu", "prefill_mfu"):
+        d[key] /= k["rollout"]
+    d["decode_overhead_s"] *= k["rollout"]
+    d["host_s_per_sample"] *= k["host"]
+    d["train_mfu"] /= k["train"]
+    d["control_s_per_sample"] *= k["train"]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu.json").write_text(json.dumps(d, indent=1))
+    return out
+
+
 def simulate_windows(runs: list[Path], profiles: list[Path], prompt: float, stats: list[dict],
                      steps: int) -> list[dict]:
     """The simulator once per window of every seed's run, on that run's plan and profile with that
-    window's measured workload; per window, the simulated figures are averaged over the seeds and
-    put next to the measured ones."""
-    sims = [[simulate(run, prof, prompt, w["completion_len"], w["equal_fraction"], steps, tag=f"-w{w['steps'][0]}")
-             for w in st["windows"]] for run, prof, st in zip(runs, profiles, stats)]
+    window's measured workload; then, where the run has a rollout trace, again with the profile
+    slowed to the speeds the machine ran at in that window (`measured_speed`: whether the simulator's
+    model of the pipeline is right once its inputs are). Per window, the simulated figures are
+    averaged over the seeds and put next to the measured ones."""
+    sims, fixed, ks = [], [], []
+    for run, prof, st in zip(runs, profiles, stats):
+        sims.append([]), fixed.append([]), ks.append([])
+        for w in st["windows"]:
+            a = w["steps"][0]
+            sims[-1].append(simulate(run, prof, prompt, w["completion_len"], w["equal_fraction"], steps, tag=f"-w{a}"))
+            k = speeds(run, prof, prompt, w, sims[-1][-1])
+            ks[-1].append(k)
+            fixed[-1].append(k and simulate(run, at_speeds(prof, k, run / f"profiles-w{a}"), prompt, w["completion_len"],
+                                            w["equal_fraction"], steps, tag=f"-w{a}-measured-speed"))
     out = []
     for i, w in enumerate(stats[0]["windows"]):
         have = [k for k, st in enumerate(stats) if len(st["windows"]) > i]
         ws = [stats[k]["windows"][i] for k in have]
+        traced = [k for k in have if fixed[k][i]]
         out.append({"steps": w["steps"], "equal_fraction": statistics.fmean(x["equal_fraction"] for x in ws),
                     "completion_len": statistics.fmean(x["completion_len"] for x in ws),
                     "sim": {key: statistics.fmean(sims[k][i][key] for k in have) for key in SIM_KEYS},
+                    "measured_speed": {key: statistics.fmean(fixed[k][i][key] for k in traced) for key in SIM_KEYS}
+                    if traced else None,
+                    "speed": {key: spread(ks[k][i][key] for k in traced) for key in ("rollout", "host", "train")}
+                    if traced else None,
                     **{key: spread(x[key] for x in ws) for key in ("step_s", "train_s", "mean_staleness")}})
     return out
 
 
-def whole_run(windows: list[dict]) -> dict:
-    """The simulated run: each window's simulated figures, averaged (windows have equal steps)."""
-    return {k: statistics.fmean(w["sim"][k] for w in windows) for k in SIM_KEYS}
+def whole_run(windows: list[dict], which: str = "sim") -> dict | None:
+    """The simulated run: each window's simulated figures (`which`: "sim" with the profile,
+    "measured_speed" at the machine's measured speeds), averaged (windows have equal steps)."""
+    if any(w[which] is None for w in windows):
+        return None
+    return {k: statistics.fmean(w[which][k] for w in windows) for k in SIM_KEYS}
 
 
 # ----------------------------------------------------------------------------- aggregate
@@ -213,7 +284,8 @@ def fmt(s: dict | None, f: str = ".3f", of: int | None = None) -> str:
 def aggregate(name: str, stats: list[dict], sim_windows: list[dict]) -> dict:
     keys = ("wall_s", "step_s", "train_s", "traj_per_s", "generated_per_s", "trainer_wait", "trainer_idle_cpu",
             "rollout_idle_cpu", "mean_staleness", "generated_per_trained") + tuple(f"{k}_{t}" for t in TARGETS for k in ("step", "wall"))
-    row = {"name": name, "seeds": len(stats), "sim": whole_run(sim_windows), "windows": sim_windows,
+    row = {"name": name, "seeds": len(stats), "sim": whole_run(sim_windows),
+           "measured_speed": whole_run(sim_windows, "measured_speed"), "windows": sim_windows,
            **{k: spread(s[k] for s in stats) for k in keys}}
     eval_steps = sorted(set.intersection(*(set(s["acc_by_step"]) for s in stats)))
     row["acc_by_step"] = {st: spread(s["acc_by_step"][st] for s in stats) for st in eval_steps}
@@ -251,6 +323,7 @@ def tables(rows: list[dict]) -> str:
                      f"{s['mean_staleness']:.2f} | {fmt(r['trainer_wait'], '.2f')} / {s['trainer_idle']:.2f} | "
                      f"{fmt(r['rollout_idle_cpu'], '.2f')} / {s['rollout_idle']:.2f} | "
                      f"{fmt(r['generated_per_trained'], '.1f')} |")
+    lines += speed_tables(rows)
     spans = [w["steps"] for w in rows[0]["windows"]]
     lines += ["", "Step seconds per window, measured (mean over seeds) / simulated (ratio), and the share of "
               "generated groups filtered for equal rewards in that window (f, the workload the simulator is given):",
@@ -265,6 +338,38 @@ def tables(rows: list[dict]) -> str:
     for r in rows:
         lines.append(f"| {r['name']} | " + " | ".join(fmt(r["acc_by_step"][s]) for s in steps) + " |")
     return "\n".join(lines)
+
+
+def speed_tables(rows: list[dict]) -> list[str]:
+    """The simulator at the speeds the machine ran at (runs with a rollout trace only)."""
+    rows = [r for r in rows if r["measured_speed"]]
+    if not rows:
+        return []
+    lines = ["", "The same, simulated at the speeds the machine ran at in each window: the profile's rollout "
+             "fields slowed by the engine's measured / profile-predicted step seconds (its measured steps, batch "
+             "and prefill tokens through the cost model), its host work by the measured CPU seconds per "
+             "trajectory outside the engine, training by measured / simulated training seconds. This tests the "
+             "simulator's model of the pipeline (overlap, gate, filtering, staleness) with inputs that match "
+             "the run:", "",
+             "| config | step s: measured / simulated (ratio) | training s per step: measured / simulated "
+             "| mean staleness: measured / simulated | trainer idle: measured wait / simulated "
+             "| machine vs profile, mean [min-max] over windows: engine / host / training |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        s = r["measured_speed"]
+        k = {key: [w["speed"][key]["mean"] for w in r["windows"]] for key in ("rollout", "host", "train")}
+        lines.append(f"| {r['name']} | {fmt(r['step_s'], '.3f')} / {s['step_s']:.3f} "
+                     f"({s['step_s'] / r['step_s']['mean']:.2f}x) | {fmt(r['train_s'], '.3f')} / {s['train_s']:.3f} | "
+                     f"{fmt(r['mean_staleness'], '.2f')} / {s['mean_staleness']:.2f} | "
+                     f"{fmt(r['trainer_wait'], '.2f')} / {s['trainer_idle']:.2f} | "
+                     + " / ".join(fmt(spread(v), ".2f") for v in k.values()) + "x |")
+    spans = [w["steps"] for w in rows[0]["windows"]]
+    lines += ["", "Step seconds per window at the measured speeds, measured / simulated (ratio):", "",
+              "| config | " + " | ".join(f"steps {a}-{b}" for a, b in spans) + " |", "|---|" + "---|" * len(spans)]
+    for r in rows:
+        cells = [f"{w['step_s']['mean']:.2f} / {w['measured_speed']['step_s']:.2f} "
+                 f"({w['measured_speed']['step_s'] / w['step_s']['mean']:.2f}x)" for w in r["windows"]]
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def plot(rows: list[dict], out: Path) -> Path | None:
