@@ -1,19 +1,16 @@
 """A tensor-parallel replica (2 CPU processes over gloo) generates what a single process does,
 through an interrupt with new weights as well."""
-import json
-import os
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hexrl.model.checkpoint import load_pretrained, save_pretrained
 from hexrl.model.parallel import TPGroup
 from hexrl.rollout import Engine, EngineConfig, Request
 
 from hexrl.model.tiny import make_tiny_model
+from dist_utils import run_world
 
 CONFIG = dict(page_size=4, max_pages=48, max_running=3, max_batch_tokens=24)
 SWITCH_AT = 4  # update weights before this step
@@ -48,33 +45,23 @@ def run_leader(engine: Engine, new_weights) -> dict:
     return outs
 
 
-def worker(rank: int, port: int, path_a: str, path_b: str, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=2)
-    torch.set_num_threads(1)
-    tp = TPGroup(dist.group.WORLD, rank, 2)
+def worker(rank: int, world_size: int, path_a: str, path_b: str) -> dict | None:
+    tp = TPGroup(dist.group.WORLD, rank, world_size)
     engine = Engine(load_pretrained(path_a, tp=tp), EngineConfig(**CONFIG))
     new = load_pretrained(path_b, tp=tp).state_dict()  # this rank's shard of the new weights
+    outs = None
     if rank == 0:
         outs = run_leader(engine, new)
         engine.shutdown()
-        Path(out).write_text(json.dumps(outs))
     else:
         engine.follow(on_update=lambda version: new)
     dist.barrier()  # both ranks done with collectives before teardown (gloo can abort otherwise)
-    dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return outs
 
 
 def test_tp2_equals_tp1_through_an_interrupt(tmp_path):
     a, b = checkpoint(tmp_path / "a", 0), checkpoint(tmp_path / "b", 1)
     single = run_leader(Engine(load_pretrained(a), EngineConfig(**CONFIG)), load_pretrained(b).state_dict())
-    mp.spawn(worker, args=(free_port(), str(a), str(b), str(tmp_path / "out.json")), nprocs=2, join=True)
-    sharded = json.loads((tmp_path / "out.json").read_text())
-    assert sharded == {k: [list(t), list(v)] for k, (t, v) in single.items()}
+    sharded, _ = run_world(worker, 2, str(a), str(b))
+    assert sharded == single
     assert any(0 < versions.count(0) < 10 for _, versions in single.values())  # the switch hit mid-sequence
