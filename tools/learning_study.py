@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -185,12 +186,8 @@ def cost_model(plan_path: Path, profiles: Path):
     from hexrl.plan.cost import CostModel
     from hexrl.schema import load_plan
 
-    before = os.environ.get("HEXRL_PROFILES")
-    os.environ["HEXRL_PROFILES"] = str(profiles)
-    try:
+    with mock.patch.dict(os.environ, HEXRL_PROFILES=str(profiles)):  # read once, as the model is built
         return CostModel(load_plan(plan_path, check_paths=False).job)
-    finally:
-        os.environ.pop("HEXRL_PROFILES") if before is None else os.environ.update(HEXRL_PROFILES=before)
 
 
 def speeds(run: Path, profiles: Path, prompt: float, w: dict, sim: dict) -> dict | None:

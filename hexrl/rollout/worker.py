@@ -86,6 +86,8 @@ class RolloutLeader:
         self.scoring: dict[int, PendingGroup] = {}  # reward ticket -> finished group being scored
         self._last_beat = 0.0
         self.time, self.trace, self._last_trace = LeaderTime(), trace, 0.0
+        if trace is not None:
+            trace.parent.mkdir(parents=True, exist_ok=True)
 
     def run(self) -> None:
         t, clock = self.time, time.perf_counter
@@ -176,7 +178,6 @@ class RolloutLeader:
         line = {"time": now, "cpu_s": time.process_time(), **asdict(self.time), "steps": e.steps,
                 "engine_step_s": e.seconds, "mixed_steps": e.mixed_steps, "generated_tokens": e.generated_tokens,
                 "prefill_tokens": e.prefill_tokens}
-        self.trace.parent.mkdir(parents=True, exist_ok=True)
         with open(self.trace, "a") as f:
             f.write(json.dumps(line) + "\n")
 
