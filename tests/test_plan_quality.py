@@ -58,3 +58,13 @@ def test_two_phase_within_two_percent_of_exhaustive_larger(seed):
 @pytest.mark.slow
 def test_the_case_issue_16_found_28_percent_off():
     check(KNOWN_BAD)
+
+
+# Two of the 7 clusters (of 200) where `python tools/plan_quality.py` found two-phase more than 2% off
+# (1.027 and 1.057): the bound sweep's budget runs out before the optimum's split, whose lower bound
+# ranks late. Strict: when the planner is fixed these pass, and the marker must go.
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 16, open: the bound sweep misses the optimum on these clusters")
+@pytest.mark.parametrize("seed", [88, 167])
+def test_known_misses_beyond_two_percent(seed):
+    check(random_job(seed))

@@ -52,15 +52,21 @@ class TorchPagedAttention:
         write_kv(cache, self.meta.slot_pages, self.meta.slot_offsets, k, v)
         if self.fresh:
             return self.causal(layer, q, k.to(cache.dtype).to(q.dtype), v.to(cache.dtype).to(q.dtype))
+        keys, values = (self.gather(cache, i).to(q.dtype).transpose(1, 2) for i in (0, 1))  # [B, Hkv, S, D]
+        if self.decode:  # the query heads sharing a kv head act as its query rows: no GQA expansion
+            b, hkv = keys.shape[:2]
+            out = F.scaled_dot_product_attention(q.view(b, hkv, -1, q.shape[-1]), keys, values, attn_mask=self.mask)
+            return out.reshape(q.shape)
+        out = F.scaled_dot_product_attention(q[self.q_rows].transpose(1, 2), keys, values, attn_mask=self.mask,
+                                             enable_gqa=True).transpose(1, 2)
+        return out[self.q_valid]  # back to [T, Hq, D], sequence after sequence
+
+    def gather(self, cache: torch.Tensor, kv: int) -> torch.Tensor:
+        """k (kv=0) or v (kv=1) of every sequence's pages, [B, keep, Hkv, D]. The pool viewed as 2-D rows
+        of one page each: index_select copies a strided 2-D source at memcpy speed, a 5-D one at half."""
         b, span = self.shape
-        keys = cache[:, 0].index_select(0, self.page_ids).view(b, span, *cache.shape[-2:])[:, :self.keep].to(q.dtype)
-        values = cache[:, 1].index_select(0, self.page_ids).view(b, span, *cache.shape[-2:])[:, :self.keep].to(q.dtype)
-        queries = q[:, None] if self.decode else q[self.q_rows]  # [B, max_q, Hq, D]
-        out = F.scaled_dot_product_attention(
-            queries.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-            attn_mask=self.mask, enable_gqa=True,
-        ).transpose(1, 2)
-        return out[:, 0] if self.decode else out[self.q_valid]  # back to [T, Hq, D], sequence after sequence
+        rows = cache.view(cache.shape[0], 2, -1)[:, kv].index_select(0, self.page_ids)
+        return rows.view(b, span, *cache.shape[-2:])[:, :self.keep]
 
 
 class TorchPagedBackend:
