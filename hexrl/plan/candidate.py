@@ -1,10 +1,11 @@
 """The search phase for one split: best training layout, rollout MILP, weight sync, step time."""
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from hexrl.plan.cost import CostModel
 from hexrl.plan.placement import counts_of, free_classes, train_per_node
-from hexrl.plan.rollout_milp import RolloutPlan, solve_rollout
+from hexrl.plan.rollout_milp import RolloutPlan, combine, makespan, solve_rollout
 from hexrl.plan.train_search import TrainPlan, search_train
 
 
@@ -44,11 +45,39 @@ class Evaluator:
         return self._train[per_node]
 
     def rollout(self, per_node: tuple[int, ...]) -> RolloutPlan | None:
-        classes = free_classes(self.cm.cluster, per_node)
-        key = tuple((c.gpu_type, c.free, c.nodes) for c in classes)
+        return self._solve(free_classes(self.cm.cluster, per_node))
+
+    def _solve(self, classes, period: float | None = None) -> RolloutPlan | None:
+        key = (tuple((c.gpu_type, c.free, c.nodes) for c in classes), period)
         if key not in self._roll:
-            self._roll[key] = solve_rollout(self.cm, classes) if classes else None
+            self._roll[key] = solve_rollout(self.cm, classes, 1 if period else 4, period) if classes else None
         return self._roll[key]
+
+    def combined_rollout(self, per_node: tuple[int, ...]) -> RolloutPlan | None:
+        """A rollout plan put together from one MILP per GPU type (rollout_milp.combine), so that a
+        sweep over all splits solves a few hundred small MILPs, not one per split. A type's MILP
+        depends on its own count and on the step's length (which sets how much of it KV
+        recompute takes): each type is solved alone first, then again for the step length of
+        all types together, rounded down to a power of 2^(1/4). Each type may use the gate's
+        whole cap on running sequences, so where the cap binds the estimate is optimistic
+        (splitting the cap by decode rate made it pessimistic, and missed optima). None if a
+        type's free GPUs hold no replica (the joint MILP fails then too)."""
+        cm = self.cm
+        classes = free_classes(cm.cluster, per_node)
+        by_type = [[c for c in classes if c.gpu_type == t] for t in dict.fromkeys(c.gpu_type for c in classes)]
+        alone = [self._solve(cs) for cs in by_type]
+        if not alone or None in alone:
+            return None
+        step = makespan(cm, [cm.decode_point(r.gpu_type, r.tp, r.batch) for p in alone for r in p.replicas])
+        period = 2 ** (math.floor(4 * math.log2(step)) / 4)
+        plans = [self._solve(cs, period) or replace(p, tokens_per_s=0.0)  # None: too slow to use at this period
+                 for cs, p in zip(by_type, alone)]
+        return combine(cm, plans)
+
+    def estimate(self, per_node: tuple[int, ...], roll: RolloutPlan) -> float:
+        """Step time of the split's exact training plan beside `roll` (inf if training does not fit)."""
+        train = self.train(per_node)
+        return math.inf if train is None else candidate(self.cm, per_node, train, roll).step_s
 
     def __call__(self, per_node: tuple[int, ...]) -> Candidate | None:
         if per_node in self._cand:
@@ -81,10 +110,17 @@ def candidate(cm: CostModel, per_node: tuple[int, ...], train: TrainPlan, roll: 
         edge = cm.head_params() * ((i == 0) + (i == train.pp - 1)) * 2
         stage_bytes.append((s.slots[0][0], s.layers * layer_bytes + edge))
     sync = cm.sync_s(stage_bytes, {r.node for r in roll.replicas})
+    gen, reward, step = step_times(cm, train.time_s, sync, roll)
+    return Candidate(per_node, train, roll, train.time_s, gen, reward, sync, step)
+
+
+def step_times(cm: CostModel, train_s: float, sync_s: float, roll: RolloutPlan) -> tuple[float, float, float]:
+    """(C_gen, C_reward, step time) of a rollout plan beside training of train_s and a weight sync
+    of sync_s. Nondecreasing in both, so bounds on them bound the step."""
     # scoring overlaps decoding: a step's generation lasts at least its reward work, and the last
     # group is scored after its decode ends (the tail, C_reward)
     reward = cm.group_reward_s()
     theta, wave = max(roll.gen_s, roll.reward_s - reward), max(roll.wave_s, roll.reward_s - reward)
-    gen = cm.gen_s(theta + reward, wave + reward, train.time_s, sync) - reward
-    step = cm.step_s(train.time_s, gen + reward, sync)
-    return Candidate(per_node, train, roll, train.time_s, gen, reward, sync, step)
+    gen = cm.gen_s(theta + reward, wave + reward, train_s, sync_s) - reward
+    return gen, reward, cm.step_s(train_s, gen + reward, sync_s)
+

@@ -115,6 +115,7 @@ class CostModel:
         self.gpn = self.cluster.gpus_per_node
         self._decode_cache: dict = {}
         self._stage_cache: dict = {}
+        self._drain_cache: dict = {}
         knobs = job.runtime.get("trainer", {})
         # the trainer all-reduces its float32 gradient buckets (plan.trainer.grad_reduce_dtype)
         self.grad_reduce_bytes = 4.0 if knobs.get("grad_reduce_dtype", "float32") == "float32" else 2.0
@@ -329,6 +330,12 @@ class CostModel:
         sequence reads its context once per step it decodes. n_all > n: the slowest of replicas
         draining n_all sequences in all (the step ends with the longest of all of them).
         """
+        key = (gpu_type, tp, n, n_all)  # splits that share a type's replicas ask again: memoised
+        if key not in self._drain_cache:
+            self._drain_cache[key] = self._drain_s(gpu_type, tp, n, n_all)
+        return self._drain_cache[key]
+
+    def _drain_s(self, gpu_type: str, tp: int, n: float, n_all: float) -> float:
         surv, ctx = self._survival()
         alive = 1 - (1 - surv) ** max(n, n_all)
         batch = np.maximum(1.0, n * surv / np.maximum(alive, 1e-300))

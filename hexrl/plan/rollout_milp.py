@@ -18,7 +18,7 @@ exact condition for divisible sizes: for every size s, sum_{tp >= s} tp * y_tp <
 for s = 1 it is an equality, because every rank of the plan needs a role.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import highspy
 import numpy as np
@@ -64,7 +64,8 @@ def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):
     return cols, all_batches
 
 
-def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4) -> RolloutPlan | None:
+def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
+                  period: float | None = None) -> RolloutPlan | None:
     """The rollout plan with the shortest makespan on these free GPUs (None if nothing fits).
 
     After each weight update a replica re-prefills its running batch (KV recompute, R_psi
@@ -72,13 +73,15 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4) -> R
     makespan itself: a fixed point on T, one MILP per round. For a fixed choice of replicas the
     fixed point has a closed form, T = (tokens + sum h R) / sum h (each replica loses R once
     per step), which is the next round's T: the replica choice settles in two or three rounds.
+    period: start from this T instead of none (no recompute); with rounds=1, the best plan for a
+    step of that length.
     """
     w = cm.w
     concurrency = float("inf") if w.eta is None else (w.eta + 1) * w.samples
     cols, all_batches = _columns(cm, classes, concurrency)
     if not cols:
         return None
-    period, y, sol, theta = None, None, None, None
+    y, sol, theta = None, None, None
     for _ in range(rounds):
         rates = [pt.tokens_per_s * (1.0 if period is None else max(0.0, 1 - pt.recompute_s / period))
                  for _, pt in cols]
@@ -89,8 +92,7 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4) -> R
         if period is not None and abs(theta - period) <= 1e-2 * period:
             break
         used = [j for j in range(len(cols)) if sol[len(cols) + j] > 1e-9 * sol[-1]]
-        h = sum(y[j] * cols[j][1].tokens_per_s for j in used)
-        period = (w.gen_tokens + sum(y[j] * cols[j][1].tokens_per_s * cols[j][1].recompute_s for j in used)) / h
+        period = makespan(cm, [cols[j][1] for j in used for _ in range(y[j])])
     return None if y is None else _assemble(cm, classes, cols, y, sol, theta)
 
 
@@ -186,3 +188,21 @@ def _assemble(cm: CostModel, classes, cols, y, sol, theta: float) -> RolloutPlan
     for r in replicas:
         r.share /= total
     return RolloutPlan(replicas, theta, theta, U, *cm.rollout_wave(replicas))
+
+
+def makespan(cm: CostModel, points: list[DecodePoint]) -> float:
+    """Seconds for replicas (one DecodePoint each) to generate a step's tokens when each loses its
+    KV recompute once per step: T = (tokens + sum h R) / sum h."""
+    h = sum(pt.tokens_per_s for pt in points)
+    return (cm.w.gen_tokens + sum(pt.tokens_per_s * pt.recompute_s for pt in points)) / h
+
+
+def combine(cm: CostModel, plans: list[RolloutPlan]) -> RolloutPlan:
+    """One plan from plans solved on disjoint GPUs (one per GPU type): their replicas side by side,
+    shares by token rate, and the recompute fixed point redone for all of them. The staleness
+    gate's cap on running sequences is not applied across the plans, so this estimates the joint
+    MILP's plan; it is not one."""
+    rate = sum(p.tokens_per_s for p in plans)
+    replicas = [replace(r, share=r.share * p.tokens_per_s / rate) for p in plans for r in p.replicas]
+    theta = makespan(cm, [cm.decode_point(r.gpu_type, r.tp, r.batch) for r in replicas if r.share > 0])
+    return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))

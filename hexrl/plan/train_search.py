@@ -75,6 +75,16 @@ def _span(slots: list[tuple[int, int]]) -> set[int]:
     return {node for node, _ in slots}
 
 
+def _send_GBps(cm: CostModel, nodes: set[int], nxt: set[int]) -> float:
+    """Link from one stage to the next: NVLink within one node, else the link between two distinct
+    nodes of theirs (a stage's GPUs are all of one type, and links depend only on node types)."""
+    a, b = min(nodes), min(nxt)
+    if nodes == nxt and len(nodes) == 1:
+        return cm.cluster.link_GBps(a, a)
+    ta, tb = cm.cluster.nodes[a].gpu_type, cm.cluster.nodes[b].gpu_type
+    return cm.cluster.cross_GBps(ta, tb) if ta != tb else cm.cluster.inter_node_GBps
+
+
 def cost_layout(cm: CostModel, chunks: list[tuple[str, int, list]], dp: int, recompute: bool,
                 layers: list[int] | None = None) -> TrainPlan | None:
     """Cost a layout given as stages (gpu type, tp, slots); balance layers unless given.
@@ -82,16 +92,11 @@ def cost_layout(cm: CostModel, chunks: list[tuple[str, int, list]], dp: int, rec
     None when the model does not fit in the stages' memory.
     """
     pp = len(chunks)
+    spans = [_span(slots) for _, _, slots in chunks]
     coeffs = []
-    for i, (t, tp, slots) in enumerate(chunks):
-        nodes = _span(slots)
-        send = None
-        if i + 1 < pp:
-            nxt = _span(chunks[i + 1][2])
-            a = min(nodes)
-            send = cm.cluster.link_GBps(a, a) if nodes == nxt and len(nodes) == 1 else \
-                min(cm.cluster.link_GBps(x, y) for x in nodes for y in nxt if x != y)
-        coeffs.append(cm.stage_coeffs(t, tp, dp, pp, i, len(nodes), send, recompute))
+    for i, (t, tp, _) in enumerate(chunks):
+        send = _send_GBps(cm, spans[i], spans[i + 1]) if i + 1 < pp else None
+        coeffs.append(cm.stage_coeffs(t, tp, dp, pp, i, len(spans[i]), send, recompute))
     if layers is None:
         layers = assign_layers(coeffs, cm.m.num_hidden_layers)
     elif any(l > c.max_layers for l, c in zip(layers, coeffs)):
