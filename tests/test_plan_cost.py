@@ -144,3 +144,27 @@ def test_more_rollout_gpus_never_slow_generation():
     ev = Evaluator(cm)
     gens = [ev.rollout(train_per_node(cm.cluster, {"H20": k})).gen_s for k in range(1, 15)]
     assert all(a >= b * (1 - 1e-6) for a, b in zip(gens[1:], gens))
+
+
+def test_per_type_plans_combine_into_one_rollout():
+    """The planner's sweep estimates a split with one small MILP per GPU type: combined, the
+    replicas keep their types' token rates as shares, the makespan is the recompute fixed point
+    of all of them, and on the H800 + H20 cluster the estimates pick the exhaustive optimum."""
+    from hexrl.plan.rollout_milp import combine, makespan, solve_rollout
+    from hexrl.plan.partition import exhaustive
+    cm = CostModel(job(nodes("H800", "H20", gpus=4), eta=4), use_profiles=False)
+    ev = Evaluator(cm)
+    per_node = train_per_node(cm.cluster, {"H800": 2, "H20": 2})
+    by_type = [[c] for c in free_classes(cm.cluster, per_node)]
+    plans = [solve_rollout(cm, cs) for cs in by_type]
+    both = combine(cm, plans)
+    assert sum(r.share for r in both.replicas) == pytest.approx(1.0)
+    h800 = sum(r.share for r in both.replicas if r.gpu_type == "H800")
+    assert h800 == pytest.approx(plans[0].tokens_per_s / sum(p.tokens_per_s for p in plans))
+    points = [cm.decode_point(r.gpu_type, r.tp, r.batch) for r in both.replicas]
+    assert both.theta_s == pytest.approx(makespan(cm, points))
+    assert both.theta_s < min(p.theta_s for p in plans)  # both types together are faster than either
+    splits = [train_per_node(cm.cluster, {"H800": a, "H20": b}) for a in range(5) for b in range(5)]
+    estimates = {s: ev.estimate(s, r) for s in splits if (r := ev.combined_rollout(s)) is not None}
+    best, _ = exhaustive(Evaluator(cm))
+    assert min(estimates, key=estimates.get) == best.per_node

@@ -88,11 +88,15 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
         y_new, sol_new = _solve(cm, classes, cols, rates, concurrency if all_batches else None)
         if y_new is None:
             break
-        y, sol, theta = y_new, sol_new, w.gen_tokens / sol_new[-1]
-        if period is not None and abs(theta - period) <= 1e-2 * period:
-            break
+        y, sol = y_new, sol_new
         used = [j for j in range(len(cols)) if sol[len(cols) + j] > 1e-9 * sol[-1]]
-        period = makespan(cm, [cols[j][1] for j in used for _ in range(y[j])])
+        # the makespan this choice really has, its recompute priced at that makespan: when the
+        # rounds run out with the choice still changing, the MILP's own tokens / U would price
+        # recompute at another step length (it under-predicted a step by 27% so)
+        theta = makespan(cm, [cols[j][1] for j in used for _ in range(y[j])])
+        if period is not None and abs(w.gen_tokens / sol[-1] - period) <= 1e-2 * period:
+            break
+        period = theta
     return None if y is None else _assemble(cm, classes, cols, y, sol, theta)
 
 
