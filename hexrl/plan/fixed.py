@@ -13,7 +13,7 @@ import math
 from hexrl.schema import ConfigError, Plan, Stage, TrainerLayout
 from hexrl.plan.cost import CostModel
 from hexrl.plan.candidate import Candidate, candidate
-from hexrl.plan.rollout_milp import RolloutPlan, RolloutReplica
+from hexrl.plan.rollout_milp import RolloutPlan, RolloutReplica, makespan
 from hexrl.plan.train_search import TrainPlan, cost_layout_fitting
 
 
@@ -213,7 +213,7 @@ def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
     else:  # shares by throughput: all used replicas finish together
         used = set(range(len(pts)))
         while True:
-            theta = (tokens + sum(h[j] * R[j] for j in used)) / sum(h[j] for j in used)
+            theta = makespan(cm, [pts[j] for j in sorted(used)])
             late = {j for j in used if R[j] >= theta}
             if not late or late == used:
                 break
