@@ -73,3 +73,12 @@ def test_former_misses(seed):
 @pytest.mark.parametrize("seed", [97, 167])  # 1.076, 1.057
 def test_former_misses_slower(seed):
     check(random_job(seed))
+
+
+# The one cluster of 200 the estimate sweep leaves more than 2% off (1.030, eta = 2): the gate caps
+# running sequences, each type's MILP may use the whole cap, and the optimum's estimate comes out
+# 11% pessimistic. Strict: when the planner is fixed this passes, and the marker must go.
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="issue 16, open: the estimate overrates a gate-capped split")
+def test_known_miss_beyond_two_percent():
+    check(random_job(152))
