@@ -59,9 +59,9 @@ class Evaluator:
         depends on its own count and on the step's length (which sets how much of it KV
         recompute takes): each type is solved alone first, then again for the step length of
         all types together, rounded down to a power of 2^(1/4). Each type may use the gate's
-        whole cap on running sequences, so where the cap binds the estimate is optimistic
-        (splitting the cap by decode rate made it pessimistic, and missed optima). None if a
-        type's free GPUs hold no replica (the joint MILP fails then too)."""
+        whole cap on running sequences, so where the cap binds the estimate can miss either
+        way (splitting the cap by decode rate made it pessimistic more often: README, plan
+        quality). None if a type's free GPUs hold no replica (the joint MILP fails then too)."""
         cm = self.cm
         classes = free_classes(cm.cluster, per_node)
         by_type = [[c for c in classes if c.gpu_type == t] for t in dict.fromkeys(c.gpu_type for c in classes)]
