@@ -123,4 +123,3 @@ def step_times(cm: CostModel, train_s: float, sync_s: float, roll: RolloutPlan) 
     theta, wave = max(roll.gen_s, roll.reward_s - reward), max(roll.wave_s, roll.reward_s - reward)
     gen = cm.gen_s(theta + reward, wave + reward, train_s, sync_s) - reward
     return gen, reward, cm.step_s(train_s, gen + reward, sync_s)
-

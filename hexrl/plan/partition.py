@@ -78,7 +78,11 @@ class GraphScore:
 
 def lower_bounds(ev: Evaluator, types: list[str], grid: np.ndarray) -> np.ndarray:
     """A lower bound on the step time of every split in `grid` (splits, types), vectorised."""
-    train, gen, sync = bound_parts(ev, types, grid)
+    return _step_bound(ev, *bound_parts(ev, types, grid))
+
+
+def _step_bound(ev: Evaluator, train: np.ndarray, gen: np.ndarray, sync: np.ndarray) -> np.ndarray:
+    """CostModel.step_s on arrays of bounds: eta = 0 runs the parts back to back."""
     return train + gen + sync if ev.cm.w.eta == 0 else np.maximum(train, gen) + sync
 
 
@@ -189,7 +193,7 @@ def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, t
     search, so splits are estimated lazily: in order of their floor (the combined rollout plan
     with training and sync at their lower bounds), which no estimate is below."""
     train_lb, gen_lb, sync_lb = bound_parts(ev, types, grid)
-    lb = lower_bounds(ev, types, grid)
+    lb = _step_bound(ev, train_lb, gen_lb, sync_lb)
     limit = best.step_s * (1 - tol) if best is not None else np.inf
     floors = []
     for i in (i for i in np.argsort(lb, kind="stable")[:ESTIMATES] if lb[i] < limit):
