@@ -114,12 +114,17 @@ def candidate(cm: CostModel, per_node: tuple[int, ...], train: TrainPlan, roll: 
     return Candidate(per_node, train, roll, train.time_s, gen, reward, sync, step)
 
 
-def step_times(cm: CostModel, train_s: float, sync_s: float, roll: RolloutPlan) -> tuple[float, float, float]:
+def step_times(cm: CostModel, train_s: float, sync_s: float, roll: RolloutPlan,
+               joined: bool = True) -> tuple[float, float, float]:
     """(C_gen, C_reward, step time) of a rollout plan beside training of train_s and a weight sync
-    of sync_s. Nondecreasing in both, so bounds on them bound the step."""
+    of sync_s. joined=False prices the gate's wave from idle (CostModel.gen_s): a lower bound,
+    nondecreasing in train_s and sync_s, so bounds on them bound the step."""
     # scoring overlaps decoding: a step's generation lasts at least its reward work, and the last
     # group is scored after its decode ends (the tail, C_reward)
     reward = cm.group_reward_s()
-    theta, wave = max(roll.gen_s, roll.reward_s - reward), max(roll.wave_s, roll.reward_s - reward)
+    wave = roll.wave_s
+    if joined and cm.w.eta not in (0, None):  # the next step's groups join when training ends
+        wave = cm.joined_wave(roll.replicas, train_s + sync_s, sync_s)
+    theta, wave = max(roll.gen_s, roll.reward_s - reward), max(wave, roll.reward_s - reward)
     gen = cm.gen_s(theta + reward, wave + reward, train_s, sync_s) - reward
     return gen, reward, cm.step_s(train_s, gen + reward, sync_s)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hexrl.plan.lengths import output_lengths
+from hexrl.plan.wave import Lengths, WaveSteps, bin_width, wave_steps
 from hexrl.schema import Job
 from hexrl.gpus import GPU, gpu
 
@@ -29,6 +30,7 @@ REWARD_WORKERS = 2
 # bus bandwidth on TCP/RoCE NICs), not a measurement of this cluster: a profile of the weight
 # sync would replace it.
 NCCL_EFFICIENCY = 0.8
+WAVE_BATCHES = 16  # a wave's course is followed for its last 16 batches; the rest of its queue runs at full rate
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ class CostModel:
         self.gpn = self.cluster.gpus_per_node
         self._decode_cache: dict = {}
         self._stage_cache: dict = {}
-        self._drain_cache: dict = {}
+        self._wave_cache: dict = {}
         knobs = job.runtime.get("trainer", {})
         # the trainer all-reduces its float32 gradient buckets (plan.trainer.grad_reduce_dtype)
         self.grad_reduce_bytes = 4.0 if knobs.get("grad_reduce_dtype", "float32") == "float32" else 2.0
@@ -309,52 +311,62 @@ class CostModel:
             sizes = sorted({1 << i for i in range(int(math.log2(bmax)) + 1)} | {bmax})
         return [self.decode_point(gpu_type, tp, b) for b in sizes]
 
-    def _survival(self) -> tuple[np.ndarray, float]:
-        """P(L >= j) for j = 1..max output length, as the simulator samples lengths (rounded,
-        at least 1), and E[prompt * L + L (L - 1) / 2]: the context a sequence's decode steps read."""
-        if not hasattr(self, "_surv"):
+    def step_lengths(self) -> Lengths:
+        """The output lengths as the simulator samples them (rounded, at least 1), on the step clock."""
+        if not hasattr(self, "_step_lengths"):
             d = self.lengths
             L = np.maximum(1, np.rint(d.lengths)).astype(int)
-            p = np.asarray(d.probs, dtype=float) / sum(d.probs)
-            pmf = np.bincount(L, weights=p, minlength=L.max() + 1)
-            surv = np.cumsum(pmf[::-1])[::-1][1:]  # surv[j - 1] = P(L >= j)
-            ctx = float((p * (self.w.prompt_len * L + L * (L - 1) / 2)).sum())
-            self._surv = (np.minimum(surv, 1.0), ctx)
-        return self._surv
-
-    def drain_s(self, gpu_type: str, tp: int, n: float, n_all: float = 0.0) -> float:
-        """Expected seconds for n sequences that start decoding together to all finish, none joining.
-
-        Decode step j runs while any sequence is longer than j - 1 tokens (probability
-        1 - (1 - S_j)^n) with the sequences still alive (n S_j on average, given one is); every
-        sequence reads its context once per step it decodes. n_all > n: the slowest of replicas
-        draining n_all sequences in all (the step ends with the longest of all of them).
-        """
-        key = (gpu_type, tp, n, n_all)  # splits that share a type's replicas ask again: memoised
-        if key not in self._drain_cache:
-            self._drain_cache[key] = self._drain_s(gpu_type, tp, n, n_all)
-        return self._drain_cache[key]
-
-    def _drain_s(self, gpu_type: str, tp: int, n: float, n_all: float) -> float:
-        surv, ctx = self._survival()
-        alive = 1 - (1 - surv) ** max(n, n_all)
-        batch = np.maximum(1.0, n * surv / np.maximum(alive, 1e-300))
-        a = self.decode_fixed_s(gpu_type, tp, batch)
-        c = self.decode_coeffs(gpu_type, tp, 1)[1]
-        return float((alive * a).sum() + c * n * ctx)
+            pmf = np.bincount(L, weights=np.asarray(d.probs, dtype=float) / sum(d.probs), minlength=L.max() + 1)
+            self._step_lengths = Lengths(pmf, self.w.prompt_len)
+        return self._step_lengths
 
     def wave_s(self, gpu_type: str, tp: int, batch: int, n: float, n_all: float = 0.0) -> float:
-        """Seconds for one replica (at most `batch` running) to generate n sequences handed to it at
-        once: a full batch while sequences wait, then the last `batch` drain with nobody joining
-        (n_all: sequences all replicas drain together, see drain_s)."""
+        """Seconds for one replica (at most `batch` running) to generate n sequences handed to it
+        at once, nothing joining (hexrl/plan/wave.py); n_all: the sequences all replicas generate
+        together, the step ending with the slowest replica."""
         if n <= 0:
             return 0.0
-        first = min(n, batch)
-        t = self.prefill_s(gpu_type, tp, first * self.w.prompt_len, self.w.prompt_len / 2)
-        t += self.drain_s(gpu_type, tp, first, n_all * first / n)
-        if n > batch:
-            t += (n - batch) * self.w.mean_out / self.decode_point(gpu_type, tp, batch).tokens_per_s
-        return t
+        queue, course = self._wave_course(gpu_type, tp, batch, n, n_all)
+        return queue + float(course[1][-1])
+
+    def joined_wave_s(self, gpu_type: str, tp: int, batch: int, n: float, n_all: float,
+                      join_s: float, pause_s: float) -> float:
+        """wave_s, where as many sequences again join after join_s seconds, with a weight update
+        (pause_s, then the KV recompute of the running sequences) when they do."""
+        if n <= 0:
+            return 0.0
+        queue, (steps, time_s) = self._wave_course(gpu_type, tp, batch, n, n_all)
+        k = int(np.searchsorted(time_s, join_s - queue))
+        if k >= len(time_s) - 1 or steps.alive[k] < 1e-3:
+            return queue + float(time_s[-1])
+        own = min(n, WAVE_BATCHES * batch)
+        joined = wave_steps(self.step_lengths(), batch, own, max(1.0, n_all / n), k, n, steps.width)
+        ctx = float(joined.context[k])  # the running sequences' KV to recompute
+        recompute = self.prefill_s(gpu_type, tp, ctx, ctx / joined.batch[k] / 2)
+        pause = joined.alive[k] * (pause_s + recompute)
+        return float(queue + pause + self._course_s(gpu_type, tp, joined, min(own, batch))[-1])
+
+    def _wave_course(self, gpu_type: str, tp: int, batch: int, n: float, n_all: float):
+        """(seconds at full rate before the last WAVE_BATCHES batches, (WaveSteps, time by bin))."""
+        key = (gpu_type, tp, batch, n, n_all)  # splits that share a type's replicas ask again: memoised
+        if key not in self._wave_cache:
+            own = min(n, WAVE_BATCHES * batch)
+            queue = (n - own) * self.w.mean_out / self.decode_point(gpu_type, tp, batch).tokens_per_s
+            lengths = self.step_lengths()
+            steps = wave_steps(lengths, batch, own, max(1.0, n_all / n), width=bin_width(lengths, batch, 2 * own))
+            self._wave_cache[key] = queue, (steps, self._course_s(gpu_type, tp, steps, min(own, batch)))
+        return self._wave_cache[key]
+
+    def _course_s(self, gpu_type: str, tp: int, steps: WaveSteps, first: float) -> np.ndarray:
+        """Seconds from the wave's start to the end of each bin: the first batch's prefill, decode
+        steps at their batch and context, each later start's prefill and hand-off."""
+        c = self.decode_coeffs(gpu_type, tp, 1)[1]
+        decode = steps.width * (self.decode_fixed_s(gpu_type, tp, steps.batch) + c * steps.context)
+        starts = steps.starts.copy()
+        starts[0] -= first  # prefilled together, below
+        one = self.prefill_s(gpu_type, tp, self.w.prompt_len, self.w.prompt_len / 2) + self.gpus[gpu_type].host_s_per_sample
+        first_s = self.prefill_s(gpu_type, tp, first * self.w.prompt_len, self.w.prompt_len / 2)
+        return first_s + np.cumsum(steps.alive * (decode + starts * one))
 
     def rollout_wave(self, replicas) -> tuple[float, float]:
         """(wave_s, reward_s) for replicas (objects with gpu_type, tp, batch, share): the time an idle
@@ -374,17 +386,27 @@ class CostModel:
             part *= self.w.equal_fraction
         return wave, reward
 
-    def _one_wave(self, active, samples: float) -> float:
-        """Seconds for the slowest replica to generate `samples` sequences dealt out by share at once."""
+    def _one_wave(self, active, samples: float, join_s: float | None = None, pause_s: float = 0.0) -> float:
+        """Seconds for the slowest replica to generate `samples` sequences dealt out by share at
+        once (join_s: as many again join then, see joined_wave_s)."""
         n = [math.ceil(r.share * samples / self.w.group - 1e-9) * self.w.group for r in active]  # whole groups
         kinds = {(r.gpu_type, r.tp, r.batch, k) for r, k in zip(active, n)}  # replicas repeat
-        wave = max(self.wave_s(t, tp, b, k, samples) for t, tp, b, k in kinds)
+        if join_s is None:
+            wave = max(self.wave_s(t, tp, b, k, samples) for t, tp, b, k in kinds)
+        else:
+            wave = max(self.joined_wave_s(t, tp, b, k, samples, join_s, pause_s) for t, tp, b, k in kinds)
         # the slowest of m replicas, not the average one: the tokens a replica is dealt vary (sd
         # sqrt(n) sd(L) while it has a queue), and E[max of m] ~ mean + sd sqrt(2 ln m)
         d = self.lengths
         sd_len = math.sqrt(max(0.0, d.second_moment() - d.mean() ** 2))
         sd = max(math.sqrt(max(0.0, k - b)) * sd_len / self.decode_point(t, tp, b).tokens_per_s for t, tp, b, k in kinds)
         return wave + (sd * math.sqrt(2 * math.log(len(active))) if len(active) > 1 else 0.0)
+
+    def joined_wave(self, replicas, join_s: float, pause_s: float) -> float:
+        """One step's groups generated from idle while the next step's join after join_s seconds
+        (a weight update of pause_s with them): how a wave runs when the gate alternates (eta >= 1)."""
+        active = [r for r in replicas if r.share > 0] or list(replicas)
+        return self._one_wave(active, self.w.gen_samples, join_s, pause_s)
 
     def gen_s(self, theta_s: float, wave_s: float, train_s: float, sync_s: float) -> float:
         """Generation time of a step as the staleness gate lets it overlap training (reward included).

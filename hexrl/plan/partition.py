@@ -200,7 +200,7 @@ def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, t
         nodes = train_per_node(ev.cm.cluster, _as_counts(types, grid[i]))
         roll = ev.combined_rollout(nodes)
         if roll is not None and np.isfinite(train_lb[i]):
-            floors.append((step_times(ev.cm, train_lb[i], sync_lb[i], roll)[2], int(i), nodes, roll))
+            floors.append((step_times(ev.cm, train_lb[i], sync_lb[i], roll, joined=False)[2], int(i), nodes, roll))
     floors.sort(key=lambda f: f[:2])
     budget = budget if budget is not None else max(32, len(grid) // 20)
     estimates, k, spent = [], 0, 0
