@@ -73,3 +73,34 @@ def test_a_joining_step_slows_the_wave_less_the_later_it_joins():
     assert joined[0] > joined[1] > joined[2] > alone
     assert joined[3] == pytest.approx(alone)
     assert cm.joined_wave_s("H800", 1, 256, 320, 512, 0.5 * alone, 2.0) > joined[1]  # the weight update's pause
+
+
+def test_the_slowest_replica_against_a_monte_carlo_of_its_draws():
+    """Sixteen replicas, one batch each: the step waits for the slowest. Each replica's time
+    varies with its draws (its attention work, c x the sum of prompt L + L^2 / 2); the cost model
+    adds sd sqrt(2 ln m) to the mean wave. Against replicas decoded step by step from sampled lengths."""
+    from types import SimpleNamespace
+    from hexrl.schema import load_job
+    from hexrl.plan.cost import CostModel
+    cm = CostModel(load_job({
+        "model": {"preset": "r1-distill-qwen-1.5b"}, "data": {"synthetic": {}},
+        "rl": {"batch_size": 256, "group_size": 8, "max_new_tokens": 8192, "eta": 0},
+        "workload": {"prompt_len": 256, "output_len": {"mean": 5000, "max": 8192}},
+        "cluster": {"nodes": [{"name": f"n{i}", "gpu_type": "H800", "gpus": 8} for i in range(2)]},
+    }), use_profiles=False)
+    m, n = 16, 128
+    replicas = [SimpleNamespace(gpu_type="H800", tp=1, batch=256, share=1 / m) for _ in range(m)]
+    model = cm.rollout_wave(replicas)[0]
+    rng = np.random.default_rng(0)
+    c = cm.decode_coeffs("H800", 1, 1)[1]
+
+    def one_replica() -> float:
+        L = np.sort(cm.lengths.sample(rng, n))
+        step = np.arange(1, L.max() + 1)
+        alive = n - np.searchsorted(L, step, side="left")  # sequences still decoding at each step
+        decode = cm.decode_fixed_s("H800", 1, alive) + c * alive * (256 + step - 1)
+        return float(decode.sum()) + cm.prefill_s("H800", 1, n * 256, 128)
+
+    slowest = np.mean([max(one_replica() for _ in range(m)) for _ in range(30)])
+    assert model == pytest.approx(slowest, rel=0.03)
+    assert cm.wave_s("H800", 1, 256, n, m * n) < 0.97 * slowest  # the mean replica alone falls short

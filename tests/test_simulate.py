@@ -90,13 +90,25 @@ def paper_job(eta) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("eta,tol", [(0, 0.05), (1, 0.10), (4, 0.05), (None, 0.05)])
+@pytest.mark.parametrize("eta,tol", [(0, 0.05), (1, 0.08), (4, 0.05), (None, 0.05)])
 def test_simulation_agrees_with_the_planner_on_the_paper_setting(eta, tol):
-    """Planner and simulator agree within 5% (eta = 1: 10%, see README) on the paper's setting."""
+    """Planner and simulator agree within 5% on the paper's setting (eta = 1: +5.2%, see README),
+    over an even window of steps (at eta = 1 they alternate long, short)."""
     plan = plan_job(load_job(paper_job(eta), check_paths=False))
-    res = simulate(plan, steps=6, warmup=2)
+    res = simulate(plan, steps=20, warmup=4)
     assert res.violations == 0
     assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=tol)
+
+
+def test_the_gate_alternation_at_eta_1_is_priced():
+    """1.5B on 32 H800 at eta = 1: with training and generation nearly balanced, steps alternate
+    between training alone and waiting for a wave that the next step's groups slowed down
+    (CostModel.joined_wave). The planner's step was 20% short of the simulation before it priced that."""
+    job = json.loads((CONFIGS / "paper_1.5b_h800.json").read_text())
+    job["rl"]["eta"] = 1
+    plan = plan_job(load_job(job, check_paths=False))
+    res = simulate(plan, steps=12, warmup=4)
+    assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=0.05)
 
 
 @pytest.mark.parametrize("eta", [0, 1, 2, None])

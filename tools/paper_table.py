@@ -83,7 +83,7 @@ def agreement(steps: int) -> None:
                 job = json.loads((CONFIGS / f"paper_{size}_{name}.json").read_text())
                 job["rl"]["eta"] = eta
                 plan = plan_job(load_job(job, check_paths=False))
-                pred, got = plan.predicted["step_time_s"], simulate(plan, steps=steps, warmup=3).step_time_s
+                pred, got = plan.predicted["step_time_s"], simulate(plan, steps=steps, warmup=4).step_time_s
                 cells.append(f"{pred:6.0f} / {got:6.0f} ({got / pred - 1:+5.1%})")
             print(f"{size:<5} {name:<7} " + "  ".join(cells), flush=True)
 
@@ -96,7 +96,7 @@ def main():
     ap.add_argument("--no-sensitivity", action="store_true")
     args = ap.parse_args()
     if args.agreement:
-        return agreement(max(args.steps, 10))
+        return agreement(max(args.steps, 20) // 2 * 2)  # an even window: at eta = 1 steps alternate long, short
     sim = not args.no_sim
     kind = "simulated" if sim else "predicted"
     print(f"tokens/s ({kind}; planner prediction in brackets)")

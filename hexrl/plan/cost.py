@@ -395,12 +395,37 @@ class CostModel:
             wave = max(self.wave_s(t, tp, b, k, samples) for t, tp, b, k in kinds)
         else:
             wave = max(self.joined_wave_s(t, tp, b, k, samples, join_s, pause_s) for t, tp, b, k in kinds)
-        # the slowest of m replicas, not the average one: the tokens a replica is dealt vary (sd
-        # sqrt(n) sd(L) while it has a queue), and E[max of m] ~ mean + sd sqrt(2 ln m)
-        d = self.lengths
-        sd_len = math.sqrt(max(0.0, d.second_moment() - d.mean() ** 2))
-        sd = max(math.sqrt(max(0.0, k - b)) * sd_len / self.decode_point(t, tp, b).tokens_per_s for t, tp, b, k in kinds)
-        return wave + (sd * math.sqrt(2 * math.log(len(active))) if len(active) > 1 else 0.0)
+        if len(active) == 1:
+            return wave
+        # the slowest of m replicas, not the average one: E[max of m] ~ mean + sd sqrt(2 ln m)
+        sd = max(self._wave_sd(t, tp, b, k, samples, join_s, pause_s) for t, tp, b, k in kinds)
+        return wave + sd * math.sqrt(2 * math.log(len(active)))
+
+    def _wave_sd(self, gpu_type: str, tp: int, batch: int, n: float, n_all: float,
+                 join_s: float | None, pause_s: float) -> float:
+        """Standard deviation of one replica's wave time over its draws of n lengths: its queue's
+        tokens (sqrt(n - b) sd(L) / rate) and its attention work (c sqrt(n) sd(prompt L + L^2 / 2)).
+        Where the next step joins, a replica behind at the join runs more of its tail in full
+        batches: the sd grows as the tail after the join does."""
+        queue = math.sqrt(max(0.0, n - batch)) * self._length_sd()[0] / self.decode_point(gpu_type, tp, batch).tokens_per_s
+        attention = self.decode_coeffs(gpu_type, tp, 1)[1] * math.sqrt(n) * self._length_sd()[1]
+        sd = math.hypot(queue, attention)
+        if join_s is not None:
+            alone = self.wave_s(gpu_type, tp, batch, n, n_all)
+            if alone > join_s:
+                joined = self.joined_wave_s(gpu_type, tp, batch, n, n_all, join_s, pause_s)
+                sd *= max(1.0, (joined - join_s - pause_s) / (alone - join_s))
+        return sd
+
+    def _length_sd(self) -> tuple[float, float]:
+        """(sd of L, sd of prompt L + L^2 / 2: the context positions a sequence's steps read)."""
+        if not hasattr(self, "_sds"):
+            d = self.lengths
+            L, p = np.asarray(d.lengths, dtype=float), np.asarray(d.probs, dtype=float) / sum(d.probs)
+            work = self.w.prompt_len * L + L * L / 2
+            self._sds = (math.sqrt(max(0.0, (p * L * L).sum() - (p * L).sum() ** 2)),
+                         math.sqrt(max(0.0, (p * work * work).sum() - (p * work).sum() ** 2)))
+        return self._sds
 
     def joined_wave(self, replicas, join_s: float, pause_s: float) -> float:
         """One step's groups generated from idle while the next step's join after join_s seconds
@@ -411,11 +436,11 @@ class CostModel:
     def gen_s(self, theta_s: float, wave_s: float, train_s: float, sync_s: float) -> float:
         """Generation time of a step as the staleness gate lets it overlap training (reward included).
 
-        theta_s: the throughput makespan; wave_s: one step's groups generated from idle (the long
-        tail drains with nothing to overlap). eta = 0 waits for the whole wave every step. With
-        eta >= 1 the groups of step v + eta are handed out when step v's training ends, and must
-        be done before step v + eta + 1 trains: (eta + 1) steps take train + sync + wave, so a
-        step takes at least (train + sync + wave) / (eta + 1).
+        theta_s: the throughput makespan; wave_s: one step's groups generated from idle (eta = 0),
+        or from idle with the next step's joining when training ends (joined_wave, eta >= 1).
+        eta = 0 waits for the whole wave every step. With eta >= 1 the groups of step v + eta are
+        handed out when step v's training ends, and must be done before step v + eta + 1 trains:
+        (eta + 1) steps take train + sync + wave, so a step takes at least that / (eta + 1).
         """
         eta = self.w.eta
         if eta == 0:
