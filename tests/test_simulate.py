@@ -90,14 +90,14 @@ def paper_job(eta) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("eta,tol", [(0, 0.05), (1, 0.08), (4, 0.05), (None, 0.05)])
-def test_simulation_agrees_with_the_planner_on_the_paper_setting(eta, tol):
-    """Planner and simulator agree within 5% on the paper's setting (eta = 1: +5.2%, see README),
-    over an even window of steps (at eta = 1 they alternate long, short)."""
+@pytest.mark.parametrize("eta", [0, 1, 4, None])
+def test_simulation_agrees_with_the_planner_on_the_paper_setting(eta):
+    """Planner and simulator agree within 5% on the paper's setting, over an even window of
+    steps (at eta = 1 they alternate long, short)."""
     plan = plan_job(load_job(paper_job(eta), check_paths=False))
     res = simulate(plan, steps=20, warmup=4)
     assert res.violations == 0
-    assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=tol)
+    assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=0.05)
 
 
 def test_the_gate_alternation_at_eta_1_is_priced():

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 BINS = 1024  # step bins over the horizon: the renewal's resolution
-MAX_GENERATIONS = 48  # passes of the renewal; beyond this many batches a queue runs at full rate
+MAX_GENERATIONS = 48  # passes of the renewal (CostModel follows at most 16 batches of a queue in it)
 
 
 @dataclass
