@@ -391,30 +391,29 @@ class CostModel:
         once (join_s: as many again join then, see joined_wave_s)."""
         n = [math.ceil(r.share * samples / self.w.group - 1e-9) * self.w.group for r in active]  # whole groups
         kinds = {(r.gpu_type, r.tp, r.batch, k) for r, k in zip(active, n)}  # replicas repeat
-        if join_s is None:
-            wave = max(self.wave_s(t, tp, b, k, samples) for t, tp, b, k in kinds)
-        else:
-            wave = max(self.joined_wave_s(t, tp, b, k, samples, join_s, pause_s) for t, tp, b, k in kinds)
+        waves = {kind: self.wave_s(*kind, samples) if join_s is None else
+                 self.joined_wave_s(*kind, samples, join_s, pause_s) for kind in kinds}
+        wave = max(waves.values())
         if len(active) == 1:
             return wave
         # the slowest of m replicas, not the average one: E[max of m] ~ mean + sd sqrt(2 ln m)
-        sd = max(self._wave_sd(t, tp, b, k, samples, join_s, pause_s) for t, tp, b, k in kinds)
+        sd = max(self._wave_sd(*kind, samples, join_s, pause_s, waves[kind]) for kind in kinds)
         return wave + sd * math.sqrt(2 * math.log(len(active)))
 
     def _wave_sd(self, gpu_type: str, tp: int, batch: int, n: float, n_all: float,
-                 join_s: float | None, pause_s: float) -> float:
+                 join_s: float | None, pause_s: float, wave: float) -> float:
         """Standard deviation of one replica's wave time over its draws of n lengths: its queue's
         tokens (sqrt(n - b) sd(L) / rate) and its attention work (c sqrt(n) sd(prompt L + L^2 / 2)).
-        Where the next step joins, a replica behind at the join runs more of its tail in full
-        batches: the sd grows as the tail after the join does."""
-        queue = math.sqrt(max(0.0, n - batch)) * self._length_sd()[0] / self.decode_point(gpu_type, tp, batch).tokens_per_s
-        attention = self.decode_coeffs(gpu_type, tp, 1)[1] * math.sqrt(n) * self._length_sd()[1]
+        Where the next step joins (`wave`: that joined wave), a replica behind at the join runs
+        more of its tail in full batches: the sd grows as the tail after the join does."""
+        sd_len, sd_work = self._length_sd()
+        queue = math.sqrt(max(0.0, n - batch)) * sd_len / self.decode_point(gpu_type, tp, batch).tokens_per_s
+        attention = self.decode_coeffs(gpu_type, tp, 1)[1] * math.sqrt(n) * sd_work
         sd = math.hypot(queue, attention)
         if join_s is not None:
             alone = self.wave_s(gpu_type, tp, batch, n, n_all)
             if alone > join_s:
-                joined = self.joined_wave_s(gpu_type, tp, batch, n, n_all, join_s, pause_s)
-                sd *= max(1.0, (joined - join_s - pause_s) / (alone - join_s))
+                sd *= max(1.0, (wave - join_s - pause_s) / (alone - join_s))
         return sd
 
     def _length_sd(self) -> tuple[float, float]:
@@ -423,7 +422,7 @@ class CostModel:
             d = self.lengths
             L, p = np.asarray(d.lengths, dtype=float), np.asarray(d.probs, dtype=float) / sum(d.probs)
             work = self.w.prompt_len * L + L * L / 2
-            self._sds = (math.sqrt(max(0.0, (p * L * L).sum() - (p * L).sum() ** 2)),
+            self._sds = (math.sqrt(max(0.0, d.second_moment() - d.mean() ** 2)),
                          math.sqrt(max(0.0, (p * work * work).sum() - (p * work).sum() ** 2)))
         return self._sds
 
