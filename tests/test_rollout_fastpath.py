@@ -1,12 +1,16 @@
 """The engine's fast-path bookkeeping on CPU: the device-side page table, the decode-only schedule,
-the CUDA-graph buffers shared by every captured size, and the graph/workspace settings."""
+the CUDA-graph buffers shared by every captured size, the graph/workspace settings, and the CPU
+linears over prepacked oneDNN weights."""
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.attention import build_meta
+from hexrl.rollout.cpu_linear import PackedLinear, available, pack_linears
 from hexrl.rollout.cuda_graph import SharedGraphBuffers, batch_size_problems, default_batch_sizes, pick_size
 from hexrl.rollout.flashinfer_backend import WORKSPACE_BYTES, float_workspace_bytes, pad_csr
 from hexrl.rollout.pages import BlockTable, PagePool
@@ -121,3 +125,70 @@ def test_host_overhead_bench_runs_and_prints_its_headline(monkeypatch, capsys):
     bench_host_overhead.main()
     out = capsys.readouterr().out
     assert "host ms per decode step: " in out and "with the CPU torch sampler" in out
+
+
+needs_onednn = pytest.mark.skipif(not available(), reason="this torch build has no oneDNN linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("rows", [1, 7, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_a_float64_reference(rows, bias):
+    torch.manual_seed(rows)
+    lin = nn.Linear(96, 160, bias=bias)
+    assert pack_linears(lin) == [lin.forward]
+    x = torch.randn(rows, 96)
+    with torch.no_grad():
+        got = lin(x)
+    assert lin.forward.packed is not None  # the oneDNN path ran
+    want = x.double() @ lin.weight.double().t() + (lin.bias.double() if bias else 0)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+
+
+@needs_onednn
+def test_packed_linear_keeps_gradients_and_follows_weight_writes():
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 24)
+    pack_linears(lin)
+    x = torch.randn(5, 16)
+    lin(x).square().sum().backward()  # training takes F.linear: gradients flow, nothing is packed
+    assert lin.weight.grad is not None and lin.forward.packed is None
+
+    def plain():
+        return F.linear(x, lin.weight, lin.bias)
+
+    with torch.no_grad():
+        torch.testing.assert_close(lin(x), plain())
+        lin.weight.mul_(2)  # an in-place write bumps the version counter: repacked
+        torch.testing.assert_close(lin(x), plain())
+        lin.weight.data.mul_(2)  # a write the counter misses, as a broadcast into the weight is
+        stale = lin(x)
+        assert not torch.allclose(stale, plain())
+        lin.forward.drop()
+        torch.testing.assert_close(lin(x), plain())
+
+
+@needs_onednn
+def test_a_broadcast_style_weight_update_reaches_the_packed_linears(tmp_path):
+    """update_weights with a loader that writes through .data (as dist.broadcast does, leaving the
+    version counter alone) must still generate with the new weights."""
+    cfg = EngineConfig(page_size=4, max_pages=32)
+    paths = [make_tiny_model(tmp_path / name, seed=seed, vocab=64, tie=False) for name, seed in (("a", 0), ("b", 1))]
+
+    def run(engine):
+        return engine.generate([Request(0, [5, 6, 7, 8, 9], max_new_tokens=8, temperature=0.0, ignore_eos=True)])[0]
+
+    engine = Engine(load_pretrained(paths[0]), cfg, eos_ids=[])
+    assert len(engine.packed) == 7 * engine.model.cfg.num_hidden_layers + 1  # q, k, v, o, gate, up, down; lm_head
+    before = run(engine)
+    new = load_pretrained(paths[1]).state_dict()
+
+    def like_a_broadcast(model):
+        for name, p in model.named_parameters():
+            p.data.copy_(new[name])
+
+    engine.update_weights(like_a_broadcast, version=1)
+    after, fresh = run(engine), run(Engine(load_pretrained(paths[1]), cfg, eos_ids=[]))
+    assert after.token_ids == fresh.token_ids
+    torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
+    assert not torch.allclose(torch.tensor(before.logprobs), torch.tensor(fresh.logprobs), atol=1e-3)
