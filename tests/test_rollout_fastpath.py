@@ -192,3 +192,21 @@ def test_a_broadcast_style_weight_update_reaches_the_packed_linears(tmp_path):
     assert after.token_ids == fresh.token_ids
     torch.testing.assert_close(torch.tensor(after.logprobs), torch.tensor(fresh.logprobs), atol=1e-5, rtol=0)
     assert not torch.allclose(torch.tensor(before.logprobs), torch.tensor(fresh.logprobs), atol=1e-3)
+
+
+@needs_onednn
+def test_the_hf_comparison_runs_and_both_sides_agree(monkeypatch, capsys):
+    """tools/bench_cpu_vs_hf.py end to end at a toy size, HF given the same oneDNN linears: the two
+    sides' greedy tokens must be identical (the script prints 'NO' otherwise)."""
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    import bench_cpu_vs_hf
+
+    monkeypatch.setattr(sys, "argv", ["bench", "--batch", "3", "--prompt-len", "8", "--output-len", "5",
+                                      "--repeats", "1", "--hf-onednn"])
+    bench_cpu_vs_hf.main()
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if line.split()[:1] == ["3"]]
+    assert [r[1] for r in rows] == ["wall", "CPU"] and all(r[5] == "yes" for r in rows)

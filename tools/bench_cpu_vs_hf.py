@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hexrl.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from hexrl.model.tiny import make_tiny_model  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
+from hexrl.rollout.cpu_linear import pack_linears  # noqa: E402
 
 SHAPE = dict(vocab=16384, hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024, tie=False)
 
@@ -77,6 +78,8 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--hf-onednn", action="store_true",
+                   help="give HF the engine's CPU linears too (oneDNN, prepacked): compares the rest alone")
     args = p.parse_args()
     import transformers
 
@@ -85,8 +88,10 @@ def main() -> None:
         path = make_checkpoint(Path(tmp) / "qwen2-25m")
         ours_model = load_pretrained(path)
         hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    if args.hf_onednn and not pack_linears(hf):
+        raise SystemExit("--hf-onednn: this torch build has no oneDNN linear")
     n_params = sum(t.numel() for t in ours_model.parameters())
-    print(f"Qwen2 {n_params / 1e6:.1f}M params, fp32, greedy, prompt {args.prompt_len}, output {args.output_len}, "
+    print(f"Qwen2 {n_params / 1e6:.1f}M params, fp32, greedy, HF linears {'oneDNN' if args.hf_onednn else 'F.linear'}, prompt {args.prompt_len}, output {args.output_len}, "
           f"{args.threads} thread(s), {args.repeats} interleaved repeats; load average before: "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'batch':>5} {'clock':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours / HF':>10}  identical  "
