@@ -90,7 +90,8 @@ class EngineStats:
 
 
 class Engine:
-    """Continuous-batching generation for one (optionally TP-sharded) whole model."""
+    """Continuous-batching generation for one (optionally TP-sharded) whole model. On CPU the model's
+    fp32 linears are routed through oneDNN over prepacked weights (`cpu_linear.pack_linears`)."""
 
     def __init__(self, model: Decoder, config: EngineConfig | None = None, eos_ids: list[int] | int | None = None,
                  tokenizer=None, seed: int = 0):
