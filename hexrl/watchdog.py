@@ -73,7 +73,7 @@ class Watchdog:
         if self.store.check([FAILED]):
             return self.store.get(FAILED).decode()
         watched = range(self.world) if self.rank == 0 else [0]
-        now, silent, never = time.time(), {}, []
+        now, ages, never = time.time(), {}, []
         for r in watched:
             if r == self.rank or self.store.check([_done_key(r)]):
                 continue
@@ -81,11 +81,12 @@ class Watchdog:
                 if now - self._started > self.timeout:
                     never.append(r)
                 continue
-            age = now - float(self.store.get(_hb_key(r)).decode())
-            if age > self.timeout:
-                silent[r] = age
-        if silent:  # every silent rank at once: a lost node's ranks all stop together
-            return self._dead(sorted(silent), f"no heartbeat for {max(silent.values()):.0f} s (killed or hung)")
+            ages[r] = now - float(self.store.get(_hb_key(r)).decode())
+        if max(ages.values(), default=0.0) > self.timeout:
+            # a lost node's ranks stop together, but their last beats lie up to an interval apart:
+            # name every rank silent for half the timeout, not just the first past it
+            silent = sorted(r for r, age in ages.items() if age > self.timeout / 2)
+            return self._dead(silent, f"no heartbeat for {max(ages.values()):.0f} s (killed or hung)")
         return self._dead(never, "never sent a heartbeat") if never else None
 
     def lost_peers(self, wait_s: float | None = None) -> str | None:

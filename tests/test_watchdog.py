@@ -47,3 +47,21 @@ def test_clean_finish_is_not_a_failure():
     time.sleep(1.0)  # twice the timeout: silence of finished ranks must be ignored
     assert seen[0] == []
     dogs[0].finish()
+
+
+def test_ranks_of_a_lost_node_are_named_together_though_their_last_beats_differ():
+    """Node B's ranks 2 and 3 die together, but rank 3 had beaten once more (a third of the timeout
+    later): the report must name both, by node, not only the first to pass the timeout."""
+    store, seen = HashStore(), []
+    nodes = {0: "node 0 'A'", 1: "node 0 'A'", 2: "node 1 'B'", 3: "node 1 'B'"}
+    dogs = [Watchdog(store, r, 4, {r: "train" for r in range(4)}, interval_s=0.05, timeout_s=0.6,
+                     on_failure=seen.append if r == 0 else (lambda msg: None), nodes=nodes) for r in range(4)]
+    for d in dogs:
+        d.start()
+    dogs[2].stop()
+    time.sleep(0.2)
+    dogs[3].stop()
+    assert wait_for(lambda: seen)
+    assert seen[0].startswith("ranks 2, 3 on node 1 'B' (all its ranks) are gone: no heartbeat"), seen[0]
+    for d in dogs:
+        d.stop()
