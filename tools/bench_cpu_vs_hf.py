@@ -2,6 +2,7 @@
 
     python tools/bench_cpu_vs_hf.py                          # ~25M-param Qwen2, batch 1 and 32
     python tools/bench_cpu_vs_hf.py --batch 8 --repeats 7 --prompt-len 128 --output-len 128
+    python tools/bench_cpu_vs_hf.py --hf-onednn                # HF gets the engine's oneDNN CPU linears too
 
 A random ~25M-parameter Qwen2 checkpoint (lm_head sharpened so greedy picks have no near-ties)
 is written to a temporary directory and loaded by both sides. Per batch size, the two sides run
