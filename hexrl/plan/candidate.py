@@ -127,4 +127,6 @@ def step_times(cm: CostModel, train_s: float, sync_s: float, roll: RolloutPlan,
         wave = cm.joined_wave(roll.replicas, train_s + sync_s, sync_s)
     theta, wave = max(roll.gen_s, roll.reward_s - reward), max(wave, roll.reward_s - reward)
     gen = cm.gen_s(theta + reward, wave + reward, train_s, sync_s) - reward
+    if joined:  # the gate may cap what runs at once (filtered groups)
+        gen = cm.gated_gen_s(roll.replicas, train_s, sync_s, at_least=gen)
     return gen, reward, cm.step_s(train_s, gen + reward, sync_s)

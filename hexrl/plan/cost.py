@@ -432,6 +432,38 @@ class CostModel:
         active = [r for r in replicas if r.share > 0] or list(replicas)
         return self._one_wave(active, self.w.gen_samples, join_s, pause_s)
 
+    def gated_gen_s(self, replicas, train_s: float, sync_s: float, at_least: float) -> float:
+        """A step's generation time, at least `at_least`, when the staleness gate, not the GPUs, caps
+        the sequences in flight (1 <= eta < inf): what filtered groups make binding, as the B accepted
+        groups per step then take B / (1 - f) generated ones. Of the (eta + 1) B groups the gate
+        admits, the accepted and untrained ones average B (C / T + 1/2) over a step of T (the batch in
+        training is held for C = train + sync, acceptances arrive evenly), the rest run; a running
+        group decodes G mean(L) / E[max of G L] sequences on average, since it holds its slot until its
+        longest ends. Replicas get running groups by share (control/dispatch.py) and decode at that
+        batch. The generation time g these rates give falls as g grows: bisection finds the fixed point."""
+        w, eta = self.w, self.w.eta
+        active = [r for r in replicas if r.share > 0]
+        if eta in (0, None) or not active:
+            return at_least
+        groups, per_group = w.samples / w.group, w.group * self.lengths.mean() / self.lengths.expected_max(w.group)
+
+        def gen_at(gen: float) -> float:  # generation time at the concurrency a step of gen + sync leaves
+            running = groups * (eta + 0.5 - min(1.0, (train_s + sync_s) / (gen + sync_s)))
+            rate = sum(self.decode_point(r.gpu_type, r.tp, max(1, min(r.batch, round(running * per_group * r.share))))
+                       .tokens_per_s for r in active)
+            return w.gen_tokens / rate
+
+        lo = at_least
+        if lo <= 0 or gen_at(lo) <= lo:
+            return at_least  # the gate leaves enough running: not binding
+        hi = 2 * lo
+        while gen_at(hi) > hi:
+            hi *= 2
+        while hi - lo > 1e-4 * hi:
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if gen_at(mid) > mid else (lo, mid)
+        return hi
+
     def gen_s(self, theta_s: float, wave_s: float, train_s: float, sync_s: float) -> float:
         """Generation time of a step as the staleness gate lets it overlap training (reward included).
 
