@@ -92,7 +92,9 @@ def main() -> None:
     if args.hf_onednn and not pack_linears(hf):
         raise SystemExit("--hf-onednn: this torch build has no oneDNN linear")
     n_params = sum(t.numel() for t in ours_model.parameters())
-    print(f"Qwen2 {n_params / 1e6:.1f}M params, fp32, greedy, HF linears {'oneDNN' if args.hf_onednn else 'F.linear'}, prompt {args.prompt_len}, output {args.output_len}, "
+    hf_linears = "oneDNN" if args.hf_onednn else "F.linear"
+    print(f"Qwen2 {n_params / 1e6:.1f}M params, fp32, greedy, HF linears {hf_linears}, prompt {args.prompt_len}, "
+          f"output {args.output_len}, "
           f"{args.threads} thread(s), {args.repeats} interleaved repeats; load average before: "
           f"{os.getloadavg()[0]:.1f}")
     print(f"{'batch':>5} {'clock':>5} {'ours tok/s':>11} {'HF tok/s':>10} {'ours / HF':>10}  identical  "
