@@ -445,7 +445,7 @@ class CostModel:
         active = [r for r in replicas if r.share > 0]
         if eta in (0, None) or not active:
             return at_least
-        groups, per_group = w.samples / w.group, w.group * self.lengths.mean() / self.lengths.expected_max(w.group)
+        groups, per_group = w.samples / w.group, self._decoding_per_group()
 
         def gen_at(gen: float) -> float:  # generation time at the concurrency a step of gen + sync leaves
             running = groups * (eta + 0.5 - min(1.0, (train_s + sync_s) / (gen + sync_s)))
@@ -463,6 +463,14 @@ class CostModel:
             mid = (lo + hi) / 2
             lo, hi = (mid, hi) if gen_at(mid) > mid else (lo, mid)
         return hi
+
+    def _decoding_per_group(self) -> float:
+        """Sequences a running group decodes on average, G mean(L) / E[max of G L] (memoised: the
+        search asks for every candidate, and a length distribution given as samples is long)."""
+        if not hasattr(self, "_per_group"):
+            d, g = self.lengths, self.w.group
+            self._per_group = g * d.mean() / d.expected_max(g)
+        return self._per_group
 
     def gen_s(self, theta_s: float, wave_s: float, train_s: float, sync_s: float) -> float:
         """Generation time of a step as the staleness gate lets it overlap training (reward included).

@@ -49,7 +49,7 @@ class PackedLinear:
         w, b = self.linear.weight, self.linear.bias
         if x.dtype != torch.float32 or w.dtype != torch.float32 or (torch.is_grad_enabled() and w.requires_grad):
             return F.linear(x, w, b)
-        if self.packed is None or w is not self.source or w._version != self.version:
+        if w is not self.source or w._version != self.version:  # drop() clears source
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
             self.source, self.version = w, w._version
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, b, "none", [], "")
