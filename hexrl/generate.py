@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from hexrl.model.checkpoint import load_pretrained
     from hexrl.rollout import Engine, EngineConfig, Request
-    from hexrl.tokenizer import load_tokenizer
+    from hexrl.data.tokenizer import load_tokenizer
 
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     try:

@@ -5,7 +5,7 @@ one-direction NVLink/PCIe bandwidth per GPU) plus a default rental price. H800 a
 follow the AReaL-Hex paper (§3, §4.4): H800 756 TFLOP/s, 2 TB/s HBM (the paper's figure;
 the SXM datasheet says 3.35 TB/s), 200 GB/s NVLink, $5.28/h; H20 148 TFLOP/s, 4 TB/s,
 450 GB/s NVLink, $1.85/h. The efficiency factors are what a good stack reaches in
-practice; `tools/bench_kernels.py` measures them and writes `profiles/<gpu>.json`.
+practice; `tools/bench/bench_kernels.py` measures them and writes `profiles/<gpu>.json`.
 """
 
 import json
@@ -29,7 +29,7 @@ class GPU:
     hbm_efficiency: float = 0.75  # fraction of HBM bandwidth decode reaches
     decode_overhead_s: float = 2e-3  # per decode step: scheduler, launches, sampling
     # per finished sample, between decode steps: detokenize, hand to the reward workers, send the
-    # trajectory (the rollout leader's host work; tools/bench_kernels.py measures it)
+    # trajectory (the rollout leader's host work; tools/bench/bench_kernels.py measures it)
     host_s_per_sample: float = 2e-4
     # per trajectory the controller receives (seal checked, decoded, admitted, filed): its thread
     # shares trainer rank 0's core, so at eta >= 1 this slows training (bench_kernels measures it)

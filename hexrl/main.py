@@ -4,7 +4,7 @@
 
 The plan is checked against the torchrun world before any collective. After the default
 group exists (its store carries failures to every node), each rank checks that torchrun put
-it on the node the plan says (`hexrl.nodes`) and that every node read the same plan. Then every rank
+it on the node the plan says (`hexrl.runtime.nodes`) and that every node read the same plan. Then every rank
 creates the same process groups in the same order (the trainer grid, one weight-sync group
 per pipeline stage, one TP group per rollout replica), starts the watchdog, and runs
 `hexrl.train.worker.run_trainer` or `hexrl.rollout.worker.run_rollout`.
@@ -15,46 +15,20 @@ import argparse
 import os
 import sys
 import traceback
-from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hexrl import affinity, dist_rules
-from hexrl.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
-from hexrl.preflight import Inputs, check_inputs
-from hexrl.schema import ConfigError, Plan, TrainerLayout, load_plan
-from hexrl.watchdog import Watchdog, describe_exception
+from hexrl.runtime import affinity, dist_rules
+from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
+from hexrl.runtime.context import RankContext
+from hexrl.runtime.preflight import Inputs, check_inputs
+from hexrl.schema import ConfigError, Plan, load_plan
+from hexrl.runtime.watchdog import Watchdog, describe_exception
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # long steps are fine; dead peers are the watchdog's job
-
-
-@dataclass
-class RankContext:
-    """What a role's loop needs: the plan, who it is, and the groups it belongs to."""
-
-    plan: Plan
-    rank: int
-    local_rank: int
-    device: torch.device
-    run_dir: Path
-    resume: Path | None
-    store: object
-    layout: TrainerLayout  # the plan's trainer grid, every slot's global rank filled in
-    sync_groups: list  # per pipeline stage: (src rank, group) for the weight broadcast
-    replica_group: object  # this rollout rank's TP group (None for TP 1 or trainer ranks)
-    watchdog: Watchdog
-    inputs: Inputs  # the checked, tokenized prompts (tokenized once, by the checks)
-
-    @property
-    def info(self):
-        return self.plan.ranks[self.rank]
-
-    @property
-    def controller_rank(self) -> int:
-        return self.layout.rank(0, 0, 0)  # trainer slot (stage 0, dp 0, tp 0) hosts the controller
 
 
 def build_groups(plan: Plan) -> tuple[list, dict]:
@@ -62,7 +36,7 @@ def build_groups(plan: Plan) -> tuple[list, dict]:
 
     Every rank calls new_group for every group in the same order (torch requires it); only
     members get a communicator. The first use of each is a collective of all its members (a
-    broadcast; the engine's page-count agreement), never p2p (rules: hexrl/dist_rules.py).
+    broadcast; the engine's page-count agreement), never p2p (rules: hexrl/runtime/dist_rules.py).
     """
     rollout = plan.rollout_ranks()
     sync = []
@@ -127,7 +101,7 @@ def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
 
 
 def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
-    """The process group, and this rank's compute device declared to hexrl.dist_rules (whose strict
+    """The process group, and this rank's compute device declared to hexrl.runtime.dist_rules (whose strict
     mode, under HEXRL_STRICT_COLLECTIVES=1, checks every collective against the NCCL rules)."""
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank)

@@ -94,23 +94,23 @@ class TokenLogprobs(torch.autograd.Function):
     """Differentiable token log-probs on [N, V] logits; `kernels` picks Triton or torch."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, kernels: bool):
+    def forward(state, logits, targets, temperature: float, kernels: bool):
         if kernels:
             out, lse = _fwd_triton(logits, targets, temperature)
         else:
             out = token_logprobs_torch(logits, targets, temperature)
             lse = torch.logsumexp(logits.to(out.dtype) / temperature, dim=-1)
-        ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.kernels = temperature, kernels
+        state.save_for_backward(logits, targets, lse)
+        state.temperature, state.kernels = temperature, kernels
         return out
 
     @staticmethod
-    def backward(ctx, grad):
-        logits, targets, lse = ctx.saved_tensors
-        if ctx.kernels:
-            dx = _bwd_triton(logits, targets, lse, grad, ctx.temperature)
+    def backward(state, grad):
+        logits, targets, lse = state.saved_tensors
+        if state.kernels:
+            dx = _bwd_triton(logits, targets, lse, grad, state.temperature)
         else:
-            dx = token_logprobs_grad_torch(logits, targets, lse, grad, ctx.temperature)
+            dx = token_logprobs_grad_torch(logits, targets, lse, grad, state.temperature)
         return dx, None, None, None
 
 

@@ -6,7 +6,7 @@ if shutil.which("nvidia-smi") is None:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # Every torch.distributed call made by tests, spawned worlds and torchrun jobs they start is
-# checked against the NCCL rules (hexrl/dist_rules.py); a test may set it to 0 to opt out.
+# checked against the NCCL rules (hexrl/runtime/dist_rules.py); a test may set it to 0 to opt out.
 os.environ.setdefault("HEXRL_STRICT_COLLECTIVES", "1")
 
 import torch  # noqa: E402

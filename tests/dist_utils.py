@@ -20,7 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hexrl.dist_rules import maybe_install
+from hexrl.runtime.dist_rules import maybe_install
 
 
 class WorldError(RuntimeError):
@@ -53,10 +53,10 @@ def _entry(fn, rank: int, world_size: int, port: int, results, args) -> None:
 
 def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
     """fn(rank, world_size, *args) on every rank of a fresh gloo world; returns results by rank."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
+    spawn = mp.get_context("spawn")
+    results = spawn.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, results, args), daemon=True)
+    procs = [spawn.Process(target=_entry, args=(fn, r, world_size, port, results, args), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from hexrl.affinity import core_problems, proc_cpu_seconds
+from hexrl.runtime.affinity import core_problems, proc_cpu_seconds
 from hexrl.schema import ConfigError, load_job
 from hexrl.schema.affinity import CpuAffinity
 
@@ -69,7 +69,7 @@ def test_proc_cpu_seconds_agrees_with_getrusage():
 
 PIN_SCRIPT = textwrap.dedent("""
     import json, os, sys, threading, time
-    from hexrl.affinity import pin, write_usage
+    from hexrl.runtime.affinity import pin, write_usage
     from hexrl.schema.affinity import CpuAffinity
     core = int(sys.argv[1])
     stop = threading.Event()
@@ -99,7 +99,7 @@ def test_a_rank_pins_itself_and_reports_its_use(tmp_path):
 
 def test_pinning_to_a_core_outside_the_allowed_set_fails_loudly():
     bad = max(os.sched_getaffinity(0)) + 1000
-    script = ("from hexrl.affinity import pin; from hexrl.schema.affinity import CpuAffinity; "
+    script = ("from hexrl.runtime.affinity import pin; from hexrl.schema.affinity import CpuAffinity; "
               f"pin(CpuAffinity([[{bad}]]), 0)")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)

@@ -11,9 +11,9 @@ import torch
 
 from hexrl.main import load_checked_plan
 from hexrl.model.tiny import make_tiny_model
-from hexrl.preflight import check_inputs, run_prompts
+from hexrl.runtime.preflight import check_inputs, run_prompts
 from hexrl.schema import load_job
-from hexrl.tokenizer import TokenizerError, load_tokenizer
+from hexrl.data.tokenizer import TokenizerError, load_tokenizer
 from hexrl.train import checkpoint as ckpt
 from runtime_utils import ROOT, metrics, torchrun, write_job
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TOOLS = Path(__file__).resolve().parents[1] / "tools" / "bench"
 sys.path.insert(0, str(TOOLS))
 
 import bench_kernels  # noqa: E402
@@ -127,7 +127,7 @@ def test_decode_roofline_by_hand():
 
 
 def test_gpu_check_script_is_valid_bash():
-    script = TOOLS / "gpu_check.sh"
+    script = TOOLS.parent / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     for stage in ("pytest -m gpu", "bench_kernels.py", "compare_cost_model.py", "bench_sampling.py",

@@ -1,4 +1,5 @@
-"""hexrl.comm: msgpack messages over ZeroMQ, validation of everything received, endpoint exchange."""
+"""hexrl.comm: msgpack messages (wire) over ZeroMQ (channel), validation of everything received, endpoint
+exchange (store)."""
 import dataclasses
 
 import msgpack
@@ -8,8 +9,9 @@ import torch
 import torch.distributed as dist
 import zmq
 
-from hexrl import comm
-from hexrl.comm import DealerChannel, MessageError, RouterChannel, message
+from hexrl.comm import channel, store, wire
+from hexrl.comm.channel import DealerChannel, RouterChannel
+from hexrl.comm.wire import MessageError, message
 from hexrl.trajectory import Trajectory
 
 
@@ -43,8 +45,8 @@ def same(a, b) -> bool:
 
 def test_every_message_type_round_trips():
     for msg in one_of_each():
-        assert same(msg, comm.decode(comm.encode(msg))), msg["type"]
-    assert set(m["type"] for m in one_of_each()) == set(comm.SCHEMAS)
+        assert same(msg, wire.decode(wire.encode(msg))), msg["type"]
+    assert set(m["type"] for m in one_of_each()) == set(wire.SCHEMAS)
 
 
 def test_arrays_round_trip_with_dtype_and_shape():
@@ -60,7 +62,7 @@ def test_arrays_round_trip_with_dtype_and_shape():
         "t_bool": torch.tensor([True, False, True]),
         "scalar": torch.tensor(3.5),
     }
-    back = comm.decode(comm.encode(message("stats", rank=0, time=0.0, values=values)))["values"]
+    back = wire.decode(wire.encode(message("stats", rank=0, time=0.0, values=values)))["values"]
     for k, v in values.items():
         expect = np.ascontiguousarray(v) if isinstance(v, np.ndarray) else v.contiguous()
         assert same(expect, back[k]), k
@@ -68,31 +70,31 @@ def test_arrays_round_trip_with_dtype_and_shape():
 
 def test_disallowed_dtype_and_bad_fields_refused_at_send():
     with pytest.raises(MessageError, match="float64"):
-        comm.encode(message("stats", rank=0, time=0.0, values={"x": np.zeros(3)}))
+        wire.encode(message("stats", rank=0, time=0.0, values={"x": np.zeros(3)}))
     with pytest.raises(MessageError) as e:  # every problem named at once
-        comm.encode(message("prompt", group_id="7", problem_id=1, prompt_ids=[1, 2.5], sampling={}, version=0))
+        wire.encode(message("prompt", group_id="7", problem_id=1, prompt_ids=[1, 2.5], sampling={}, version=0))
     assert e.value.reason == "bad_fields"
     for field in ("group_id", "prompt_ids", "'n'"):
         assert field in str(e.value)
     with pytest.raises(MessageError, match="differ in length"):
-        comm.encode(message("trajectory", group_id=1, prompt_ids=[1], completion_ids=[2, 3], logprobs=[-1.0],
+        wire.encode(message("trajectory", group_id=1, prompt_ids=[1], completion_ids=[2, 3], logprobs=[-1.0],
                             versions=[0, 0], reward=0.0, finish_reason="eos"))
     with pytest.raises(MessageError, match="bool"):  # a bool is not an int
-        comm.encode(message("heartbeat", rank=True, time=1.0))
+        wire.encode(message("heartbeat", rank=True, time=1.0))
 
 
 def test_trajectory_conversion_round_trip():
     traj = Trajectory(group_id=3, prompt_ids=[5, 6], completion_ids=[7, 8, 9], logprobs=[-0.1, -2.0, -0.75],
                       versions=[4, 4, 5], reward=0.5, finish_reason="length", problem_id="q1", meta={"a": [1]})
-    msg = comm.trajectory_to_msg(traj, rank=2)
+    msg = wire.trajectory_to_msg(traj, rank=2)
     assert {f.name for f in dataclasses.fields(Trajectory)} <= msg.keys()  # no field left behind
-    back = comm.msg_to_trajectory(comm.decode(comm.encode(msg)))
+    back = wire.msg_to_trajectory(wire.decode(wire.encode(msg)))
     assert back == traj
     # arrays on the wire become plain lists again
-    msg = comm.trajectory_to_msg(traj)
+    msg = wire.trajectory_to_msg(traj)
     msg.update(completion_ids=np.array([7, 8, 9], np.int32), logprobs=torch.tensor([-0.5, -2.0, -0.75]),
                versions=np.array([4, 4, 5], np.int64))
-    back = comm.msg_to_trajectory(comm.decode(comm.encode(msg)))
+    back = wire.msg_to_trajectory(wire.decode(wire.encode(msg)))
     assert back.completion_ids == [7, 8, 9] and back.logprobs == [-0.5, -2.0, -0.75] and back.versions == [4, 4, 5]
     assert all(type(x) is int for x in back.completion_ids) and all(type(x) is float for x in back.logprobs)
 
@@ -120,7 +122,7 @@ def bad_payloads() -> dict[str, list[bytes]]:
     }
 
 
-SECRET = b"s" * 32  # a real job draws one with comm.new_secret()
+SECRET = b"s" * 32  # a real job draws one with channel.new_secret()
 
 
 def connected_pair():
@@ -156,7 +158,7 @@ def test_router_rejects_bad_input_and_keeps_receiving():
     raw = zmq.Context.instance().socket(zmq.DEALER)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(router.endpoint)
-    member = comm.Auth(SECRET, "replica-7")  # a member of the job sending bad payloads
+    member = channel.Auth(SECRET, "replica-7")  # a member of the job sending bad payloads
     try:
         expected = {}
         for reason, payloads in bad_payloads().items():
@@ -165,7 +167,7 @@ def test_router_rejects_bad_input_and_keeps_receiving():
             expected[reason] = len(payloads)
         raw.send_multipart([b"a", b"b", b"c"])  # three frames where two are expected
         expected["bad_frames"] = 1
-        good = comm.encode(message("heartbeat", rank=9, time=2.0))
+        good = wire.encode(message("heartbeat", rank=9, time=2.0))
         raw.send_multipart([member.seal(good), good])
         got = router.recv(timeout_s=10)
         assert got is not None and got[0] == "replica-7" and got[1]["rank"] == 9
@@ -188,15 +190,15 @@ def test_router_refuses_outsiders_forgeries_and_replays():
     try:
         assert dealer.send(message("heartbeat", rank=0, time=0.0))
         assert router.recv(timeout_s=10)[0] == "replica-0"
-        hb = comm.encode(message("heartbeat", rank=5, time=1.0))
-        err = comm.encode(message("error", rank=0, cause="forged"))
+        hb = wire.encode(message("heartbeat", rank=5, time=1.0))
+        err = wire.encode(message("error", rank=0, cause="forged"))
         spoof.send(err)  # no auth frame at all
-        spoof.send_multipart([comm.Auth(b"w" * 32, "replica-0").seal(err), err])  # wrong secret
-        sealed = comm.Auth(SECRET, "replica-9").seal(hb)
+        spoof.send_multipart([channel.Auth(b"w" * 32, "replica-0").seal(err), err])  # wrong secret
+        sealed = channel.Auth(SECRET, "replica-9").seal(hb)
         spoof.send_multipart([sealed, err])  # a member's seal on another payload
         spoof.send_multipart([sealed, hb])  # valid: accepted once...
         spoof.send_multipart([sealed, hb])  # ...and refused when replayed
-        spoof.send_multipart([comm.Auth(SECRET, comm.CONTROLLER).seal(hb), hb])  # the controller's name
+        spoof.send_multipart([channel.Auth(SECRET, channel.CONTROLLER).seal(hb), hb])  # the controller's name
         got = router.recv(timeout_s=10)
         assert got[0] == "replica-9" and got[1]["rank"] == 5
         assert dealer.send(message("heartbeat", rank=0, time=3.0))  # the real replica is not cut off
@@ -234,18 +236,18 @@ def test_dealer_rejects_bad_input_and_keeps_receiving():
     port = raw.bind_to_random_port("tcp://127.0.0.1")
     dealer = DealerChannel("replica-1", SECRET, max_bytes=4096)
     dealer.connect(f"tcp://127.0.0.1:{port}")
-    controller = comm.Auth(SECRET, comm.CONTROLLER)
+    controller = channel.Auth(SECRET, channel.CONTROLLER)
     try:
         assert dealer.send(message("heartbeat", rank=1, time=0.0))
         ident, auth, payload = raw.recv_multipart()  # learn the dealer's routing id
-        assert comm.Auth(SECRET, comm.CONTROLLER).open(auth, payload) == "replica-1"
+        assert channel.Auth(SECRET, channel.CONTROLLER).open(auth, payload) == "replica-1"
         for payloads in bad_payloads().values():
             for p in payloads:
                 raw.send_multipart([ident, controller.seal(p), p])
-        other = comm.encode(message("stop", reason="from another replica"))
-        raw.send_multipart([ident, comm.Auth(SECRET, "replica-2").seal(other), other])
+        other = wire.encode(message("stop", reason="from another replica"))
+        raw.send_multipart([ident, channel.Auth(SECRET, "replica-2").seal(other), other])
         good = message("prompt", group_id=1, problem_id=0, prompt_ids=[3], n=2, sampling={}, version=0)
-        payload = comm.encode(good)
+        payload = wire.encode(good)
         raw.send_multipart([ident, controller.seal(payload), payload])
         assert same(good, dealer.recv(timeout_s=10))
         assert dict(dealer.rejected) == {**{r: len(p) for r, p in bad_payloads().items()}, "bad_auth": 1}
@@ -259,10 +261,10 @@ def test_endpoint_exchange_through_tcpstore():
     client = dist.TCPStore("127.0.0.1", master.port, is_master=False)
     router = RouterChannel(SECRET)
     try:
-        comm.publish_endpoint(master, "controller", router.bind("127.0.0.1"))
-        comm.publish_secret(master, SECRET)
-        assert comm.lookup_secret(client, timeout_s=10) == SECRET
-        endpoint = comm.lookup_endpoint(client, "controller", timeout_s=10)
+        store.publish_endpoint(master, "controller", router.bind("127.0.0.1"))
+        store.publish_secret(master, SECRET)
+        assert store.lookup_secret(client, timeout_s=10) == SECRET
+        endpoint = store.lookup_endpoint(client, "controller", timeout_s=10)
         assert endpoint == router.endpoint and endpoint.startswith("tcp://127.0.0.1:")
         dealer = DealerChannel("replica-2", SECRET)
         dealer.connect(endpoint)
@@ -270,9 +272,9 @@ def test_endpoint_exchange_through_tcpstore():
         assert router.recv(timeout_s=10)[0] == "replica-2"
         dealer.close()
         with pytest.raises(TimeoutError, match="missing"):
-            comm.lookup_endpoint(client, "missing", timeout_s=0.1)
+            store.lookup_endpoint(client, "missing", timeout_s=0.1)
         with pytest.raises(ValueError):
-            comm.publish_endpoint(master, "bad", "localhost:1234")
+            store.publish_endpoint(master, "bad", "localhost:1234")
     finally:
         router.close()
 
@@ -296,6 +298,6 @@ def test_wildcard_bind_advertises_a_connectable_address():
 
 
 def test_endpoint_exchange_through_hashstore():
-    store = dist.HashStore()
-    comm.publish_endpoint(store, "replica-0", "tcp://10.0.0.1:5555")
-    assert comm.lookup_endpoint(store, "replica-0", timeout_s=1) == "tcp://10.0.0.1:5555"
+    hash_store = dist.HashStore()
+    store.publish_endpoint(hash_store, "replica-0", "tcp://10.0.0.1:5555")
+    assert store.lookup_endpoint(hash_store, "replica-0", timeout_s=1) == "tcp://10.0.0.1:5555"

@@ -51,15 +51,15 @@ def test_gate_eta2_formula():
     assert StalenessGate(4, None).capacity(0) == math.inf
 
 
-def test_max_running_bounds_an_unbounded_gate():
-    gate = StalenessGate(batch_size=2, eta=None, max_running=3)
+def test_max_concurrent_rollouts_bounds_an_unbounded_gate():
+    gate = StalenessGate(batch_size=2, eta=None, max_concurrent_rollouts=3)
     assert [gate.try_acquire(0) for _ in range(4)] == [True, True, True, False]  # 3 generating at once
     gate.on_accepted(2)
     assert gate.capacity(0) == 2  # accepted groups no longer generate; staleness stays unbounded
-    bounded = StalenessGate(batch_size=2, eta=1, max_running=100)
+    bounded = StalenessGate(batch_size=2, eta=1, max_concurrent_rollouts=100)
     assert bounded.capacity(0) == 4  # the formula binds first
-    with pytest.raises(ValueError, match="max_running"):
-        StalenessGate(2, None, max_running=0)
+    with pytest.raises(ValueError, match="max_concurrent_rollouts"):
+        StalenessGate(2, None, max_concurrent_rollouts=0)
 
 
 def test_gate_staleness_check_counts():

@@ -4,8 +4,9 @@ import json
 
 import pytest
 
-from hexrl.data import Problem, load_jsonl, make_arithmetic, make_arithmetic_split, split_heldout, write_jsonl
-from hexrl.tokenizer import CharTokenizer
+from hexrl.data.problems import Problem
+from hexrl.data.datasets import load_jsonl, make_arithmetic, make_arithmetic_split, split_heldout, write_jsonl
+from hexrl.data.tokenizer import CharTokenizer
 
 
 def _write_lines(path, lines):

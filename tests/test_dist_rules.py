@@ -1,4 +1,4 @@
-"""Strict collectives (hexrl/dist_rules.py): each NCCL rule breaks loudly on gloo too, naming itself.
+"""Strict collectives (hexrl/runtime/dist_rules.py): each NCCL rule breaks loudly on gloo too, naming itself.
 
 conftest.py turns strict mode on for every test, so these worlds run with the wrapper installed.
 """
@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import WorldError, run_world
-from hexrl import dist_rules
+from hexrl.runtime import dist_rules
 
 
 def p2p_without_group(rank, world):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hexrl.tokenizer import CharTokenizer
+from hexrl.data.tokenizer import CharTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 from hexrl.model.tiny import make_tiny_model

@@ -1,10 +1,11 @@
-"""A short version of the learning experiment (tools/learning_run.py): asynchronous GRPO must
+"""A short version of the learning experiment (tools/experiments/learning_run.py): asynchronous GRPO must
 improve a warm-started model, measured by sampled reward and by greedy held-out accuracy."""
 import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+sys.path[:0] = [str(TOOLS), str(TOOLS / "experiments")]
 import learning_run  # noqa: E402
 import warm_start  # noqa: E402
 

@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import warm_start  # noqa: E402
 
-from hexrl.nodes import address_problems, placement_problems, plan_digest
+from hexrl.runtime.nodes import address_problems, placement_problems, plan_digest
 from hexrl.schema import ConfigError, load_job, load_plan
-from hexrl.watchdog import Watchdog
+from hexrl.runtime.watchdog import Watchdog
 from dist_utils import free_port
 from runtime_utils import ROOT, metrics, torchrun, torchrun_node, wait_for, worker_pids, write_job
 

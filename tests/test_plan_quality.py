@@ -1,8 +1,8 @@
 """Plan quality: the two-phase planner's predicted step time is within 2% of exhaustive search
 over every split, on random heterogeneous clusters drawn across the whole space of issue 16
-(tools/plan_quality.py: 2-4 GPU types, 16-40 GPUs, 1.5B/7B/14B, eta in {0,1,2,4,8,inf}, links
+(tools/experiments/plan_quality.py: 2-4 GPU types, 16-40 GPUs, 1.5B/7B/14B, eta in {0,1,2,4,8,inf}, links
 0.2-50 GB/s). CI runs the clusters whose exhaustive search is quick; the slow tests add the
-case the issue found 28% off and more clusters; `python tools/plan_quality.py` runs 200."""
+case the issue found 28% off and more clusters; `python tools/experiments/plan_quality.py` runs 200."""
 
 import sys
 from pathlib import Path
@@ -14,7 +14,7 @@ from hexrl.plan.cost import CostModel
 from hexrl.plan.candidate import Evaluator
 from hexrl.plan.partition import exhaustive, n_splits, two_phase
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
 from plan_quality import KNOWN_BAD, random_job  # noqa: E402
 
 
@@ -60,7 +60,7 @@ def test_the_case_issue_16_found_28_percent_off():
     check(KNOWN_BAD)
 
 
-# Clusters where the planner was more than 2% off before the estimate sweep (tools/plan_quality.py,
+# Clusters where the planner was more than 2% off before the estimate sweep (tools/experiments/plan_quality.py,
 # 7 of 200; seed: ratio): its lower bounds ranked the optimum's split 109th to 2,332nd, and the
 # budget ran out first. The two quickest run in CI; the others with -m slow (214, at 1.147 the
 # worst, and 9 and 11 take minutes of exhaustive search: the 200-cluster run covers them).

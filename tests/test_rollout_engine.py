@@ -203,7 +203,7 @@ def test_stop_ids_eos_and_seeded_sampling(ckpts):
 
 
 def test_stop_strings_with_a_tokenizer(tmp_path):
-    from hexrl.tokenizer import CharTokenizer
+    from hexrl.data.tokenizer import CharTokenizer
 
     path = make_tiny_model(tmp_path / "m", vocab=64, tokenizer="char")
     tok = CharTokenizer()

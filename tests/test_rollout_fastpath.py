@@ -118,7 +118,7 @@ def test_host_overhead_bench_runs_and_prints_its_headline(monkeypatch, capsys):
     import sys
     from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
     import bench_host_overhead
 
     monkeypatch.setattr(sys, "argv", ["bench", "--batch", "4", "--context", "8", "--steps", "3", "--repeats", "1"])
@@ -196,13 +196,13 @@ def test_a_broadcast_style_weight_update_reaches_the_packed_linears(tmp_path):
 
 @needs_onednn
 def test_the_hf_comparison_runs_and_both_sides_agree(monkeypatch, capsys):
-    """tools/bench_cpu_vs_hf.py end to end at a toy size, HF given the same oneDNN linears: the two
+    """tools/bench/bench_cpu_vs_hf.py end to end at a toy size, HF given the same oneDNN linears: the two
     sides' greedy tokens must be identical (the script prints 'NO' otherwise)."""
     import sys
     from pathlib import Path
 
     pytest.importorskip("transformers")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools"))
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
     import bench_cpu_vs_hf
 
     monkeypatch.setattr(sys, "argv", ["bench", "--batch", "3", "--prompt-len", "8", "--output-len", "5",

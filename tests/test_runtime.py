@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import zmq
 
-from hexrl.comm import SCHEMA_VERSION
+from hexrl.comm.wire import SCHEMA_VERSION
 from runtime_utils import metrics, torchrun, wait_for, worker_pids, write_job
 
 REQUIRED = ("step", "version", "reward_mean", "trajectories_accepted", "trajectories_filtered",

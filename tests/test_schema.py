@@ -94,6 +94,17 @@ def test_defaults_and_eta_null_means_unbounded():
     assert job.rl.eta is None and job.rl.top_k == 0
 
 
+def test_max_concurrent_rollouts_and_the_old_name_refused():
+    d = small_job()
+    assert load_job(d).rl.max_concurrent_rollouts == (4 + 1) * 4  # (eta + 1) * batch_size: never binds
+    d["rl"] = {**d["rl"], "max_concurrent_rollouts": 3}
+    assert load_job(d).rl.max_concurrent_rollouts == 3
+    d["rl"] = {**small_job()["rl"], "max_running": 3}  # a job file from before the rename
+    with pytest.raises(ConfigError) as e:
+        load_job(d)
+    assert e.value.problems == ["rl.max_running: renamed to rl.max_concurrent_rollouts; rename it in the job file"]
+
+
 def test_every_problem_reported_at_once():
     bad = small_job()
     bad["cluster"] = {"nodes": [{"name": "a", "gpu_type": "H900", "gpus": 8},

@@ -5,8 +5,8 @@ import json
 import pytest
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
-from hexrl.tokenizer import MATH_INSTRUCTION, SYSTEM_PROMPT, CharTokenizer, HFTokenizer, load_tokenizer
-from hexrl.tokenizer import Tokenizer as TokenizerProtocol
+from hexrl.data.tokenizer import MATH_INSTRUCTION, SYSTEM_PROMPT, CharTokenizer, HFTokenizer, load_tokenizer
+from hexrl.data.tokenizer import Tokenizer as TokenizerProtocol
 
 # ----------------------------------------------------------------------------- char
 

@@ -11,14 +11,15 @@ import msgpack
 import pytest
 import zmq
 
-from hexrl import comm
-from hexrl.comm import DealerChannel, RouterChannel, message
+from hexrl.comm import channel, wire
+from hexrl.comm.channel import DealerChannel, RouterChannel
+from hexrl.comm.wire import message
 from hexrl.control.controller import Controller, ControllerFailure, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
-from hexrl.data import Problem
+from hexrl.data.problems import Problem
 from runtime_utils import metrics, torchrun, wait_for, write_job
 
-SECRET = comm.new_secret()
+SECRET = channel.new_secret()
 PROMPT = [3, 4, 5]  # what the controller's encoder returns for every problem
 VOCAB = 16
 
@@ -32,7 +33,7 @@ def trajectory(gid, problem_id, prompt=PROMPT, tokens=(6, 7), reward=1.0, logpro
 @pytest.fixture
 def job():
     """A controller (B=1, n=2, eta=0: one group at a time) with two connected replicas."""
-    rl = SimpleNamespace(batch_size=1, group_size=2, eta=0, max_running=None, filter_equal_groups=False,
+    rl = SimpleNamespace(batch_size=1, group_size=2, eta=0, max_concurrent_rollouts=None, filter_equal_groups=False,
                          temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0)
     problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(20)]
     router = RouterChannel(SECRET)
@@ -119,28 +120,28 @@ def test_a_replica_error_wakes_every_trainer_wait_within_seconds(job):
 
 def attack(endpoint: str) -> int:
     """Everything an outsider on this host can try; returns how many messages it sent."""
-    ctx = zmq.Context.instance()
+    zmq_context = zmq.Context.instance()
     socks = []
     for ident in (b"replica-0", None):
-        s = ctx.socket(zmq.DEALER)
+        s = zmq_context.socket(zmq.DEALER)
         s.setsockopt(zmq.LINGER, 0)
         if ident:
             s.setsockopt(zmq.ROUTING_ID, ident)  # the real replica's identity: no handover any more
         s.connect(endpoint)
         socks.append(s)
     spoof, other = socks
-    forged = comm.encode(trajectory(0, "evil", prompt=[1], tokens=(63,), reward=1e9))
-    error = comm.encode(message("error", rank=2, cause="forged by an outsider"))
+    forged = wire.encode(trajectory(0, "evil", prompt=[1], tokens=(63,), reward=1e9))
+    error = wire.encode(message("error", rank=2, cause="forged by an outsider"))
     sent = 0
     for _ in range(3):  # and replayed
         for s in socks:
             s.send(forged)  # the old wire format: one frame, no auth
-            s.send_multipart([comm.Auth(b"x" * 32, "replica-0").seal(forged), forged])
-            s.send_multipart([comm.Auth(b"x" * 32, "replica-0").seal(error), error])
+            s.send_multipart([channel.Auth(b"x" * 32, "replica-0").seal(forged), forged])
+            s.send_multipart([channel.Auth(b"x" * 32, "replica-0").seal(error), error])
             s.send(b"\xc1 garbage")
-            s.send(msgpack.packb({"v": comm.SCHEMA_VERSION, "type": "error", "rank": 2, "cause": "forged"}))
+            s.send(msgpack.packb({"v": wire.SCHEMA_VERSION, "type": "error", "rank": 2, "cause": "forged"}))
             sent += 5
-    other.send_multipart([b"a", b"b" * (comm.MAX_MESSAGE_BYTES + 4096)])  # oversize: drops this connection
+    other.send_multipart([b"a", b"b" * (wire.MAX_MESSAGE_BYTES + 4096)])  # oversize: drops this connection
     for s in socks:
         s.close()
     return sent

@@ -3,7 +3,7 @@ import time
 
 from torch.distributed import HashStore
 
-from hexrl.watchdog import Watchdog
+from hexrl.runtime.watchdog import Watchdog
 
 
 def make(store, rank, failures, timeout_s=0.5):

@@ -89,21 +89,21 @@ main() {
   fi
   # FlashInfer JIT-compiles its kernels on first use (minutes on a fresh machine): bench_kernels
   # goes first, so the profile is written even if later stages run out of time
-  want kernels && stage bench_kernels 300 $PY tools/bench_kernels.py --out profiles/ "${quick[@]}"
+  want kernels && stage bench_kernels 300 $PY tools/bench/bench_kernels.py --out profiles/ "${quick[@]}"
   local profile
   profile=$(find profiles -maxdepth 1 -name '*.json' -newer "$marker" 2>/dev/null | head -1)
   if want compare && [[ -n $profile ]]; then
-    stage compare_cost_model 60 $PY tools/compare_cost_model.py "$profile"
+    stage compare_cost_model 60 $PY tools/bench/compare_cost_model.py "$profile"
   elif want compare; then
     SUMMARY+=("$(printf '%-8s %-22s %s' SKIPPED compare_cost_model '(no profile written by this run)')")
   fi
   want pytest && stage "pytest -m gpu" 200 bash -c \
     "set -o pipefail; $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs 2>&1 | tee '$OUT/pytest.log'"
-  want sampling && stage bench_sampling 60 $PY tools/bench_sampling.py
-  if want train && [[ -f tools/bench_train.py ]]; then
-    stage bench_train 90 $PY tools/bench_train.py "${train[@]}"
+  want sampling && stage bench_sampling 60 $PY tools/bench/bench_sampling.py
+  if want train && [[ -f tools/bench/bench_train.py ]]; then
+    stage bench_train 90 $PY tools/bench/bench_train.py "${train[@]}"
   fi
-  want rollout && stage bench_rollout 300 $PY tools/bench_rollout.py "${rollout[@]}"
+  want rollout && stage bench_rollout 300 $PY tools/bench/bench_rollout.py "${rollout[@]}"
 
   [[ -n $profile ]] && cp "$profile" "$OUT/"
   rm -f "$marker"

@@ -148,11 +148,6 @@ class ReplayBuffer:
             count += self._drop_ready(g, reason)
         return count
 
-    def record_dropped(self, reason: str, n: int = 1) -> None:
-        """Count `n` trajectories produced but lost before they reached the buffer."""
-        self.produced += n
-        self.dropped[reason] += n
-
     def _drop_ready(self, group: Group, reason: str) -> int:
         self.ready.remove(group)
         self.dropped[reason] += group.n

@@ -13,7 +13,8 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass
 
-from hexrl.comm import RouterChannel, message, msg_to_trajectory
+from hexrl.comm.channel import RouterChannel
+from hexrl.comm.wire import message, msg_to_trajectory
 from hexrl.control.admission import Dispatched, trajectory_problem
 from hexrl.control.buffer import Group, ReplayBuffer
 from hexrl.control.dataset import DatasetCursor
@@ -45,7 +46,7 @@ class Controller:
         self.vocab_size = vocab_size  # token ids at or above it are refused (the trainer has no row for them)
         self.replicas = {r.id: r for r in replicas}
         self.by_name = {r.name: r.id for r in replicas}
-        self.gate = StalenessGate(rl.batch_size, rl.eta, rl.max_running)
+        self.gate = StalenessGate(rl.batch_size, rl.eta, rl.max_concurrent_rollouts)
         self.buffer = ReplayBuffer(self.gate, rl.filter_equal_groups)
         self.dispatcher = Dispatcher({r.id: r.share for r in replicas})
         self.heartbeats = Heartbeats(heartbeat_timeout_s)

@@ -5,8 +5,9 @@ With trainer version v, B prompt groups per step and bound eta:
 `running` groups were handed out and are still generating; `accepted` groups completed and
 went into the replay buffer (ever, trained or not). A group that ends without being trained
 (filtered, lost, stale) gives its slot back. eta = 0 is synchronous RL: exactly B groups per
-version. eta = None means no bound on staleness; `max_running` still bounds how many groups
-generate at once (without it, eta = None would hand the whole dataset to the rollout at once).
+version. eta = None means no bound on staleness; `max_concurrent_rollouts` (the job's rl field)
+still bounds how many groups generate at once (without it, eta = None would hand the whole dataset
+to the rollout at once).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class StalenessGate:
 
     batch_size: int
     eta: int | None
-    max_running: int | None = None  # groups generating at once; None = only the formula
+    max_concurrent_rollouts: int | None = None  # groups generating at once; None = only the formula
     running: int = 0
     accepted: int = 0
     released: Counter = field(default_factory=Counter)  # reason -> groups that gave their slot back
@@ -32,15 +33,16 @@ class StalenessGate:
             raise ValueError(f"batch_size must be a positive int, got {self.batch_size!r}")
         if self.eta is not None and (not isinstance(self.eta, int) or self.eta < 0):
             raise ValueError(f"eta must be a non-negative int or None (unbounded), got {self.eta!r}")
-        if self.max_running is not None and (not isinstance(self.max_running, int) or self.max_running < 1):
-            raise ValueError(f"max_running must be a positive int or None, got {self.max_running!r}")
+        limit = self.max_concurrent_rollouts
+        if limit is not None and (not isinstance(limit, int) or limit < 1):
+            raise ValueError(f"max_concurrent_rollouts must be a positive int or None, got {limit!r}")
 
     def capacity(self, version: int) -> float:
         """How many more groups may be handed out at trainer `version` (math.inf if unbounded)."""
         cap = math.inf
         if self.eta is not None:
             cap = (self.eta + version + 1) * self.batch_size - (self.accepted + self.running)
-        return cap if self.max_running is None else min(cap, self.max_running - self.running)
+        return cap if self.max_concurrent_rollouts is None else min(cap, self.max_concurrent_rollouts - self.running)
 
     def try_acquire(self, version: int) -> bool:
         """Take a slot for one new prompt group if capacity allows; True if taken."""

@@ -9,7 +9,7 @@
   names the function through the first assert, as MBPP's own prompt format does.
 The reference solution is never put into the problem (it would travel to rollout workers).
 A job trains on such a file directly (`data.path` with `data.kind: "code"`), or
-`python -m hexrl.code_data IN OUT.jsonl` converts it to hexrl JSONL that `load_jsonl` reads.
+`python -m hexrl.data.code_data IN OUT.jsonl` converts it to hexrl JSONL that `load_jsonl` reads.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from hexrl.data import Problem
+from hexrl.data.problems import Problem
 from hexrl.rewards.code import plain_call, validate_tests
 
 INSTRUCTION = ("Complete the following Python function. Answer with the whole function in a "
@@ -115,6 +115,6 @@ def reference_solutions(path: str | Path) -> dict:
 
 if __name__ == "__main__":
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m hexrl.code_data IN(.jsonl|.jsonl.gz|humaneval) OUT.jsonl")
+        sys.exit("usage: python -m hexrl.data.code_data IN(.jsonl|.jsonl.gz|humaneval) OUT.jsonl")
     src = humaneval_path() if sys.argv[1] == "humaneval" else sys.argv[1]
     print(write_code_jsonl(load_code_tasks(src), sys.argv[2]))

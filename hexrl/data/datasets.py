@@ -19,32 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable
 
+from hexrl.data.code_data import load_code_tasks
+from hexrl.data.problems import KINDS, Problem
 from hexrl.rewards.code import validate_tests
 from hexrl.rewards.math import find_boxed
 
-KINDS = ("math", "synthetic", "code")
 _SHOW = 5  # how many bad lines an error or warning message lists
-
-
-@dataclass
-class Problem:
-    """One prompt with its reference answer (and test cases for code tasks)."""
-
-    prompt: str
-    answer: str
-    id: int | str
-    tests: list | None = None
-    kind: str = "math"
-
-    def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"Problem.kind must be one of {KINDS}, got {self.kind!r}")
-
-    def to_dict(self) -> dict:
-        d = {"id": self.id, "prompt": self.prompt, "answer": self.answer, "kind": self.kind}
-        if self.tests is not None:
-            d["tests"] = self.tests
-        return d
 
 
 @dataclass
@@ -263,7 +243,6 @@ def load_dataset(synthetic: dict | None = None, path: str | None = None,
             return make_arithmetic_split(n, held, seed=seed, **opts)
         return make_arithmetic(n, seed=seed, **opts), []
     if kind == "code" and _is_code_benchmark(path):
-        from hexrl.code_data import load_code_tasks  # imports this module: load it late
         return load_code_tasks(path), []
     return load_jsonl(path, kind=kind).problems, []
 

@@ -28,14 +28,14 @@ class _CopyToTP(torch.autograd.Function):
     """Identity forward; all-reduce of the gradient backward (input of a column-parallel layer)."""
 
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(state, x, group):
+        state.group = group
         return x
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(state, g):
         g = g.contiguous()
-        dist.all_reduce(g, group=ctx.group)
+        dist.all_reduce(g, group=state.group)
         return g, None
 
 
@@ -43,13 +43,13 @@ class _ReduceFromTP(torch.autograd.Function):
     """All-reduce forward; identity backward (output of a row-parallel layer)."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(state, x, group):
         x = x.contiguous()
         dist.all_reduce(x, group=group)
         return x
 
     @staticmethod
-    def backward(ctx, g):
+    def backward(state, g):
         return g, None
 
 

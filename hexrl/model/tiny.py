@@ -35,7 +35,7 @@ def make_tiny_model(out: str | Path, seed: int = 0, tokenizer: str | None = None
     model.init_weights(seed=seed)
     save_pretrained(model, out)
     if tokenizer == "char":
-        from hexrl.tokenizer import CharTokenizer
+        from hexrl.data.tokenizer import CharTokenizer
 
         CharTokenizer().save(out)
     return Path(out)

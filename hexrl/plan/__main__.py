@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hexrl.plan.planner import plan_job
-from hexrl.preflight import check_inputs
+from hexrl.runtime.preflight import check_inputs
 from hexrl.plan.simulate import simulate
 from hexrl.schema import ConfigError, load_job, load_plan
 

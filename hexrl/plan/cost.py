@@ -285,10 +285,10 @@ class CostModel:
         """Attention FLOPs of one token per context position, all layers (scores and values)."""
         return 4 * self.m.num_attention_heads * self.m.head_dim * self.m.num_hidden_layers
 
-    def prefill_s(self, gpu_type: str, tp: int, tokens: float, ctx: float) -> float:
-        """Prefill (or KV recompute) of `tokens` tokens whose average causal context is `ctx`."""
+    def prefill_s(self, gpu_type: str, tp: int, tokens: float, context: float) -> float:
+        """Prefill (or KV recompute) of `tokens` tokens whose average causal context is `context`."""
         g = self.gpus[gpu_type]
-        per_token = 2 * self.matmul_params() + self.attn_flops_per_pos() * ctx
+        per_token = 2 * self.matmul_params() + self.attn_flops_per_pos() * context
         return tokens * per_token / (tp * g.flops * g.prefill_mfu)
 
     def _decode_point(self, gpu_type: str, tp: int, b: int) -> DecodePoint:
@@ -341,8 +341,8 @@ class CostModel:
             return queue + float(time_s[-1])
         own = min(n, WAVE_BATCHES * batch)
         joined = wave_steps(self.step_lengths(), batch, own, max(1.0, n_all / n), k, n, steps.width)
-        ctx = float(joined.context[k])  # the running sequences' KV to recompute
-        recompute = self.prefill_s(gpu_type, tp, ctx, ctx / joined.batch[k] / 2)
+        context = float(joined.context[k])  # the running sequences' KV to recompute
+        recompute = self.prefill_s(gpu_type, tp, context, context / joined.batch[k] / 2)
         pause = joined.alive[k] * (pause_s + recompute)
         return float(queue + pause + self._course_s(gpu_type, tp, joined, min(own, batch))[-1])
 

@@ -13,7 +13,7 @@ GPU type, shared by every split with the same count of that type. Splits are cos
 order of their estimates while those stay within MARGIN of the best; splits whose lower bound
 cannot beat the best are skipped. This replaced a local search of one-type moves and
 trades, and a sweep in lower-bound order, which missed the optimum by more than 2% on 7 of
-200 random clusters (tools/plan_quality.py): the bounds ranked the optimum 109th to 2,332nd.
+200 random clusters (tools/experiments/plan_quality.py): the bounds ranked the optimum 109th to 2,332nd.
 """
 
 import heapq
@@ -30,7 +30,7 @@ from hexrl.plan.placement import train_per_node
 GRID_POINTS = 200_000  # splits scored per repartition (vectorised)
 ESTIMATES = 4_000  # splits the final sweep estimates at most (about 1.5 ms each)
 # The final sweep costs splits whose estimate is within MARGIN of the best step time: on the
-# clusters of tools/plan_quality.py the median estimate is the exact step time, most are within a
+# clusters of tools/experiments/plan_quality.py the median estimate is the exact step time, most are within a
 # few percent, and the misses that matter (pessimistic ones) are rare
 MARGIN = 0.1
 

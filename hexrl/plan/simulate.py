@@ -42,7 +42,7 @@ class Replica:
         self.idx, self.gpu_type, self.tp, self.max_batch, self.share, self.cm = idx, gpu_type, tp, max_batch, share, cm
         self.host_s = cm.gpus[gpu_type].host_s_per_sample  # leader's host work per finished sample
         self.rem = np.zeros(0, dtype=np.int64)  # tokens still to generate
-        self.ctx = np.zeros(0, dtype=np.int64)  # prompt + generated so far
+        self.context = np.zeros(0, dtype=np.int64)  # prompt + generated so far
         self.ver = np.zeros(0, dtype=np.int64)  # weight version of the oldest token
         self.grp = np.zeros(0, dtype=np.int64)
         self.queue: deque = deque()  # (group, length)
@@ -101,7 +101,7 @@ class Simulation:
         self.control_s = cm.gpus[controller.gpu_type].control_s_per_sample
         self.control_debt = 0.0  # controller seconds taken from the training step in flight
         self.control_free = 0.0  # when the controller thread is done with the groups that arrived so far
-        self.gate = StalenessGate(self.B, self.eta, rl.max_running)
+        self.gate = StalenessGate(self.B, self.eta, rl.max_concurrent_rollouts)
         self.equal_fraction = self.job.workload.equal_reward_fraction
         self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=self.equal_fraction > 0)
         self.equal: set[int] = set()  # groups whose rewards come out all equal (filtered)
@@ -183,7 +183,7 @@ class Simulation:
         if new:
             pre = self.cm.prefill_s(r.gpu_type, r.tp, len(new) * self.prompt, self.prompt / 2)
             r.rem = np.concatenate([r.rem, [n for _, n in new]])
-            r.ctx = np.concatenate([r.ctx, np.full(len(new), self.prompt)])
+            r.context = np.concatenate([r.context, np.full(len(new), self.prompt)])
             r.ver = np.concatenate([r.ver, np.full(len(new), self.live)])
             r.grp = np.concatenate([r.grp, [g for g, _ in new]])
         self.mark(f"R{r.idx}", "prefill", t, t + pre)
@@ -193,7 +193,7 @@ class Simulation:
             return
         k = int(r.rem.min())
         a, c = r.coeffs(b)
-        s0 = float(r.ctx.sum())
+        s0 = float(r.context.sum())
         dur = Replica.elapsed(k, a, c, s0, b)
         r.chunk = (t + pre, k, a, c, s0, b)
         r.chunk_id += 1
@@ -209,7 +209,7 @@ class Simulation:
         r.steps += j
         r.seq_steps += j * len(r.rem)
         r.rem = r.rem - j
-        r.ctx = r.ctx + j
+        r.context = r.context + j
         r.chunk = None
         done = r.rem <= 0
         host = r.host_s * int(done.sum())
@@ -217,7 +217,7 @@ class Simulation:
             self.mark(f"R{r.idx}", "host", t_end, t_end + host)
             r.busy += host
         if done.any():
-            for g, n, v in zip(r.grp[done], r.ctx[done], r.ver[done]):
+            for g, n, v in zip(r.grp[done], r.context[done], r.ver[done]):
                 g = int(g)
                 self.group_tokens[g] += int(n)
                 reward = float(g not in self.equal and not self.done[g])  # unequal: the first scores 1
@@ -228,7 +228,7 @@ class Simulation:
                     self.mark(f"R{r.idx} reward", "reward", t0, r.reward_free)
                     self.push(r.reward_free, "arrive", g)
             keep = ~done
-            r.rem, r.ctx, r.ver, r.grp = r.rem[keep], r.ctx[keep], r.ver[keep], r.grp[keep]
+            r.rem, r.context, r.ver, r.grp = r.rem[keep], r.context[keep], r.ver[keep], r.grp[keep]
         return host
 
     def on_chunk(self, t: float, r: Replica, chunk_id: int):
@@ -306,8 +306,8 @@ class Simulation:
         for r in self.replicas.values():  # paused until its recompute is done
             resume = t
             if len(r.rem):  # KV recompute of every running sequence with the new weights
-                ctx = float(r.ctx.sum())
-                rec = self.cm.prefill_s(r.gpu_type, r.tp, ctx, ctx / len(r.rem) / 2)
+                context = float(r.context.sum())
+                rec = self.cm.prefill_s(r.gpu_type, r.tp, context, context / len(r.rem) / 2)
                 r.busy += rec
                 self.mark(f"R{r.idx}", "recompute", t, t + rec)
                 resume = t + rec

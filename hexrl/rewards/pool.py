@@ -19,7 +19,7 @@ import signal
 import threading
 import time
 from collections import deque
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterable
@@ -49,9 +49,6 @@ class PoolStats:
     error: int = 0
     timeout: int = 0
     restarts: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        return asdict(self)
 
 
 def _picklable(item) -> bool:

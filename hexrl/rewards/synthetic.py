@@ -1,4 +1,4 @@
-"""Reward for synthetic tasks (e.g. arithmetic from `hexrl.data.make_arithmetic`)."""
+"""Reward for synthetic tasks (e.g. arithmetic from `hexrl.data.datasets.make_arithmetic`)."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ On CPU, `F.linear` goes to the BLAS with the weight as stored ([out, in], read t
 oneDNN can keep the weight in its own blocked layout, packed once: measured on this project's
 2-core AMD EPYC, one thread, fp32, that runs a decode step's [32, 384] x [384, 1024] in 241-243 us
 instead of 288-290 us and a [32, 384] x [384, 16384] lm_head in 4.0-4.5 ms instead of 7.0-7.7 ms
-(`python tools/bench_cpu_vs_hf.py` shows what it does end to end). The engine routes its model's
+(`python tools/bench/bench_cpu_vs_hf.py` shows what it does end to end). The engine routes its model's
 fp32 `nn.Linear`s through here when it runs on CPU; gradients (training) always take `F.linear`.
 
 The packed copy costs one more copy of the weights in memory. It is remade after `drop()`, which

@@ -51,11 +51,6 @@ def flashinfer_problem(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def flashinfer_usable(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the FlashInfer backend can run here (CUDA, fp16/bf16, package importable)."""
-    return flashinfer_problem(device, dtype) is None
-
-
 def _use_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     return num_qo_heads // num_kv_heads >= 4  # large GQA groups decode faster as a tensor-core prefill
 

@@ -7,8 +7,8 @@ import msgpack
 import torch
 import torch.distributed as dist
 
-from hexrl.comm import broadcast_bytes
-from hexrl.dist_rules import compute_device
+from hexrl.comm.store import broadcast_bytes
+from hexrl.runtime.dist_rules import compute_device
 from hexrl.model.parallel import TPGroup
 
 from .sequence import Request
@@ -25,7 +25,7 @@ def broadcast_from_leader(event: tuple[str, object] | None, tp: TPGroup) -> tupl
     never pickle: a length broadcast, then the payload.
     """
     group, src = _group(tp), dist.get_global_rank(_group(tp), 0)
-    device = compute_device()  # the rank's own (rule 1 of hexrl/dist_rules.py)
+    device = compute_device()  # the rank's own (rule 1 of hexrl/runtime/dist_rules.py)
     raw = broadcast_bytes(_encode(event) if event is not None else None, src, group, device)
     return event if event is not None else _decode(raw)
 

@@ -17,12 +17,15 @@ from pathlib import Path
 
 import torch
 
-from hexrl import effective
-from hexrl.comm import DealerChannel, lookup_endpoint, lookup_secret, message, trajectory_to_msg
-from hexrl.files import write_json_atomic
+from hexrl.runtime.context import RankContext
+from hexrl.runtime import effective
+from hexrl.comm.channel import DealerChannel
+from hexrl.comm.store import lookup_endpoint, lookup_secret
+from hexrl.comm.wire import message, trajectory_to_msg
+from hexrl.runtime.files import write_json_atomic
 from hexrl.rewards import RewardPool
 from hexrl.trajectory import Trajectory
-from hexrl.watchdog import describe_exception
+from hexrl.runtime.watchdog import describe_exception
 from hexrl.weights import TensorSpec, load_into, receive_stage
 
 from .engine import Engine, EngineStats
@@ -168,7 +171,7 @@ class RolloutLeader:
 
     def _write_trace(self, final: bool = False) -> None:
         """Every TRACE_S, one line of cumulative counters: the leader's time split, the engine's
-        stats and the process's CPU seconds (tools/learning_study.py compares them with the
+        stats and the process's CPU seconds (tools/experiments/learning_study.py compares them with the
         simulator window by window)."""
         now = time.time()
         if self.trace is None or (now - self._last_trace < TRACE_S and not final):
@@ -223,11 +226,11 @@ def check_kv_room(model, knobs, replica_id: int, device: torch.device) -> None:
                           "(job runtime.rollout) or the GPU's mem_util in its profile, and plan again")
 
 
-def run_rollout(ctx) -> None:
+def run_rollout(ctx: RankContext) -> None:
     """A rollout rank: load the model (this rank's TP shard), then lead or follow the replica."""
     from hexrl.model.checkpoint import load_pretrained
     from hexrl.model.parallel import TPGroup
-    from hexrl.tokenizer import load_tokenizer
+    from hexrl.data.tokenizer import load_tokenizer
     from hexrl.weights import stage_specs
 
     from .engine import EngineConfig

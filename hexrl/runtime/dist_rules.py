@@ -12,7 +12,7 @@ gloo forgives what NCCL does not, so CPU runs alone cannot show these bugs:
      collective over the whole group. A group whose first use would be p2p is warmed up with a
      collective first (`warm_up`).
   4. No object collectives (broadcast_object_list, ...): they pickle, and unpickling network
-     data runs code. Bytes travel as uint8 tensors (hexrl.comm.broadcast_bytes, msgpack inside).
+     data runs code. Bytes travel as uint8 tensors (hexrl.comm.store.broadcast_bytes, msgpack inside).
 
 HEXRL_STRICT_COLLECTIVES=1 (the tests set it) wraps torch.distributed's collectives and p2p
 calls so that breaking rule 1, 2 or 4 raises at the call, and rule 3 is checked at a group's
@@ -117,7 +117,7 @@ def _check_device(name: str, tensors: list[torch.Tensor]) -> None:
         if t.device != want and not (_State.host_ok and t.device.type == "cpu"):
             raise RuleError(f"strict collectives: {name} got a tensor on {t.device} but this rank "
                             f"(global rank {dist.get_rank()}) computes on {want}; under NCCL the group's ranks "
-                            "would split between gloo and NCCL and hang (rule 1, hexrl/dist_rules.py)")
+                            "would split between gloo and NCCL and hang (rule 1, hexrl/runtime/dist_rules.py)")
 
 
 def _group_name(group) -> str:
@@ -136,7 +136,7 @@ def _collective(fn, name: str):
 def _check_p2p(name: str, tensor: torch.Tensor, peer: int, group) -> None:
     if group is None or group is dist.group.WORLD:
         raise RuleError(f"strict collectives: {name} to/from rank {peer} names no group; name the group "
-                        "the two ranks share, e.g. their pipeline's (rule 2, hexrl/dist_rules.py): NCCL would "
+                        "the two ranks share, e.g. their pipeline's (rule 2, hexrl/runtime/dist_rules.py): NCCL would "
                         "build the world's communicator, which the ranks outside it never join")
     members = dist.get_process_group_ranks(group)
     if peer not in members:
@@ -160,7 +160,7 @@ def _first_p2p(group, members: list[int]) -> None:
         raise RuleError(f"strict collectives: rank {dist.get_rank()} reached the first p2p on group {members} "
                         f"but ranks {missing} did not within {FIRST_P2P_TIMEOUT_S:.0f}s; NCCL builds a group's "
                         "communicator with every member, so this hangs on GPUs: warm the group up with a "
-                        "collective first (rule 3, hexrl/dist_rules.py)") from None
+                        "collective first (rule 3, hexrl/runtime/dist_rules.py)") from None
     _State.used.add(name)
 
 
@@ -186,5 +186,5 @@ def _batch(fn):
 def _refuse(name: str):
     def wrapper(*args, **kwargs):
         raise RuleError(f"strict collectives: {name} pickles Python objects; send bytes in a uint8 tensor "
-                        "(hexrl.comm.broadcast_bytes, msgpack inside) instead (rule 4, hexrl/dist_rules.py)")
+                        "(hexrl.comm.store.broadcast_bytes, msgpack inside) instead (rule 4, hexrl/runtime/dist_rules.py)")
     return wrapper

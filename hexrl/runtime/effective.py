@@ -17,7 +17,8 @@ from pathlib import Path
 
 import torch
 
-from hexrl.files import write_json_atomic
+from hexrl.runtime.context import RankContext
+from hexrl.runtime.files import write_json_atomic
 
 _KEY = "hexrl/effective/"
 WAIT_S = 600  # every role publishes right after building its model; a dead rank is the watchdog's job
@@ -42,7 +43,7 @@ def rollout_values(engine) -> dict:
             "kv_pages": engine.pool.num_pages, "page_size": engine.pool.page_size, "dtype": dtype_name(engine.dtype)}
 
 
-def publish(ctx, part: str, values: dict) -> None:
+def publish(ctx: RankContext, part: str, values: dict) -> None:
     """Publish this role's values ("train" or "replica/<id>"); on global rank 0 also write the file."""
     ctx.store.set(_KEY + part, json.dumps(values))
     if ctx.rank == 0:

@@ -23,7 +23,10 @@ class Reader:
     def bad(self, where: str, msg: str):
         self.problems.append(f"{where}: {msg}")
 
-    def section(self, d, where: str, known: set[str], required: bool = False) -> dict:
+    def section(self, d, where: str, known: set[str], required: bool = False,
+                renamed: dict[str, str] | None = None) -> dict:
+        """The object `d` at `where`; reports each field not in `known` (and an old name in `renamed`
+        by its new one)."""
         if d is None:
             if required:
                 self.bad(where, "missing (required section)")
@@ -32,7 +35,9 @@ class Reader:
             self.bad(where, f"must be an object, got {type(d).__name__}")
             return {}
         for k in d:
-            if k not in known:
+            if renamed and k in renamed:
+                self.bad(f"{where}.{k}", f"renamed to {where}.{renamed[k]}; rename it in the job file")
+            elif k not in known:
                 self.bad(f"{where}.{k}", f"unknown field (known: {', '.join(sorted(known))})")
         return d
 

@@ -121,7 +121,7 @@ def _read_data(r: Reader, d, base: Path, check_paths: bool) -> DataSpec:
         r.num(s, "n_heldout", "data.synthetic", 0, integer=True, lo=0)
         for k in sorted(set(s) - _SYNTHETIC_KEYS):
             r.bad(f"data.synthetic.{k}", f"unknown field (known: {', '.join(sorted(_SYNTHETIC_KEYS))})")
-        # whether the task can produce n distinct problems is hexrl.data.dataset_problems' call
+        # whether the task can produce n distinct problems is hexrl.data.datasets.dataset_problems' call
         return DataSpec(synthetic={**s, "task": task, "n": n, "seed": seed})
     if "path" not in d:
         if d:
@@ -156,7 +156,8 @@ class RLSpec:
     batch_size: int = 8  # prompts (groups) per training step
     group_size: int = 4  # samples per prompt
     eta: int | None = 4  # staleness bound; None = unbounded; 0 = synchronous
-    max_running: int | None = None  # groups generating at once; _read_rl fills (eta+1)·B, or 8·B if eta is None
+    # prompt groups generating at once (was `max_running`); _read_rl fills (eta+1)·B, or 8·B if eta is None
+    max_concurrent_rollouts: int | None = None
     # Optimizer steps per training step. The decoupled objective's clip is relative to the proximal
     # policy, so with 1 it never engages (see README "Learning"); default min(4, batch_size).
     ppo_minibatches: int = 4
@@ -183,15 +184,19 @@ class RLSpec:
         return dict(self.__dict__)
 
 
+# old name -> new name: a job file with an old name is refused, naming the new one
+RL_RENAMED = {"max_running": "max_concurrent_rollouts"}  # groups, unlike the engine's max_running (sequences)
+
+
 def _read_rl(r: Reader, d) -> RLSpec:
     known = set(RLSpec.__dataclass_fields__)
-    d = r.section(d, "rl", known)
+    d = r.section(d, "rl", known, renamed=RL_RENAMED)
     x, w = RLSpec(), "rl"
     x.batch_size = r.num(d, "batch_size", w, x.batch_size, integer=True, lo=1)
     x.group_size = r.num(d, "group_size", w, x.group_size, integer=True, lo=1)
     x.eta = r.num(d, "eta", w, x.eta, integer=True, lo=0, none_ok=True)
     default_running = (x.eta + 1 if x.eta is not None else 8) * x.batch_size  # eta bounded: never binds
-    x.max_running = r.num(d, "max_running", w, default_running, integer=True, lo=1)
+    x.max_concurrent_rollouts = r.num(d, "max_concurrent_rollouts", w, default_running, integer=True, lo=1)
     x.ppo_minibatches = r.num(d, "ppo_minibatches", w, min(x.ppo_minibatches, x.batch_size), integer=True, lo=1)
     x.lr = float(r.num(d, "lr", w, x.lr, lo=0, lo_open=True))
     clip = r.num(d, "grad_clip", w, x.grad_clip, lo=0, lo_open=True, none_ok=True)
@@ -344,12 +349,6 @@ class ClusterSpec:
 
     def count(self, gpu_type: str) -> int:
         return sum(n.gpus for n in self.nodes if n.gpu_type == gpu_type)
-
-    def rank_of(self, node: int, local_rank: int) -> int:
-        return node * self.gpus_per_node + local_rank
-
-    def node_of(self, rank: int) -> int:
-        return rank // self.gpus_per_node
 
     def cross_GBps(self, a: str, b: str) -> float:
         """Bandwidth between two nodes of different types a and b."""

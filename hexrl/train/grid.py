@@ -3,7 +3,7 @@
 The layout itself (stages, TP degrees, layer ranges, slot ranks, pipeline peers) is
 `hexrl.schema.TrainerLayout`, the same object the plan holds.
 
-NCCL rules kept here (hexrl/dist_rules.py checks them under HEXRL_STRICT_COLLECTIVES=1): every
+NCCL rules kept here (hexrl/runtime/dist_rules.py checks them under HEXRL_STRICT_COLLECTIVES=1): every
 process of the job creates every group, in one fixed order, member or not; each DP replica's
 pipeline has its own group, named on every p2p, so NCCL never builds the world's communicator
 (which rollout ranks never join); the Trainer warms every group up with a collective, in

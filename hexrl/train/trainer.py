@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from hexrl.dist_rules import warm_up
+from hexrl.runtime.dist_rules import warm_up
 from hexrl.model.attention import CausalAttention
 from hexrl.model.checkpoint import load_pretrained, save_state_dict
 from hexrl.model.config import ModelConfig

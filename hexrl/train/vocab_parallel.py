@@ -19,7 +19,7 @@ class _VocabParallelLogprob(torch.autograd.Function):
     softmax that backward needs. The entropy (optional) is reduced from it in row chunks."""
 
     @staticmethod
-    def forward(ctx, logits, targets, temperature: float, group, entropy: bool):
+    def forward(state, logits, targets, temperature: float, group, entropy: bool):
         dtype = torch.promote_types(logits.dtype, torch.float32)  # f64 stays f64
         z = logits.to(dtype, copy=True).div_(temperature)
         n, width = z.shape
@@ -39,18 +39,18 @@ class _VocabParallelLogprob(torch.autograd.Function):
         lse = zmax + torch.log(sumexp)
         ent = (lse - zmax - ez / sumexp) if entropy else None
         probs = e.div_(sumexp[:, None])  # softmax of this slice, for backward
-        ctx.save_for_backward(probs, local.clamp(0, width - 1), mine)
-        ctx.temperature, ctx.dtype = temperature, logits.dtype
+        state.save_for_backward(probs, local.clamp(0, width - 1), mine)
+        state.temperature, state.dtype = temperature, logits.dtype
         if ent is not None:
-            ctx.mark_non_differentiable(ent)
+            state.mark_non_differentiable(ent)
         return target_z - lse, ent
 
     @staticmethod
-    def backward(ctx, grad, _grad_entropy):
-        probs, local, mine = ctx.saved_tensors
+    def backward(state, grad, _grad_entropy):
+        probs, local, mine = state.saved_tensors
         grad_z = probs.mul_(-grad[:, None])  # the saved buffer is not needed again
         grad_z.scatter_add_(1, local[:, None], torch.where(mine, grad, 0.0)[:, None])  # no host sync
-        return grad_z.div_(ctx.temperature).to(ctx.dtype), None, None, None, None
+        return grad_z.div_(state.temperature).to(state.dtype), None, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup | None,

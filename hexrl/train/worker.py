@@ -14,16 +14,18 @@ import time
 import msgpack
 import torch
 
-from hexrl import effective
-from hexrl.comm import (RouterChannel, broadcast_bytes, msg_to_trajectory, new_secret, publish_endpoint,
-                        publish_secret, trajectory_to_msg)
+from hexrl.runtime.context import RankContext
+from hexrl.runtime import effective
+from hexrl.comm.channel import RouterChannel, new_secret
+from hexrl.comm.store import broadcast_bytes, publish_endpoint, publish_secret
+from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
-from hexrl.heldout import greedy_accuracy
+from hexrl.data.heldout import greedy_accuracy
 from hexrl.model.checkpoint import load_pretrained
-from hexrl.nodes import bind_host
-from hexrl.tokenizer import load_tokenizer
+from hexrl.runtime.nodes import bind_host
+from hexrl.data.tokenizer import load_tokenizer
 from hexrl.trajectory import Trajectory
 from hexrl.weights import send_stage, stage_specs
 
@@ -43,7 +45,7 @@ def train_config(rl, knobs: TrainKnobs) -> TrainConfig:
                        dtype=knobs.dtype, activation_checkpointing=knobs.activation_checkpointing)
 
 
-def start_controller(ctx, tokenizer, train: list) -> Controller:
+def start_controller(ctx: RankContext, tokenizer, train: list) -> Controller:
     """Bind the controller's socket on this node's address from the plan (never a wildcard: only
     that interface listens) and publish it through the store."""
     plan, job = ctx.plan, ctx.plan.job
@@ -79,7 +81,7 @@ class HeldoutEval:
     here is kept out of `wall_s`, so runs with and without evaluation compare fairly.
     """
 
-    def __init__(self, ctx, heldout: list, tokenizer, every: int, steps: int, max_new_tokens: int):
+    def __init__(self, ctx: RankContext, heldout: list, tokenizer, every: int, steps: int, max_new_tokens: int):
         self.ctx, self.heldout, self.tokenizer = ctx, heldout, tokenizer
         self.every, self.steps, self.max_new_tokens = every, steps, max_new_tokens
         self.start, self.seconds = time.perf_counter(), 0.0
@@ -104,7 +106,7 @@ class HeldoutEval:
         return acc
 
 
-def sync_weights(ctx, trainer: Trainer, dtype: torch.dtype) -> float:
+def sync_weights(ctx: RankContext, trainer: Trainer, dtype: torch.dtype) -> float:
     """Send this stage's new weights to every rollout rank; returns the seconds it took."""
     t0, g = time.perf_counter(), trainer.grid
     if g.dp_rank != 0:  # DP replica 0 holds the same weights
@@ -120,7 +122,7 @@ def sync_weights(ctx, trainer: Trainer, dtype: torch.dtype) -> float:
     return time.perf_counter() - t0
 
 
-def run_trainer(ctx, grid) -> None:
+def run_trainer(ctx: RankContext, grid) -> None:
     job = ctx.plan.job
     if not job.model.path:
         raise ValueError("model.path: a run needs a checkpoint directory (a preset or inline config only plans)")
@@ -169,7 +171,7 @@ def run_trainer(ctx, grid) -> None:
             metrics.close()
 
 
-def run_step(ctx, trainer: Trainer, controller: Controller | None, metrics, evaluator: HeldoutEval,
+def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, metrics, evaluator: HeldoutEval,
              step: int, dtype) -> None:
     job, t0 = ctx.plan.job, time.perf_counter()
     tokens_before = controller.counters()["completion_tokens"] if controller else 0

@@ -1,8 +1,8 @@
 """The rollout engine against Hugging Face `generate` on CPU: same weights, fp32, greedy, same tokens.
 
-    python tools/bench_cpu_vs_hf.py                          # ~25M-param Qwen2, batch 1 and 32
-    python tools/bench_cpu_vs_hf.py --batch 8 --repeats 7 --prompt-len 128 --output-len 128
-    python tools/bench_cpu_vs_hf.py --hf-onednn                # HF gets the engine's oneDNN CPU linears too
+    python tools/bench/bench_cpu_vs_hf.py                          # ~25M-param Qwen2, batch 1 and 32
+    python tools/bench/bench_cpu_vs_hf.py --batch 8 --repeats 7 --prompt-len 128 --output-len 128
+    python tools/bench/bench_cpu_vs_hf.py --hf-onednn                # HF gets the engine's oneDNN CPU linears too
 
 A random ~25M-parameter Qwen2 checkpoint (lm_head sharpened so greedy picks have no near-ties)
 is written to a temporary directory and loaded by both sides. Per batch size, the two sides run
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hexrl.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from hexrl.model.tiny import make_tiny_model  # noqa: E402

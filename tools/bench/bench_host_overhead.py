@@ -1,7 +1,7 @@
 """The rollout engine's host time per decode step, with a model whose forward costs nothing.
 
-    python tools/bench_host_overhead.py                 # batch 256, ~512-token contexts
-    python tools/bench_host_overhead.py --batch 64 --context 2048 --repeats 7
+    python tools/bench/bench_host_overhead.py                 # batch 256, ~512-token contexts
+    python tools/bench/bench_host_overhead.py --batch 64 --context 2048 --repeats 7
 
 What a step costs the host besides the GPU work: scheduling, page-table updates, the step's
 input tensors, sampling parameters, reading back tokens and log-probs, stop checks. The model
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hexrl.rollout.sampler as sampler  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402

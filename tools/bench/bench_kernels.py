@@ -1,8 +1,8 @@
 """Measure this GPU type for the planner: each number next to its own roofline, one profile JSON.
 
-    python tools/bench_kernels.py --out profiles/     # CUDA: Qwen2.5-1.5B shape, bf16 (~2-3 min on an H100)
-    python tools/bench_kernels.py --quick             # CUDA: a smaller grid (~1 min)
-    python tools/bench_kernels.py                     # CPU: tiny shape through the same code, prints only
+    python tools/bench/bench_kernels.py --out profiles/     # CUDA: Qwen2.5-1.5B shape, bf16 (~2-3 min on an H100)
+    python tools/bench/bench_kernels.py --quick             # CUDA: a smaller grid (~1 min)
+    python tools/bench/bench_kernels.py                     # CPU: tiny shape through the same code, prints only
 
 Measures copy bandwidth and the bf16 matmul peak; the rollout engine's decode step time over a
 grid of batch sizes x context lengths; prefill throughput; the trainer's forward+backward time
@@ -11,7 +11,7 @@ sampling and log-prob kernels. Prints a table (measured, roofline, ratio) and wr
 `<out>/<gpu>.json` with the hardware name, software versions, date, every raw measurement, and
 the catalogue keys the planner reads (hexrl/plan/catalogue.py: measured hbm_TBps, bf16_tflops,
 hbm_GB, and hbm_efficiency / decode_mfu / decode_overhead_s / prefill_mfu / train_mfu fitted
-through the planner's own cost model by tools/compare_cost_model.py). On CPU the profile is
+through the planner's own cost model by tools/bench/compare_cost_model.py). On CPU the profile is
 written only when --out is given; the CPU "bf16" peak is an fp32 matmul (the CPU path runs fp32).
 """
 from __future__ import annotations
@@ -34,9 +34,9 @@ from typing import Callable
 
 import torch
 
-TOOLS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TOOLS.parent))
-sys.path.insert(0, str(TOOLS))
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parents[1]))
+sys.path.insert(0, str(BENCH))
 
 from bench_rollout import DTYPES, SHAPES, model_config, random_model  # noqa: E402
 from compare_cost_model import calibrate  # noqa: E402
@@ -73,7 +73,7 @@ GRIDS = {
     "cuda-quick": Grid((1, 64), (256, 1024), 4, 12, ((8, 512),), ((1024, 4),), (64,), (1024,), 1 << 28, 4096),
     "cpu": Grid((1, 4), (16, 48), 2, 4, ((4, 32),), ((32, 2),), (4,), (64,), 1 << 24, 256, 256),
     # the learning experiment's operating range (short arithmetic prompts and answers, up to
-    # 512 sequences decoding; 128 packed sequences per PPO mini-batch): tools/learning_run.py --study.
+    # 512 sequences decoding; 128 packed sequences per PPO mini-batch): tools/experiments/learning_run.py --study.
     # Prompts of 4 and 8 are timed at contexts of about 10 and 14, inside one 16-token page as
     # the study's sequences are (prompt ~10 + answer ~5); a longer point crosses into a second
     # page, whose extra gather the linear context term then spreads over every context
@@ -164,10 +164,10 @@ def kv_bytes(cfg: ModelConfig, elem: int) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
-def decode_roofline_s(cfg: ModelConfig, elem: int, batch: int, ctx: float, bw: float, peak: float) -> float:
+def decode_roofline_s(cfg: ModelConfig, elem: int, batch: int, context: float, bw: float, peak: float) -> float:
     """A decode step reads every weight and every cached k/v once, or is bound by its FLOPs."""
-    nbytes = matmul_params(cfg) * elem + batch * ctx * kv_bytes(cfg, elem)
-    flops = batch * (2 * matmul_params(cfg) + attn_flops(cfg) * ctx)
+    nbytes = matmul_params(cfg) * elem + batch * context * kv_bytes(cfg, elem)
+    flops = batch * (2 * matmul_params(cfg) + attn_flops(cfg) * context)
     return max(nbytes / bw, flops / peak)
 
 
@@ -300,7 +300,7 @@ def host_point(groups: int = 64, group: int = 8, prompt_len: int = 12, out_len: 
     """Seconds per finished sample of the rollout leader's host work between decode steps, through
     its own functions: completions to the reward workers ("exact") and back, then each trajectory
     encoded, sealed and sent over ZeroMQ to a local controller socket (drained after the clock stops)."""
-    from hexrl.comm import DealerChannel, RouterChannel, new_secret
+    from hexrl.comm.channel import DealerChannel, RouterChannel, new_secret
     from hexrl.plan.cost import REWARD_WORKERS
     from hexrl.rewards import RewardPool
     from hexrl.rollout.worker import PendingGroup, reward_inputs, trajectory_messages
@@ -492,16 +492,17 @@ def _control_seconds(groups: int, group: int, prompt_len: int, out_len: int) -> 
     trajectories before the clock starts."""
     from types import SimpleNamespace
 
-    from hexrl.comm import DealerChannel, RouterChannel, message, new_secret
+    from hexrl.comm.channel import DealerChannel, RouterChannel, new_secret
+    from hexrl.comm.wire import message
     from hexrl.control.controller import Controller, ReplicaInfo
     from hexrl.control.dataset import DatasetCursor
-    from hexrl.data import Problem
+    from hexrl.data.problems import Problem
     from hexrl.rollout.worker import trajectory_messages
 
     secret = new_secret()
     router, dealer = RouterChannel(secret), DealerChannel("replica-0", secret)
     dealer.connect(router.bind("127.0.0.1"))
-    rl = SimpleNamespace(batch_size=groups, group_size=group, eta=0, max_running=None, filter_equal_groups=True,
+    rl = SimpleNamespace(batch_size=groups, group_size=group, eta=0, max_concurrent_rollouts=None, filter_equal_groups=True,
                          temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=out_len, seed=0)
     problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(groups)]
     prompt = list(range(3, 3 + prompt_len))
@@ -569,7 +570,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-core", type=int, help="pin to this core with one torch thread (a CPU 'device')")
     args = p.parse_args(argv)
     if args.cpu_core is not None:  # the same pinning a rank applies from the plan's cpu_affinity
-        from hexrl.affinity import core_problems, pin
+        from hexrl.runtime.affinity import core_problems, pin
         from hexrl.schema.affinity import CpuAffinity
         spec = CpuAffinity([[args.cpu_core]])
         if bad := core_problems(spec):

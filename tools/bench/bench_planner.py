@@ -1,6 +1,6 @@
 """Planner wall time vs cluster size, beside exhaustive search where that is feasible.
 
-    python tools/bench_planner.py [--model r1-distill-qwen-7b] [--exhaustive-limit 5000]
+    python tools/bench/bench_planner.py [--model r1-distill-qwen-7b] [--exhaustive-limit 5000]
 
 Clusters: 56 GPUs of two types (24 H800 + 32 H20, the paper's largest case study) and 512 GPUs
 of four types (128 each of H100, H800, H20, A100-80G). Targets on a 2-core CPU: < 2 s and < 30 s.
@@ -14,14 +14,14 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hexrl.schema import load_job  # noqa: E402
 from hexrl.plan.cost import CostModel  # noqa: E402
 from hexrl.plan.candidate import Evaluator  # noqa: E402
 from hexrl.plan.partition import exhaustive, n_splits, two_phase  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def cluster_job(model: str, groups: list[tuple[str, int]]) -> dict:

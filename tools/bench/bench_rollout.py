@@ -1,8 +1,8 @@
 """Rollout decode throughput against the HBM roofline and Hugging Face `generate`, side by side.
 
-    python tools/bench_rollout.py                       # GPU: Qwen2.5-1.5B shape, bf16, batch 1 and 256
-    python tools/bench_rollout.py --batch 64 --prompt-len 512 --output-len 256
-    python tools/bench_rollout.py --shape tiny          # what the CPU default runs: seconds
+    python tools/bench/bench_rollout.py                       # GPU: Qwen2.5-1.5B shape, bf16, batch 1 and 256
+    python tools/bench/bench_rollout.py --batch 64 --prompt-len 512 --output-len 256
+    python tools/bench/bench_rollout.py --shape tiny          # what the CPU default runs: seconds
 
 Random weights, fixed prompt and output lengths (EOS ignored), greedy. For each batch size it
 prints our end-to-end and decode-only tokens/s, the roofline tokens/s (a decode step must read
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.model.decoder import Decoder  # noqa: E402

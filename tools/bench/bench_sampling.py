@@ -4,7 +4,7 @@ For each batch size, prints the time, the achieved logits bandwidth (one read of
 time) and its ratio to a measured device copy bandwidth, next to torch's sort-based sampling
 (softmax, sort, cumsum, multinomial) and torch's log_softmax + gather, measured in the same run.
 
-    python tools/bench_sampling.py [--vocab 151936] [--batch 1 64 256] [--dtype bf16]
+    python tools/bench/bench_sampling.py [--vocab 151936] [--batch 1 64 256] [--dtype bf16]
 """
 
 import argparse
@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # a checkout
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -1,8 +1,8 @@
 """Trainer model-FLOPs utilisation against the bf16 matmul peak measured in the same run.
 
-    python tools/bench_train.py                      # GPU: Qwen2.5-1.5B shape, one GPU, bf16
-    python tools/bench_train.py --seqs 32 --prompt-len 256 --completion-len 768 --micro-batch-tokens 8192
-    python tools/bench_train.py --shape tiny         # what the CPU default runs: seconds
+    python tools/bench/bench_train.py                      # GPU: Qwen2.5-1.5B shape, one GPU, bf16
+    python tools/bench/bench_train.py --seqs 32 --prompt-len 256 --completion-len 768 --micro-batch-tokens 8192
+    python tools/bench/bench_train.py --shape tiny         # what the CPU default runs: seconds
 
 Random weights (a temporary HF checkpoint), equal-length synthetic trajectories, naive PPO by
 default (`--decoupled` adds the proximal forward pass, and its FLOPs). Model FLOPs per step:
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hexrl.model.checkpoint import save_state_dict  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402

@@ -1,6 +1,6 @@
 """The planner's cost model against a measured GPU profile: decode step and training time.
 
-    python tools/compare_cost_model.py profiles/H100.json
+    python tools/bench/compare_cost_model.py profiles/H100.json
 
 For every measured point of the profile (decode steps over batch x context, prefill batches,
 training fwd+bwd per token) this asks the planner's own cost model (`hexrl.plan.cost.CostModel`)
@@ -9,7 +9,7 @@ with the profile's numbers (read through the planner's `read_profile`, so exactl
 planner uses). It prints predicted vs measured per point, the relative errors, their median and
 worst, and the leave-one-out errors of a re-fit (the calibration predicting points it never saw).
 
-`calibrate(profile)` is also here: `tools/bench_kernels.py` calls it to turn its measurements into
+`calibrate(profile)` is also here: `tools/bench/bench_kernels.py` calls it to turn its measurements into
 the planner's keys (hbm_efficiency, decode_mfu, decode_overhead_s, prefill_mfu, train_mfu).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hexrl.schema import Job, load_job  # noqa: E402
 from hexrl.gpus import CATALOGUE, GPU, canonical_name, read_profile  # noqa: E402
@@ -321,7 +321,7 @@ def report(profile: dict, rows: list[Row], loo: list[float]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("profile", help="a profile JSON written by tools/bench_kernels.py")
+    p.add_argument("profile", help="a profile JSON written by tools/bench/bench_kernels.py")
     args = p.parse_args(argv)
     try:
         profile = load_profile(args.profile)

@@ -1,10 +1,10 @@
 """The learning experiment: warm start, then asynchronous GRPO with hexrl, evaluated on held-out problems.
 
-    python tools/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0
-    python tools/learning_run.py OUT --ablation      # eta in {0,1,2,4,8,inf} x {naive PPO, decoupled}
-    python tools/learning_run.py OUT --study         # eta 0,1,2,4 decoupled + 4 naive over 3 seeds, vs the simulator
-    python tools/learning_run.py OUT --steps 100     # shorter budget
-    python tools/learning_run.py OUT --only 1:naive 4:decoupled
+    python tools/experiments/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0
+    python tools/experiments/learning_run.py OUT --ablation      # eta in {0,1,2,4,8,inf} x {naive PPO, decoupled}
+    python tools/experiments/learning_run.py OUT --study         # eta 0,1,2,4 decoupled + 4 naive over 3 seeds, vs the simulator
+    python tools/experiments/learning_run.py OUT --steps 100     # shorter budget
+    python tools/experiments/learning_run.py OUT --only 1:naive 4:decoupled
 
 Phase 1 (reported separately): `tools/warm_start.py` trains a tiny char-level model on
 arithmetic with cross-entropy for a short budget, into OUT/model. Phase 2: each configuration
@@ -15,7 +15,7 @@ Same seeds and step budget for every configuration; a table of final held-out ac
 and wall time to `--target` accuracy and throughput is printed and written to OUT/summary.md
 (and summary.json); with matplotlib, learning.png goes into each run directory and OUT.
 Finished configurations (same job.json) are reused, so a re-run only adds what is missing.
-`--study` is tools/learning_study.py: seeds, spread, and the simulator next to the measurements.
+`--study` is tools/experiments/learning_study.py: seeds, spread, and the simulator next to the measurements.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tools"))
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "experiments"))
 from plot_run import plot  # noqa: E402
 
 ETAS = {"0": 0, "1": 1, "2": 2, "4": 4, "8": 8, "inf": None}
@@ -141,7 +141,7 @@ def main(argv=None) -> None:
     p.add_argument("--shared-cores", action="store_true",
                    help="the old layout: 2 trainer ranks + 1 rollout rank, not pinned (cores shared)")
     p.add_argument("--study", action="store_true", help="eta 0,1,2,4 decoupled + 4 naive over --seeds seeds, "
-                   "with the simulator's prediction next to each (tools/learning_study.py)")
+                   "with the simulator's prediction next to each (tools/experiments/learning_study.py)")
     p.add_argument("--seeds", type=int, default=3, help="--study: N seeds, from --first-seed")
     p.add_argument("--first-seed", type=int, default=0, help="--study: the first seed (e.g. to add seeds later)")
     p.add_argument("--smoke", action="store_true", help="--study: 8 steps, batch 16, one seed (checks the pipeline; "

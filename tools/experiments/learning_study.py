@@ -1,11 +1,11 @@
 """The async-advantage study: every main configuration over several seeds, measured and simulated.
 
-    python tools/learning_run.py OUT --study                  # eta 0,1,2,4 decoupled + eta 4 naive, 3 seeds
-    python tools/learning_run.py OUT --study --smoke          # a few steps, one seed: checks the pipeline only
+    python tools/experiments/learning_run.py OUT --study                  # eta 0,1,2,4 decoupled + eta 4 naive, 3 seeds
+    python tools/experiments/learning_run.py OUT --study --smoke          # a few steps, one seed: checks the pipeline only
 
 Each rank has its own core (1 trainer rank + 1 rollout rank, `cpu_affinity` in the job). Just
 before each run starts, the CPU "device" is profiled on one pinned core into RUN/profiles/cpu.json
-(tools/bench_kernels.py, the format the planner reads for GPUs): this machine's speed drifts by
+(tools/bench/bench_kernels.py, the format the planner reads for GPUs): this machine's speed drifts by
 more than the 15% the simulator is held to, so each run is simulated with the machine it met.
 Runs from before per-run profiles use OUT/profiles/cpu.json, taken after all runs. Each run's
 plan, with the workload it measured (prompt and completion lengths), goes through the simulator
@@ -33,7 +33,7 @@ from unittest import mock
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STUDY = [("0", True), ("1", True), ("2", True), ("4", True), ("4", False)]  # (eta, decoupled)
 TARGETS = (0.7, 0.8, 0.9)  # held-out accuracy levels: steps and wall seconds to reach each
 WINDOW = 50  # steps per simulator comparison window
@@ -136,7 +136,7 @@ def profile(out: Path, model: Path, core: int) -> Path:
     more than the 15% the simulator is held to); OUT's, taken after all runs, serves older runs."""
     path = out / "profiles" / "cpu.json"
     if not path.exists():
-        subprocess.run([sys.executable, str(ROOT / "tools" / "bench_kernels.py"), "--out", str(path.parent),
+        subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "bench_kernels.py"), "--out", str(path.parent),
                         "--config", str(model), "--grid", "cpu-rl", "--cpu-core", str(core)],
                        check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return path
@@ -144,8 +144,8 @@ def profile(out: Path, model: Path, core: int) -> Path:
 
 def prompt_len(job: dict) -> float:
     """Mean prompt tokens of the job's training problems, as the controller sends them."""
-    from hexrl.data import load_dataset
-    from hexrl.tokenizer import load_tokenizer
+    from hexrl.data.datasets import load_dataset
+    from hexrl.data.tokenizer import load_tokenizer
 
     tok = load_tokenizer(job["model"]["path"])
     train, _ = load_dataset(job["data"]["synthetic"])

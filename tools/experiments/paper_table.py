@@ -1,7 +1,7 @@
 """The AReaL-Hex paper's comparisons, planned and simulated by hexrl, with the paper's numbers beside.
 
-    python tools/paper_table.py [--steps 6] [--no-sim] [--no-sensitivity]
-    python tools/paper_table.py --agreement      # planner vs simulator, eta in {0, 1, 4, inf}
+    python tools/experiments/paper_table.py [--steps 6] [--no-sim] [--no-sensitivity]
+    python tools/experiments/paper_table.py --agreement      # planner vs simulator, eta in {0, 1, 4, inf}
 
 Workload (tools/configs/paper_*.json, the paper's GRPO setting as far as it states it):
 R1-Distill-Qwen 1.5B / 7B / 14B, 512 prompts x 16 samples per step, prompt 256 tokens, output
@@ -23,13 +23,13 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hexrl.schema import load_job  # noqa: E402
 from hexrl.plan.planner import plan_job  # noqa: E402
 from hexrl.plan.simulate import simulate  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parent / "configs"
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SIZES = ["1.5b", "7b", "14b"]
 PAPER = {  # per model, as the paper gives them
     "hetero/H800": {"1.5b": None, "7b": 1.31, "14b": 1.50},  # §4.5: min 1.31 (7B), max 1.50 (14B), mean 1.39

@@ -1,6 +1,6 @@
 """Plan quality: the two-phase planner against exhaustive search on random heterogeneous clusters.
 
-    python tools/plan_quality.py [--clusters 200] [--seed 0] [--max-splits 3000]
+    python tools/experiments/plan_quality.py [--clusters 200] [--seed 0] [--max-splits 3000]
 
 Clusters are drawn across the space of issue 16: 2-4 GPU types, 16-40 GPUs in nodes of 4 or 8,
 1.5B / 7B / 14B models, eta in {0, 1, 2, 4, 8, unbounded}, links 0.2-50 GB/s (log-uniform),
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hexrl.schema import load_job  # noqa: E402
 from hexrl.plan.candidate import Evaluator  # noqa: E402

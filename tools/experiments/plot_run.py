@@ -1,6 +1,6 @@
 """Plot a run directory: reward and held-out accuracy vs step and vs wall-clock.
 
-    python tools/plot_run.py RUN_DIR [RUN_DIR ...] [--out DIR]
+    python tools/experiments/plot_run.py RUN_DIR [RUN_DIR ...] [--out DIR]
 
 Reads `metrics.jsonl` (and `eval.jsonl` when the run evaluated) and writes `learning.png`
 into each run directory (or one comparison figure into --out when several runs are given).
@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from hexrl.plan.draw import pyplot  # noqa: E402
 
 

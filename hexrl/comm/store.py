@@ -1,0 +1,64 @@
+"""torch.distributed store and broadcast helpers: the channel endpoints and the job's secret go
+through the torchrun store; `broadcast_bytes` sends raw bytes over a process group.
+
+Kept apart from the ZeroMQ channels (hexrl.comm.channel) so that users of these helpers alone
+(the rollout TP group, the weight sync) import neither zmq nor msgpack.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+# ---------------------------------------------------------------- endpoint exchange
+
+_KEY_PREFIX = "hexrl/endpoint/"
+
+
+def publish_endpoint(store, name: str, endpoint: str) -> None:
+    """Publish `endpoint` under `name` in a torch.distributed Store (TCPStore, HashStore, ...)."""
+    if not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+        raise ValueError(f"endpoint {endpoint!r} is not a ZeroMQ endpoint (tcp://host:port)")
+    store.set(_KEY_PREFIX + name, endpoint)
+
+
+def lookup_endpoint(store, name: str, timeout_s: float = 60.0) -> str:
+    """The endpoint published under `name`, waiting up to `timeout_s`; raises TimeoutError."""
+    key = _KEY_PREFIX + name
+    try:
+        store.wait([key], timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # DistStoreError is a RuntimeError
+        raise TimeoutError(f"no endpoint {name!r} published within {timeout_s}s ({e})") from None
+    return store.get(key).decode()
+
+
+_SECRET_KEY = "hexrl/secret"
+
+
+def publish_secret(store, secret: bytes) -> None:
+    """Hand the job's channel secret to its ranks through the torchrun store (rank 0 only)."""
+    store.set(_SECRET_KEY, secret)
+
+
+def lookup_secret(store, timeout_s: float = 300.0) -> bytes:
+    """The job's channel secret, waiting up to `timeout_s` for rank 0 to publish it."""
+    try:
+        store.wait([_SECRET_KEY], timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        raise TimeoutError(f"no channel secret published within {timeout_s}s ({e})") from None
+    return store.get(_SECRET_KEY)
+
+
+def broadcast_bytes(payload: bytes | None, src: int, group, device="cpu") -> bytes:
+    """Raw bytes from global rank `src` (which passes them; others pass None) to every rank of a
+    torch.distributed group: the length, then the payload. Callers put msgpack in it, never pickle."""
+    size = torch.tensor([len(payload or b"")], dtype=torch.int64, device=device)
+    dist.broadcast(size, src=src, group=group)
+    if payload:
+        buf = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
+    else:
+        buf = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.broadcast(buf, src=src, group=group)
+    return payload if payload is not None else buf.cpu().numpy().tobytes()

@@ -1,0 +1,244 @@
+"""The wire format between the controller and the rollout replicas: msgpack messages, validated.
+
+A message is a dict with `"v": SCHEMA_VERSION`, `"type"` and the fields that `SCHEMAS[type]`
+names. Arrays (numpy or torch) travel as a tagged map of raw bytes; pickle is never used.
+`decode` validates every received message and raises `MessageError` with a short reason tag,
+which a channel (hexrl.comm.channel) counts and skips, so a receive loop never sees an
+exception from foreign or corrupted input.
+"""
+from __future__ import annotations
+
+import math
+
+import msgpack
+import numpy as np
+import torch
+
+from hexrl.trajectory import Trajectory
+
+SCHEMA_VERSION = 1
+MAX_MESSAGE_BYTES = 64 << 20  # a 32k-token trajectory is well under 1 MiB
+
+
+# Field specs: "int", "float", "str", "bool", "dict", "list", "list[int]", "list[float]", "None",
+# joined by "|"; a leading "?" marks an optional field. list[...] also accepts a 1-D array.
+SCHEMAS: dict[str, dict[str, str]] = {
+    "prompt": {"group_id": "int", "problem_id": "int|str", "prompt_ids": "list[int]", "n": "int",
+               "sampling": "dict", "version": "int",
+               # what the rollout side's reward needs: rewards run next to generation
+               "answer": "?str", "tests": "?list"},
+    "trajectory": {"group_id": "int", "prompt_ids": "list[int]", "completion_ids": "list[int]",
+                   "logprobs": "list[float]", "versions": "list[int]", "reward": "float",
+                   "finish_reason": "str", "problem_id": "?int|str|None", "meta": "?dict",
+                   "rank": "?int"},
+    "heartbeat": {"rank": "int", "time": "float"},
+    "stats": {"rank": "int", "time": "float", "values": "dict"},
+    "weights": {"version": "int"},  # trainer published `version`: join the weight broadcast
+    "stop": {"reason": "str"},
+    "error": {"rank": "int", "cause": "str"},
+}
+
+# dtype name -> numpy dtype of the raw bytes (bfloat16 travels as its uint16 bit pattern)
+_ARRAY_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
+                 "int32": "<i4", "uint8": "u1", "bool": "?"}
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                 "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
+
+
+class MessageError(ValueError):
+    """A message that cannot be sent or was rejected on receipt; `reason` is a short tag."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+# ---------------------------------------------------------------- arrays
+
+
+def _encode_array(obj) -> dict:
+    """numpy array or torch tensor -> tagged map of raw bytes (a view, not a copy, when contiguous)."""
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().cpu().contiguous()
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _ARRAY_DTYPES:
+            raise MessageError("bad_array", f"tensor dtype {name} not allowed; use one of {sorted(_ARRAY_DTYPES)}")
+        arr = (t.view(torch.uint16) if name == "bfloat16" else t).numpy()
+        kind = "torch"
+    else:
+        arr = np.ascontiguousarray(obj)
+        name = arr.dtype.name
+        if name not in _ARRAY_DTYPES:
+            raise MessageError("bad_array", f"array dtype {name} not allowed; use one of {sorted(_ARRAY_DTYPES)}")
+        kind = "numpy"
+    arr = arr.astype(_ARRAY_DTYPES[name], copy=False)  # a no-op on little-endian hosts
+    return {"__nd__": True, "dtype": name, "shape": list(arr.shape), "kind": kind,
+            "data": memoryview(arr.reshape(-1)).cast("B")}
+
+
+def _decode_array(d: dict):
+    """Tagged map -> numpy array (read-only view of the message bytes) or torch tensor."""
+    name, shape, data = d.get("dtype"), d.get("shape"), d.get("data")
+    if name not in _ARRAY_DTYPES:
+        raise MessageError("bad_array", f"dtype {name!r} not allowed")
+    if not (isinstance(shape, list) and len(shape) <= 32 and all(type(s) is int and s >= 0 for s in shape)):
+        raise MessageError("bad_array", f"shape {shape!r} is not a list of at most 32 non-negative ints")
+    if not isinstance(data, bytes):
+        raise MessageError("bad_array", "data is not bytes")
+    raw = np.dtype(_ARRAY_DTYPES[name])
+    if math.prod(shape) * raw.itemsize != len(data):
+        raise MessageError("bad_array", f"{len(data)} bytes do not hold shape {shape} of {name}")
+    arr = np.frombuffer(data, dtype=raw).reshape(shape)
+    if d.get("kind") != "torch" and name != "bfloat16":
+        return arr
+    t = torch.from_numpy(arr.copy())  # torch wants a writable buffer
+    return t.view(torch.bfloat16) if name == "bfloat16" else t
+
+
+def _default(obj):
+    """msgpack hook for what it cannot pack natively."""
+    if isinstance(obj, (np.ndarray, torch.Tensor)):
+        return _encode_array(obj)
+    if isinstance(obj, np.generic):
+        return obj.item()
+    raise TypeError(f"cannot encode {type(obj).__name__} "
+                    "(msgpack only: dict, list, str, int, float, bool, None, bytes, arrays)")
+
+
+def _object_hook(d: dict):
+    return _decode_array(d) if d.get("__nd__") is True else d
+
+
+# ---------------------------------------------------------------- schema
+
+
+def _is_array(v) -> bool:
+    return isinstance(v, (np.ndarray, torch.Tensor))
+
+
+def _array_elem(v) -> str:
+    """"int", "float" or "other": what a 1-D array may stand in for (bool is neither)."""
+    if isinstance(v, torch.Tensor):
+        return "other" if v.dtype == torch.bool else "float" if v.is_floating_point() else "int"
+    return {"f": "float", "i": "int", "u": "int"}.get(v.dtype.kind, "other")
+
+
+_ELEM_TYPES = {"int": {int}, "float": {int, float}}  # exact types: a bool is not a number here
+
+
+def _check_one(value, kind: str) -> bool:
+    """Does `value` match one alternative of a field spec (bool never counts as a number)?"""
+    if kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == "float":
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == "None":
+        return value is None
+    if kind in ("list[int]", "list[float]"):
+        elem = kind[5:-1]
+        if _is_array(value):
+            return value.ndim == 1 and _array_elem(value) == elem
+        return isinstance(value, list) and set(map(type, value)) <= _ELEM_TYPES[elem]  # C-speed scan
+    return isinstance(value, {"str": str, "bool": bool, "dict": dict, "list": list}[kind])
+
+
+def _length(v) -> int:
+    return len(v) if not _is_array(v) else int(v.shape[0])
+
+
+def _semantic_problems(msg: dict) -> list[str]:
+    """Checks across fields (only run once every field has the right type)."""
+    kind = msg["type"]
+    if kind == "prompt" and msg["n"] < 1:
+        return [f"n must be >= 1, got {msg['n']}"]
+    if kind == "trajectory":
+        lens = {f: _length(msg[f]) for f in ("completion_ids", "logprobs", "versions")}
+        if len(set(lens.values())) != 1:
+            return [f"completion_ids, logprobs and versions differ in length: {lens}"]
+    return []
+
+
+def validate(msg) -> None:
+    """Raise MessageError naming every problem of `msg` against its schema."""
+    if not isinstance(msg, dict):
+        raise MessageError("not_a_map", f"message is a {type(msg).__name__}, not a map")
+    v, kind = msg.get("v"), msg.get("type")
+    if type(v) is not int or v != SCHEMA_VERSION:
+        raise MessageError("bad_version", f"schema version {v!r}, expected {SCHEMA_VERSION}")
+    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise MessageError("unknown_type", f"type {kind!r}; known: {sorted(SCHEMAS)}")
+    problems = []
+    for field, spec in schema.items():
+        optional, spec = spec.startswith("?"), spec.lstrip("?")
+        if field not in msg:
+            if not optional:
+                problems.append(f"missing field {field!r}")
+        elif not any(_check_one(msg[field], k) for k in spec.split("|")):
+            problems.append(f"field {field!r} should be {spec}, got {type(msg[field]).__name__}")
+    problems = problems or _semantic_problems(msg)
+    if problems:
+        raise MessageError("bad_fields", f"{msg['type']}: " + "; ".join(problems))
+
+
+def message(type: str, **fields) -> dict:
+    """A message of `type` with the schema version set, e.g. message("stop", reason="done")."""
+    return {"v": SCHEMA_VERSION, "type": type, **fields}
+
+
+def encode(msg: dict, max_bytes: int = MAX_MESSAGE_BYTES) -> bytes:
+    """Validate and pack; raises MessageError (sending a bad message is the sender's bug)."""
+    validate(msg)
+    try:
+        data = msgpack.packb(msg, default=_default, use_bin_type=True)
+    except (TypeError, ValueError, OverflowError) as e:
+        raise MessageError("unencodable", str(e)) from None
+    if len(data) > max_bytes:
+        raise MessageError("oversize", f"{len(data)} bytes > limit {max_bytes}")
+    return data
+
+
+def decode(data, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
+    """Unpack and validate bytes from the wire; raises MessageError with a reason tag."""
+    size = memoryview(data).nbytes
+    if size > max_bytes:
+        raise MessageError("oversize", f"{size} bytes > limit {max_bytes}")
+    try:
+        msg = msgpack.unpackb(data, raw=False, object_hook=_object_hook, strict_map_key=True)
+    except MessageError:
+        raise
+    except Exception as e:  # msgpack raises many types on garbage (ExtraData, ValueError, StackError, ...)
+        raise MessageError("not_msgpack", f"{type(e).__name__}: {e}"[:200]) from None
+    validate(msg)
+    return msg
+
+
+# ---------------------------------------------------------------- trajectories
+
+
+def trajectory_to_msg(traj: Trajectory, rank: int | None = None) -> dict:
+    """A `trajectory` message holding every field of `traj` (rank: the sending replica, optional)."""
+    msg = message("trajectory", group_id=traj.group_id, prompt_ids=traj.prompt_ids,
+                  completion_ids=traj.completion_ids, logprobs=traj.logprobs, versions=traj.versions,
+                  reward=traj.reward, finish_reason=traj.finish_reason, problem_id=traj.problem_id,
+                  meta=traj.meta)
+    if rank is not None:
+        msg["rank"] = rank
+    return msg
+
+
+def _as_list(v) -> list:
+    return v.tolist() if _is_array(v) else v
+
+
+def msg_to_trajectory(msg: dict) -> Trajectory:
+    """The Trajectory of a validated `trajectory` message (arrays become lists)."""
+    if msg.get("type") != "trajectory":
+        raise MessageError("bad_fields", f"expected a trajectory message, got type {msg.get('type')!r}")
+    return Trajectory(group_id=msg["group_id"], prompt_ids=_as_list(msg["prompt_ids"]),
+                      completion_ids=_as_list(msg["completion_ids"]),
+                      logprobs=list(map(float, _as_list(msg["logprobs"]))),
+                      versions=_as_list(msg["versions"]), reward=float(msg["reward"]),
+                      finish_reason=msg["finish_reason"], problem_id=msg.get("problem_id"),
+                      meta=dict(msg.get("meta") or {}))

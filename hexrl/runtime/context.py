@@ -1,0 +1,43 @@
+"""RankContext: what a role's loop needs to know about its rank, built once by `hexrl.main`.
+
+Everywhere in hexrl, `ctx` names one of these (and nothing else).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hexrl.runtime.preflight import Inputs
+from hexrl.runtime.watchdog import Watchdog
+from hexrl.schema import Plan, TrainerLayout
+from hexrl.schema.plan import RankInfo
+
+
+@dataclass
+class RankContext:
+    """What a role's loop needs: the plan, who it is, and the groups it belongs to."""
+
+    plan: Plan
+    rank: int
+    local_rank: int
+    device: torch.device
+    run_dir: Path
+    resume: Path | None
+    store: dist.Store  # the job-wide torchrun store
+    layout: TrainerLayout  # the plan's trainer grid, every slot's global rank filled in
+    sync_groups: list[tuple[int, dist.ProcessGroup]]  # per pipeline stage: (src rank, group) of the weight broadcast
+    replica_group: dist.ProcessGroup | None  # this rollout rank's TP group (None for TP 1 or trainer ranks)
+    watchdog: Watchdog
+    inputs: Inputs  # the checked, tokenized prompts (tokenized once, by the checks)
+
+    @property
+    def info(self) -> RankInfo:
+        """This rank's entry in the plan: role, node, replica."""
+        return self.plan.ranks[self.rank]
+
+    @property
+    def controller_rank(self) -> int:
+        return self.layout.rank(0, 0, 0)  # trainer slot (stage 0, dp 0, tp 0) hosts the controller
