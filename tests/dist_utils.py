@@ -69,9 +69,10 @@ def run_world(fn, world_size: int, *args, timeout: float = 180.0) -> list:
                 waited += 1.0
                 dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0) and i not in out]
                 if dead:
-                    raise WorldError(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})")
+                    raise WorldError(f"rank(s) {dead} died (exit codes {[procs[i].exitcode for i in dead]})") from None
                 if waited > timeout:
-                    raise WorldError(f"world of {world_size} timed out after {timeout:.0f}s; finished: {sorted(out)}")
+                    raise WorldError(f"world of {world_size} timed out after {timeout:.0f}s; "
+                                     f"finished: {sorted(out)}") from None
                 continue
             if ok:
                 out[rank] = torch.load(io.BytesIO(value), weights_only=False)

@@ -8,8 +8,9 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 from hexrl.model.tiny import make_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2,

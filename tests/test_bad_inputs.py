@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from runtime_utils import ROOT, metrics, torchrun, write_job
 
+from hexrl.data.tokenizer import TokenizerError, load_tokenizer
 from hexrl.main import load_checked_plan
 from hexrl.model.tiny import make_tiny_model
 from hexrl.runtime.preflight import check_inputs, run_prompts
 from hexrl.schema import load_job
-from hexrl.data.tokenizer import TokenizerError, load_tokenizer
 from hexrl.train import checkpoint as ckpt
-from runtime_utils import ROOT, metrics, torchrun, write_job
 
 GOOD = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(1, 5)]
 BAD = {"prompt": "Ünïcode ⊕ 1+1=", "answer": "2"}  # upper case and non-ASCII: outside the char alphabet

@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from hexrl.data.problems import Problem
 from hexrl.data.datasets import load_jsonl, make_arithmetic, make_arithmetic_split, split_heldout, write_jsonl
+from hexrl.data.problems import Problem
 from hexrl.data.tokenizer import CharTokenizer
 
 

@@ -7,8 +7,8 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import WorldError, run_world
+
 from hexrl.runtime import dist_rules
 
 
@@ -87,6 +87,7 @@ def dp2_step_on_one_gpu(rank, world, model_path):
     """Two DP ranks sharing cuda:0 over gloo (NCCL refuses a shared device): every collective
     tensor must be on cuda:0, also the gradient-norm sum of the replica that counts nothing."""
     from test_train_parallel import make_batch
+
     from hexrl.train import TrainConfig, Trainer
 
     dist_rules.declare_device("cuda:0")

@@ -5,6 +5,8 @@ import os
 import signal
 
 import pytest
+from runtime_utils import ROOT, torchrun, wait_for, write_job
+from test_plan import hetero_job
 
 from hexrl.model.tiny import make_tiny_model
 from hexrl.plan.cost import MIN_MICRO_TOKENS, CostModel
@@ -12,8 +14,6 @@ from hexrl.plan.fixed import plan_candidate
 from hexrl.plan.planner import plan_job
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.train import TrainConfig
-from runtime_utils import ROOT, torchrun, wait_for, write_job
-from test_plan import hetero_job
 
 
 def long_job(max_new: int, **over) -> dict:

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from hexrl.data.tokenizer import CharTokenizer
+from hexrl.model.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
-from hexrl.model.tiny import make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 

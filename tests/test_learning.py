@@ -14,7 +14,7 @@ def test_async_grpo_improves_reward_and_heldout_accuracy(tmp_path):
     # Phase 1: the default supervised warm start (2-digit addition), stopped early at 30% dev accuracy.
     warm_start.main([str(tmp_path / "model"), "--target-acc", "0.3", "--n-heldout", "200"])
     # Phase 2: hexrl with eta = 4 and the decoupled objective, through torchrun.
-    # the study's settings (README, issue 19), where eta = 4 gained 0.19-0.23 held-out in 50 steps over 3 seeds
+    # the study's settings (docs/learning.md), where eta = 4 gained 0.19-0.23 held-out in 50 steps over 3 seeds
     learning_run.main([str(tmp_path), "--only", "4:decoupled", "--steps", "50", "--batch", "64", "--group", "8",
                        "--lr", "2.5e-4", "--eval-every", "25"])
     run = tmp_path / "eta4-decoupled"

@@ -5,12 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hexrl.model.attention import CausalAttention
 from hexrl.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from hexrl.model.parallel import TPGroup
-from hexrl.model.attention import CausalAttention
-
 from hexrl.model.tiny import make_tiny_model, tiny_config
 
 transformers = pytest.importorskip("transformers")

@@ -17,12 +17,12 @@ from safetensors.torch import load_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import warm_start  # noqa: E402
-
-from hexrl.runtime.nodes import address_problems, placement_problems, plan_digest
-from hexrl.schema import ConfigError, load_job, load_plan
-from hexrl.runtime.watchdog import Watchdog
 from dist_utils import free_port
 from runtime_utils import ROOT, metrics, torchrun, torchrun_node, wait_for, worker_pids, write_job
+
+from hexrl.runtime.nodes import address_problems, placement_problems, plan_digest
+from hexrl.runtime.watchdog import Watchdog
+from hexrl.schema import ConfigError, load_job, load_plan
 
 A, B = "127.0.0.1", "127.0.0.2"
 TWO_NODES = [{"name": "A", "gpu_type": "cpu", "gpus": 2, "address": A},
@@ -161,8 +161,9 @@ def test_a_launcher_on_the_wrong_node_rank_ends_the_job_naming_it(tmp_path):
 
 
 def kill_node_b(tmp_path, workers_too: bool):
-    """Run 40 steps (enough that a fast machine is still mid-run); after 2, SIGKILL node B's launcher (and with workers_too its ranks, as when
-    the machine dies). Node A must end within 60 s naming node B's ranks. Returns (plan, run)."""
+    """Run 40 steps (enough that a fast machine is still mid-run); after 2, SIGKILL node B's launcher
+    (and with workers_too its ranks, as when the machine dies). Node A must end within 60 s naming node B's
+    ranks. Returns (plan, run)."""
     plan = write_job(tmp_path, steps=40, eta=1, checkpoint_every=1, nodes=TWO_NODES, layout={"train_gpus": 2, "dp": 2})
     run = tmp_path / "run"
     procs = launch(plan, run)

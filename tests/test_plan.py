@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.plan.__main__ import main
-from hexrl.plan.planner import plan_job
 from hexrl.plan.candidate import Evaluator
 from hexrl.plan.cost import CostModel
+from hexrl.plan.planner import plan_job
+from hexrl.schema import ConfigError, load_job, load_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 def demo_job() -> dict:
@@ -101,15 +101,34 @@ def test_budget_plans_on_the_best_affordable_nodes():
     assert plan.world_size == 12 and load_plan(plan.to_dict()).world_size == 12
 
 
-def test_draw_without_matplotlib_still_writes_the_plan(tmp_path, capsys):
+def test_draw_without_matplotlib_fails_but_still_writes_the_plan(tmp_path, capsys, monkeypatch):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if not installed: importing it raises ImportError
+    assert main([write(tmp_path, demo_job()), "-o", str(out), "--draw", str(png)]) == 1
+    assert out.exists() and not png.exists()
+    assert "matplotlib is not installed, so nothing was written to" in capsys.readouterr().err
+
+
+def test_draw_with_matplotlib(tmp_path):
+    pytest.importorskip("matplotlib")
     out, png = tmp_path / "plan.json", tmp_path / "plan.png"
     assert main([write(tmp_path, demo_job()), "-o", str(out), "--draw", str(png)]) == 0
-    assert out.exists()
-    try:
-        import matplotlib  # noqa: F401
-        assert png.exists()
-    except ImportError:
-        assert "matplotlib is not installed" in capsys.readouterr().err
+    assert png.stat().st_size > 0
+
+
+def test_console_summary_help_and_no_solver_banner(tmp_path):
+    """One plan as a user sees it: stages half-open as in plan.json, counts in words, no HiGHS banner."""
+    job = write(tmp_path, demo_job())
+    run = subprocess.run([sys.executable, "-m", "hexrl.plan", job, "-o", str(tmp_path / "p.json")],
+                         capture_output=True, text=True, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    stages = json.loads((tmp_path / "p.json").read_text())["trainer"]["stages"]
+    assert stages == [{"gpu_type": "cpu", "tp": 1, "layers": [0, 4]}]
+    assert "cpu tp1 layers [0, 4)" in run.stdout and "rollout : 1 replica [1 x cpu tp1]" in run.stdout
+    assert "HiGHS" not in run.stdout + run.stderr
+    help_text = subprocess.run([sys.executable, "-m", "hexrl.plan", "--help"], capture_output=True, text=True,
+                               cwd=ROOT).stdout
+    assert "python -m hexrl.plan simulate PLAN.json" in help_text
 
 
 def test_cpu_demo_layout_is_exactly_placed():
@@ -133,7 +152,8 @@ def test_full_fixed_layout_with_pipeline_and_explicit_replicas():
     assert [(by_rank[k].pp, by_rank[k].dp, by_rank[k].tp) for k in range(4, 12)] == \
         [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1), (1, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 1)]
     assert [(s.gpu_type, s.tp, s.layers) for s in plan.trainer.stages] == [("H800", 2, (0, 10)), ("H20", 2, (10, 28))]
-    assert [(r.ranks, r.share) for r in plan.replicas] == [([0, 1], 0.5), ([2], 0.25), ([3], 0.25), ([12, 13, 14, 15], 0.0)]
+    assert [(r.ranks, r.share) for r in plan.replicas] == [([0, 1], 0.5), ([2], 0.25), ([3], 0.25),
+                                                            ([12, 13, 14, 15], 0.0)]
 
 
 def test_fixed_layout_problems_are_all_reported():

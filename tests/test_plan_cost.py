@@ -4,18 +4,16 @@ hand arithmetic, brute-force enumeration, or the full cost model (for the lower 
 import itertools
 import random
 
-import numpy as np
 import pytest
 
 from hexrl.gpus import PAPER_DECODE_FACTOR
-
-from hexrl.schema import load_job
-from hexrl.plan.cost import CostModel, StageCoeffs
 from hexrl.plan.candidate import Evaluator
+from hexrl.plan.cost import CostModel, StageCoeffs
 from hexrl.plan.partition import lower_bounds, split_grid
 from hexrl.plan.placement import FreeClass, free_classes, train_per_node
 from hexrl.plan.rollout_milp import _columns, _solve
 from hexrl.plan.train_search import assign_layers
+from hexrl.schema import load_job
 
 
 def job(nodes, model="r1-distill-qwen-1.5b", **rl):
@@ -150,8 +148,8 @@ def test_per_type_plans_combine_into_one_rollout():
     """The planner's sweep estimates a split with one small MILP per GPU type: combined, the
     replicas keep their types' token rates as shares, the makespan is the recompute fixed point
     of all of them, and on the H800 + H20 cluster the estimates pick the exhaustive optimum."""
-    from hexrl.plan.rollout_milp import combine, makespan, solve_rollout
     from hexrl.plan.partition import exhaustive
+    from hexrl.plan.rollout_milp import combine, makespan, solve_rollout
     cm = CostModel(job(nodes("H800", "H20", gpus=4), eta=4), use_profiles=False)
     ev = Evaluator(cm)
     per_node = train_per_node(cm.cluster, {"H800": 2, "H20": 2})

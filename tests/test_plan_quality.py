@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from hexrl.schema import load_job
-from hexrl.plan.cost import CostModel
 from hexrl.plan.candidate import Evaluator
+from hexrl.plan.cost import CostModel
 from hexrl.plan.partition import exhaustive, n_splits, two_phase
+from hexrl.schema import load_job
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
 from plan_quality import KNOWN_BAD, random_job  # noqa: E402

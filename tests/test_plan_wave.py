@@ -60,8 +60,8 @@ def test_the_slowest_of_many_replicas_is_slower():
 def test_a_joining_step_slows_the_wave_less_the_later_it_joins():
     """CostModel.joined_wave_s: the next step's groups joining mid-wave make the tail decode in full
     batches, so the wave ends later; the later they join, the less; after the wave, not at all."""
-    from hexrl.schema import load_job
     from hexrl.plan.cost import CostModel
+    from hexrl.schema import load_job
     cm = CostModel(load_job({
         "model": {"preset": "r1-distill-qwen-1.5b"}, "data": {"synthetic": {}},
         "rl": {"batch_size": 64, "group_size": 8, "max_new_tokens": 4096, "eta": 1},
@@ -80,8 +80,9 @@ def test_the_slowest_replica_against_a_monte_carlo_of_its_draws():
     varies with its draws (its attention work, c x the sum of prompt L + L^2 / 2); the cost model
     adds sd sqrt(2 ln m) to the mean wave. Against replicas decoded step by step from sampled lengths."""
     from types import SimpleNamespace
-    from hexrl.schema import load_job
+
     from hexrl.plan.cost import CostModel
+    from hexrl.schema import load_job
     cm = CostModel(load_job({
         "model": {"preset": "r1-distill-qwen-1.5b"}, "data": {"synthetic": {}},
         "rl": {"batch_size": 256, "group_size": 8, "max_new_tokens": 8192, "eta": 0},

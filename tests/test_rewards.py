@@ -44,7 +44,7 @@ MATH_CASES = [
     (f"{B}{{90^{{\\circ}}}}", "90", 1.0),
     (f"{B}{{\\$18.90}}", "18.9", 1.0),
     (f"{B}{{10.}}", "10", 1.0),  # trailing period
-    (f"$\\boxed{{3.0}}$", "3", 1.0),
+    ("$\\boxed{3.0}$", "3", 1.0),
     (f"{B}{{\\left(1, 2\\right)}}", "(1,2)", 1.0),
     (f"{B}{{(0.5, 2)}}", "(\\frac{1}{2}, 2)", 1.0),  # tuples compare element-wise
     (f"first {B}{{3}} then {B}{{4}}", "4", 1.0),  # the last box wins

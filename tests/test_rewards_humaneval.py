@@ -1,7 +1,7 @@
 """HumanEval and MBPP as code datasets: reference solutions score 1.0, `return None` stubs 0.0.
 
 CI runs every judged problem plus a spread of the others (HEXRL_HUMANEVAL_ALL=1 runs all 164;
-the README gives the time for the full set).
+docs/rewards.md gives the time for the full set).
 """
 
 import json
@@ -52,8 +52,10 @@ MBPP = [
      "test_list": ["assert set(similar_elements((3, 4, 5, 6), (5, 7, 4, 10))) == set((4, 5))",
                    "assert set(similar_elements((1, 2, 3, 4), (5, 4, 3, 7))) == set((3, 4))"]},
     {"task_id": 3, "text": "Write a python function to identify non-prime numbers.",
-     "code": "import math\ndef is_not_prime(n):\n    return n < 2 or any(n % i == 0 for i in range(2, int(math.sqrt(n)) + 1))",
-     "test_list": ["assert is_not_prime(2) == False", "assert is_not_prime(10) == True", "assert is_not_prime(35) == True"]},
+     "code": "import math\ndef is_not_prime(n):\n"
+             "    return n < 2 or any(n % i == 0 for i in range(2, int(math.sqrt(n)) + 1))",
+     "test_list": ["assert is_not_prime(2) == False", "assert is_not_prime(10) == True",
+                   "assert is_not_prime(35) == True"]},
     {"task_id": 7, "text": "Write a function to compute the area of a circle.",
      "code": "import math\ndef area(r):\n    return math.pi * r * r",
      "test_list": ["assert math.isclose(area(10), 314.15926535897927, rel_tol=0.001)"]},

@@ -3,7 +3,7 @@ r"""Math reward against math-verify on GSM8K/MATH-style answers as models write 
 Every row is (completion, reference, hexrl's expected reward). The table is also graded by
 math-verify alone (`parse` + `verify`, default settings); the test asserts hexrl's expected
 verdicts, at least 97% agreement, and that no different integer is ever accepted. Run with -s
-to see the rows where the two differ (the README lists them and why).
+to see the rows where the two differ (docs/rewards.md lists them and why).
 """
 
 import re

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from hexrl.model.checkpoint import load_pretrained, save_pretrained
-from hexrl.rollout import Engine, EngineConfig, Request
-
 from hexrl.model.tiny import make_tiny_model
+from hexrl.rollout import Engine, EngineConfig, Request
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 256

@@ -10,7 +10,7 @@ from hexrl.model.checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.attention import build_meta
-from hexrl.rollout.cpu_linear import PackedLinear, available, pack_linears
+from hexrl.rollout.cpu_linear import available, pack_linears
 from hexrl.rollout.cuda_graph import SharedGraphBuffers, batch_size_problems, default_batch_sizes, pick_size
 from hexrl.rollout.flashinfer_backend import WORKSPACE_BYTES, float_workspace_bytes, pad_csr
 from hexrl.rollout.pages import BlockTable, PagePool
@@ -73,7 +73,7 @@ def test_decode_only_defers_to_the_general_schedule_when_someone_can_be_admitted
 def test_graph_buffers_are_shared_by_every_size():
     buf = SharedGraphBuffers(max_batch=16, vocab=10, device=torch.device("cpu"))
     views = {bs: buf.views(bs) for bs in (1, 8, 16)}
-    for ids, pos, logits in views.values():  # one allocation: every size's views start at the same place
+    for ids, _pos, logits in views.values():  # one allocation: every size's views start at the same place
         assert ids.data_ptr() == buf.ids.data_ptr() and logits.data_ptr() == buf.logits.data_ptr()
         assert logits.dtype == torch.float32
     assert views[8][2].shape == (8, 10)

@@ -9,12 +9,11 @@ import pytest
 import torch
 
 from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.attention import build_meta
 from hexrl.rollout.pages import PagePool
 from hexrl.rollout.torch_paged import TorchPagedAttention
-
-from hexrl.model.tiny import make_tiny_model
 
 pytestmark = pytest.mark.gpu
 DEV = torch.device("cuda")

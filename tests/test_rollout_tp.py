@@ -4,13 +4,12 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from dist_utils import run_world
 
 from hexrl.model.checkpoint import load_pretrained, save_pretrained
 from hexrl.model.parallel import TPGroup
-from hexrl.rollout import Engine, EngineConfig, Request
-
 from hexrl.model.tiny import make_tiny_model
-from dist_utils import run_world
+from hexrl.rollout import Engine, EngineConfig, Request
 
 CONFIG = dict(page_size=4, max_pages=48, max_running=3, max_batch_tokens=24)
 SWITCH_AT = 4  # update weights before this step

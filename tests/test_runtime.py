@@ -1,4 +1,5 @@
 """The whole job under torchrun on CPU: 2 trainer ranks + 1 rollout rank on a tiny model."""
+import contextlib
 import json
 import os
 import signal
@@ -7,9 +8,9 @@ import time
 import msgpack
 import pytest
 import zmq
+from runtime_utils import metrics, torchrun, wait_for, worker_pids, write_job
 
 from hexrl.comm.wire import SCHEMA_VERSION
-from runtime_utils import metrics, torchrun, wait_for, worker_pids, write_job
 
 REQUIRED = ("step", "version", "reward_mean", "trajectories_accepted", "trajectories_filtered",
             "trajectories_dropped", "max_staleness", "rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s")
@@ -62,6 +63,34 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]
     assert [e["step"] for e in evals] == [0, 2, 3] and all(e["n"] == 20 for e in evals)
     assert [r["heldout_accuracy"] is not None for r in rows] == [False, True, True]
+    run_dir_is_complete_and_summarized(tmp_path / "run", evals)
+
+
+def run_dir_is_complete_and_summarized(run, evals):
+    """Every model directory the run wrote loads with its tokenizer; `hexrl.generate` answers from the run
+    directory (final/) and from its checkpoint alone, alike; the summary tells the run's story."""
+    from hexrl.control.summary import summarize
+    from hexrl.data.tokenizer import CharTokenizer, load_tokenizer
+    from hexrl.generate import main as generate
+
+    for model_dir in (run / "final", run / "eval_model", run / "checkpoints"):
+        assert isinstance(load_tokenizer(model_dir), CharTokenizer), model_dir
+    answers = []
+    for where in (run, run / "checkpoints"):  # final/, then the latest checkpoint (the same weights)
+        out = run.parent / f"answer-{len(answers)}.json"
+        with open(out, "w") as f, contextlib.redirect_stdout(f):
+            assert generate([str(where), "--prompt", "3+4=", "--prompt", "8+1=", "--temperature", "0",
+                             "--max-new-tokens", "3", "--json"]) == 0
+        answers.append([json.loads(line)["token_ids"] for line in out.read_text().splitlines()])
+    assert answers[0] == answers[1] and len(answers[0]) == 2
+    text = summarize(run, launch_s=12.0)
+    last = metrics(run)[-1]
+    assert f"held-out accuracy: {evals[0]['heldout_accuracy']:.3f} at step 0 -> " \
+           f"{evals[-1]['heldout_accuracy']:.3f} at step 3 (20 problems" in text
+    assert "3 steps" in text and "12 s launch to exit" in text and f"{last['wall_s']:.0f} s training" in text
+    assert (f"produced {last['trajectories_produced']} = trained {last['trajectories_trained']} + filtered "
+            f"{last['trajectories_filtered']} + dropped {last['trajectories_dropped']} + pending "
+            f"{last['trajectories_pending']} (balanced)") in text
 
 
 def test_kill_9_then_resume_continues_from_the_last_checkpoint(tmp_path):

@@ -1,18 +1,17 @@
 """Job and plan schema: loading, defaults, and validation that reports every problem at once."""
 
 import copy
+import json
 import subprocess
 import sys
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 
-from hexrl.plan.lengths import output_lengths
 from hexrl.model.config import ModelConfig
-from hexrl.schema import PRESETS, ConfigError, load_job, load_plan, validate_plan_against_world
+from hexrl.plan.lengths import output_lengths
 from hexrl.plan.planner import plan_job
+from hexrl.schema import PRESETS, ConfigError, load_job, load_plan, validate_plan_against_world
 
 CONFIGS = Path(__file__).resolve().parent.parent / "tools" / "configs"
 
@@ -191,7 +190,7 @@ def test_plan_round_trip_and_world_checks(tmp_path):
     validate_plan_against_world(again, 3, 3)
     with pytest.raises(ConfigError) as e:
         validate_plan_against_world(again, 4, 2)
-    assert "WORLD_SIZE=4 but the plan has 3 ranks" in str(e.value)
+    assert "WORLD_SIZE=4 but the plan has 3 ranks (1 node x 3)" in str(e.value)  # not "1 nodes"
     assert "LOCAL_WORLD_SIZE=2" in str(e.value)
 
 

@@ -19,7 +19,8 @@ PROFILE = {"gpu": "cpu", "bf16_tflops": 0.02, "hbm_TBps": 0.005, "hbm_efficiency
 def tiny_run(tmp: Path, name: str, eta: int) -> Path:
     """A run directory holding the plan of a 1 trainer + 1 rollout CPU job (as learning_run writes it)."""
     job = load_job({"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 200}},
-                    "reward": {"name": "exact"}, "rl": {"batch_size": 8, "group_size": 4, "eta": eta, "max_new_tokens": 5},
+                    "reward": {"name": "exact"},
+                    "rl": {"batch_size": 8, "group_size": 4, "eta": eta, "max_new_tokens": 5},
                     "cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 2}]},
                     "layout": {"train_gpus": 1, "dp": 1},
                     "cpu_affinity": {"cores": [[0], [1]]}})
@@ -90,7 +91,8 @@ def test_windows_measure_each_span_of_steps_on_its_own():
     first, second = ls.windows(rows, 2)
     assert first["steps"] == [0, 2] and second["steps"] == [2, 4]
     assert first["step_s"] == pytest.approx(1.0) and second["step_s"] == pytest.approx(2.0)
-    assert first["equal_fraction"] == pytest.approx(0.25, abs=1e-3) and second["equal_fraction"] == pytest.approx(0.5, abs=1e-3)
+    assert first["equal_fraction"] == pytest.approx(0.25, abs=1e-3)
+    assert second["equal_fraction"] == pytest.approx(0.5, abs=1e-3)
     assert first["completion_len"] == pytest.approx(3.0) and first["mean_staleness"] == pytest.approx(0.75)
 
 
@@ -127,7 +129,8 @@ def test_a_window_measured_slower_than_its_profile_is_simulated_that_much_slower
     assert cm2.decode_coeffs("cpu", 1, 16) == pytest.approx((2 * a, 2 * c))
     assert cm2.prefill_s("cpu", 1, 70, 3.5) == pytest.approx(2 * cm.prefill_s("cpu", 1, 70, 3.5))
     assert cm2.gpus["cpu"].host_s_per_sample == pytest.approx(3e-4)
-    assert ls.simulate(run, slow, 7, 4, 0.0, 8, tag="-w0-slow")["train_s"] == pytest.approx(1.5 * sim["train_s"], rel=0.05)
+    slowed = ls.simulate(run, slow, 7, 4, 0.0, 8, tag="-w0-slow")
+    assert slowed["train_s"] == pytest.approx(1.5 * sim["train_s"], rel=0.05)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.tiny import make_tiny_model
 from hexrl.schema import TrainerLayout
 from hexrl.train import Grid, TrainConfig, Trainer
 from hexrl.train import checkpoint as ckpt
@@ -18,7 +19,6 @@ from hexrl.train.optim import AdamW
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-from hexrl.model.tiny import make_tiny_model
 from test_train_parallel import make_batch  # noqa: E402
 
 SINGLE = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}
@@ -52,7 +52,8 @@ def test_resume_is_bit_identical(tmp_path, model_path):
     assert b.step(make_batch(1)) == after_save  # every metric, exactly
     for k, v in weights(a).items():
         assert torch.equal(v, weights(b)[k]), k
-    two_stages = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 1, "layers": [1, 2]}]})
+    two_stages = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]},
+                                                              {"tp": 1, "layers": [1, 2]}]})
     with pytest.raises(ValueError, match="resume needs the same stages"):
         ckpt.load(tmp_path / "ck", Grid(two_stages, rank=0, stage=0, dp_rank=0, tp_rank=0))
 
@@ -118,7 +119,8 @@ t.save({root!r})
 
 def test_process_killed_mid_write_keeps_previous_checkpoint(tmp_path, model_path):
     root = tmp_path / "ck"
-    script = KILLED_SAVE.format(tests=str(ROOT / "tests"), model=str(model_path), layout=SINGLE, cfg=CFG, root=str(root))
+    script = KILLED_SAVE.format(tests=str(ROOT / "tests"), model=str(model_path), layout=SINGLE, cfg=CFG,
+                                root=str(root))
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == -9, proc.stderr
@@ -194,7 +196,7 @@ def test_bf16_params_with_fp32_master_weights():
     ref = [torch.nn.Parameter(p.clone()) for p in full]
     ref_opt = torch.optim.AdamW([{"params": ref[:1], "weight_decay": 0.5}, {"params": ref[1:], "weight_decay": 0.0}],
                                 lr=0.1)
-    for step in range(3):
+    for _ in range(3):
         grads = [torch.randn_like(p) for p in full]
         for p, g in zip(params, grads):
             p.main_grad = g.clone()

@@ -3,15 +3,14 @@
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_world
+
 from hexrl.model.parallel import TPGroup
+from hexrl.model.tiny import make_tiny_model
 from hexrl.train import TrainConfig, Trainer
 from hexrl.train.data_parallel import GradBuckets
 from hexrl.train.vocab_parallel import vocab_parallel_logprobs
 from hexrl.trajectory import Trajectory
-
-from hexrl.model.tiny import make_tiny_model
 
 # Two PPO mini-batches of one sequence each: with DP 2 one rank has no micro-batch at all.
 IDLE_RANK_BATCH = [Trajectory(0, [1, 2, 3], [4, 5, 6, 7], [-4.0] * 4, [0] * 4, reward=1.0),
@@ -49,8 +48,9 @@ def _vocab_parallel_worker(rank, world):
 def _buckets_worker(rank, world):
     torch.manual_seed(0)  # same initial weights on both ranks
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-    buckets = GradBuckets(list(model.parameters()), dist.group.WORLD, bucket_mb=50 * 4 / 2**20)  # 50 floats: two buckets
-    data = [torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * r + k)) for r in range(world) for k in range(2)]
+    buckets = GradBuckets(list(model.parameters()), dist.group.WORLD, bucket_mb=50 * 4 / 2**20)  # 50 floats: 2 buckets
+    data = [torch.randn(5, 8, generator=torch.Generator().manual_seed(10 * r + k))
+            for r in range(world) for k in range(2)]
     buckets.zero()
     for k in range(2):  # two micro-batches; sync only during the second backward
         buckets.sync = k == 1

@@ -102,8 +102,8 @@ def test_clipping_on_the_device_matches_clip_grad_norm_and_torch_adamw():
     ours, grads = _params_with_grads(0)
     ref, _ = _params_with_grads(0)
     opt = AdamW(ours, lr=1e-2, weight_decay=0.1)
-    torch_opt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}],
-                                  lr=1e-2)
+    groups = [{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0.0}]
+    torch_opt = torch.optim.AdamW(groups, lr=1e-2)
     for step in range(3):
         for p, r, g in zip(ours, ref, grads):
             p.main_grad, r.grad = g.clone() * (step + 1), g.clone() * (step + 1)

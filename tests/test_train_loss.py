@@ -40,7 +40,8 @@ def test_clip_and_cap_on_hand_made_tokens():
 
 def test_reduces_to_textbook_ppo_when_behaviour_is_proximal():
     g = torch.Generator().manual_seed(0)
-    theta, old, adv = torch.randn(50, generator=g) * 0.3, torch.randn(50, generator=g) * 0.3, torch.randn(50, generator=g)
+    theta, old = torch.randn(50, generator=g) * 0.3, torch.randn(50, generator=g) * 0.3
+    adv = torch.randn(50, generator=g)
     eps = 0.2
     ratio = torch.exp(theta - old)
     textbook = -torch.min(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv).mean()
@@ -72,7 +73,7 @@ def test_k3_kl_to_reference():
 def test_first_minibatch_of_a_step_is_never_clipped_by_the_decoupled_objective():
     # On the first mini-batch θ = p, so ratio = 1 however stale the data: the decoupled objective is
     # then a w-weighted policy gradient with no trust region, which is why rl.ppo_minibatches
-    # defaults to 4 (README "Learning"). Naive PPO clips the same stale tokens against b instead.
+    # defaults to 4 (docs/learning.md). Naive PPO clips the same stale tokens against b instead.
     theta = torch.tensor([0.0, 0.0, 0.0, 0.0], requires_grad=True)
     prox = theta.detach().clone()
     behav = torch.tensor([LN(0.5), LN(2.0), LN(0.5), LN(2.0)])  # stale: w = exp(p − b) = 2, 0.5, 2, 0.5

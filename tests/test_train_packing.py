@@ -70,7 +70,8 @@ def test_layout_ranks_and_mixed_tp_peers():
     layout = TrainerLayout.from_dict({"dp": 2, "stages": [{"tp": 2, "layers": [0, 3]}, {"tp": 1, "layers": [3, 4]},
                                                    {"tp": 4, "layers": [4, 6]}]}, num_layers=6)
     assert layout.world_size == 2 * (2 + 1 + 4)
-    assert [layout.rank(0, 1, t) for t in range(2)] == [2, 3] and layout.rank(1, 1, 0) == 5 and layout.rank(2, 0, 3) == 9
+    assert [layout.rank(0, 1, t) for t in range(2)] == [2, 3]
+    assert layout.rank(1, 1, 0) == 5 and layout.rank(2, 0, 3) == 9
     assert all(layout.coord(layout.rank(*c)) == c for c in layout.slots())
     # stage 0 (tp 2) -> stage 1 (tp 1): only tp rank 0 sends; the one receiver gets gradients back to both
     assert layout.act_targets(0, 1, 0) == [5] and layout.act_targets(0, 1, 1) == []
@@ -78,7 +79,8 @@ def test_layout_ranks_and_mixed_tp_peers():
     assert layout.grad_source(0, 1, 1) == 5
     # stage 1 (tp 1) -> stage 2 (tp 4): one sender feeds all four
     assert layout.act_targets(1, 0, 0) == [6, 7, 8, 9] and layout.act_source(2, 0, 3) == 4
-    assert layout.grad_source(1, 0, 0) == 6 and layout.grad_targets(2, 0, 0) == [4] and layout.grad_targets(2, 0, 1) == []
+    assert layout.grad_source(1, 0, 0) == 6
+    assert layout.grad_targets(2, 0, 0) == [4] and layout.grad_targets(2, 0, 1) == []
     # every send has exactly one matching receive
     for s, d, t in layout.slots():
         for r in layout.act_targets(s, d, t):
@@ -95,7 +97,8 @@ def test_layout_problems_listed_at_once():
     msg = str(e.value)
     assert "layout.dp" in msg and "layout.stages[0].tp" in msg and "layout.stages[1].layers" in msg
     with pytest.raises(ValueError, match=r"stages\[1\].layers: \[3, 4\) must start at 2(.|\n)*model has 5 layers"):
-        TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}, {"tp": 1, "layers": [3, 4]}]}, num_layers=5)
+        TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}, {"tp": 1, "layers": [3, 4]}]},
+                                num_layers=5)
     with pytest.raises(ValueError, match="2 ranks given, the grid has 3 slots"):
         TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 3, "layers": [0, 1]}], "ranks": [0, 1]})
 

@@ -10,15 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from dist_utils import run_world
+
 from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.tiny import make_tiny_model
 from hexrl.train import TrainConfig, Trainer
+from hexrl.train.export import checkpoint_weights, write_model_files
 from hexrl.train.loss import equal_reward_groups, group_advantages, ppo_terms
 from hexrl.train.packing import plan_step
 from hexrl.trajectory import Trajectory
-
-from hexrl.model.tiny import make_tiny_model
 
 CONFIG = dict(lr=1e-3, warmup_steps=4, grad_clip=0.5, clip_low=0.1, clip_high=0.15, behav_cap=5.0,
               ppo_minibatches=2, micro_batch_tokens=24, bucket_mb=0.05)
@@ -44,7 +44,8 @@ def make_batch(seed: int = 0, groups: int = 4, n: int = 4) -> list[Trajectory]:
 def seq_logprobs(model, t: Trajectory, temperature: float = 1.0) -> torch.Tensor:
     ids = torch.tensor(t.prompt_ids + t.completion_ids)
     logits = model(ids[None, :-1])[0] / temperature
-    return torch.log_softmax(logits, -1)[len(t.prompt_ids) - 1:].gather(-1, torch.tensor(t.completion_ids)[:, None])[:, 0]
+    completion = torch.tensor(t.completion_ids)[:, None]
+    return torch.log_softmax(logits, -1)[len(t.prompt_ids) - 1:].gather(-1, completion)[:, 0]
 
 
 def reference_step(path, trajs, cfg: TrainConfig):
@@ -117,10 +118,15 @@ def run_and_compare(tmp_path, layout, world, model=None, **overrides):
         weights.update(r["weights"] or {})
     assert set(weights) == set(ref_weights)
     for name, w in ref_weights.items():
-        torch.testing.assert_close(weights[name], w, **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(weights[name], w, **TOL, msg=lambda m, name=name: f"{name}: {m}")
     exported = load_pretrained(tmp_path / "hf").state_dict()
     for name, w in ref_weights.items():
-        torch.testing.assert_close(exported[name], w, **TOL, msg=lambda m: f"export {name}: {m}")
+        torch.testing.assert_close(exported[name], w, **TOL, msg=lambda m, name=name: f"export {name}: {m}")
+    write_model_files(tmp_path / "ck", path)  # the checkpoint (saved with the export's weights), joined from files
+    _, joined = checkpoint_weights(tmp_path / "ck")
+    assert set(joined) == set(ref_weights)
+    for name, w in joined.items():
+        torch.testing.assert_close(w, weights[name], rtol=0, atol=0, msg=lambda m, name=name: f"joined {name}: {m}")
     assert {r["again"] for r in results} == {results[0]["second"]}  # bit-identical resume
     assert results[0]["extra"] == {"cursor": 17} and results[0]["version"] == 2
     return results

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import msgpack
 import pytest
 import zmq
+from runtime_utils import metrics, torchrun, wait_for, write_job
 
 from hexrl.comm import channel, wire
 from hexrl.comm.channel import DealerChannel, RouterChannel
@@ -17,7 +18,6 @@ from hexrl.comm.wire import message
 from hexrl.control.controller import Controller, ControllerFailure, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.data.problems import Problem
-from runtime_utils import metrics, torchrun, wait_for, write_job
 
 SECRET = channel.new_secret()
 PROMPT = [3, 4, 5]  # what the controller's encoder returns for every problem
@@ -79,7 +79,7 @@ def test_controller_trains_only_what_it_dispatched_to_that_peer(job):
     ctl.publish_version(1)  # the gate opens for one more group; each rejected group frees its slot
     bad = [("bad_tokens", dict(tokens=(6, VOCAB))), ("not_finite", dict(reward=math.nan)),
            ("not_finite", dict(logprob=-math.inf)), ("wrong_prompt", dict(prompt=[3, 4, 9]))]
-    for i, (why, fields) in enumerate(bad):
+    for i, (_why, fields) in enumerate(bad):
         p = next_prompt(d0)
         d0.send(trajectory(p["group_id"], p["problem_id"], **fields))
         settle(ctl, "rejected_messages", 2 + i + 1)

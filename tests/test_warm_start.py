@@ -8,9 +8,9 @@ import torch
 
 from hexrl.data.datasets import make_arithmetic
 from hexrl.data.heldout import greedy_accuracy, prompt_ids
+from hexrl.data.tokenizer import CharTokenizer, load_tokenizer
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.rewards import exact_match_reward
-from hexrl.data.tokenizer import CharTokenizer, load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import warm_start  # noqa: E402

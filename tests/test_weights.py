@@ -2,14 +2,13 @@
 
 import torch
 import torch.distributed as dist
-
 from dist_utils import run_world
+
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from hexrl.model.parallel import TPGroup
-from hexrl.weights import load_into, receive_stage, send_stage, stage_specs
-
 from hexrl.model.tiny import tiny_config
+from hexrl.weights import load_into, receive_stage, send_stage, stage_specs
 
 CFG = ModelConfig.from_hf(tiny_config(tie=False))
 IDS = torch.tensor([5, 9, 2, 33, 7])

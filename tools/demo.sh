@@ -4,18 +4,22 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup.sh
+source tools/python.sh
 export OMP_NUM_THREADS=1
 RUN=${RUN:-runs/demo}
 mkdir -p "$RUN"
 if [ ! -f "$RUN/model/config.json" ]; then
   echo "== warm start: short supervised phase on the synthetic task"
-  python3 tools/warm_start.py "$RUN/model"
+  "$PY" tools/warm_start.py "$RUN/model"
 fi
 if [[ " $* " != *" --resume "* ]]; then  # a fresh demo run each time (the warm start is kept)
   rm -rf "$RUN/metrics.jsonl" "$RUN/eval.jsonl" "$RUN/checkpoints" "$RUN/final" "$RUN/eval_model"
 fi
 echo "== plan"
-python3 -m hexrl.plan tools/configs/cpu_demo.json -o "$RUN/plan.json"
+"$PY" -m hexrl.plan tools/configs/cpu_demo.json -o "$RUN/plan.json"
 echo "== run: torchrun, 3 processes (2 trainer, 1 rollout)"
-python3 -m torch.distributed.run --standalone --nproc_per_node 3 -m hexrl.main "$RUN/plan.json" --run-dir "$RUN" "$@"
-echo "== done: metrics in $RUN/metrics.jsonl, final model in $RUN/final"
+START=$(date +%s)
+"$PY" -m torch.distributed.run --standalone --nproc_per_node 3 -m hexrl.main "$RUN/plan.json" --run-dir "$RUN" "$@"
+echo "== done"
+"$PY" -m hexrl.control.summary "$RUN" --launch-s $(( $(date +%s) - START ))
+echo "try it: $PY -m hexrl.generate $RUN --prompt 37+45= --temperature 0 --max-new-tokens 5"

@@ -3,11 +3,12 @@
     python tools/multinode_demo.py                  # the CPU demo's job on node A (127.0.0.1: 2 trainer
                                                     # ranks) and node B (127.0.0.2: 2 rollout ranks)
     python tools/multinode_demo.py --single-node    # the same ranks and roles on one node, to compare
+                                                    # (in its own run directory: OUT_DIR-single-node)
     python tools/multinode_demo.py --job J.json --run DIR [hexrl.main flags, e.g. --resume DIR/checkpoints]
 
 Every address in 127.0.0.0/8 reaches this machine, so a "node" is a launcher started with its
 plan node's address (`--local-addr`) and index (`--node-rank`); node 0's launcher hosts the
-rendezvous store at its address. Each launcher runs exactly the command README "Multi-node"
+rendezvous store at its address. Each launcher runs exactly the command docs/multinode.md
 gives for a real machine (printed before it starts). The warm-started model of tools/demo.sh
 (runs/demo/model) is made first if missing. Writes RUN/plan.json, RUN/metrics.jsonl, RUN/A.log, ...
 """
@@ -26,15 +27,21 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from hexrl.control.summary import summarize  # noqa: E402
+from hexrl.schema.fields import plural  # noqa: E402
+
 FRESH = ("metrics.jsonl", "eval.jsonl", "checkpoints", "final", "eval_model", "controller_endpoint")
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--job", default=str(ROOT / "tools/configs/cpu_two_node.json"))
-    p.add_argument("--run", default=None, help="run directory (default: the job's out_dir)")
+    p.add_argument("--run", default=None, help="run directory (default: the job's out_dir, with -single-node "
+                   "appended for --single-node)")
     p.add_argument("--single-node", action="store_true", help="all ranks on one node at node 0's address")
-    p.add_argument("--grace-s", type=float, default=90.0, help="after one launcher fails, wait this long for the others")
+    p.add_argument("--grace-s", type=float, default=90.0,
+                   help="after one launcher fails, wait this long for the others")
     return p.parse_known_args(argv)
 
 
@@ -103,24 +110,11 @@ def run_launchers(cmds: dict[str, list[str]], run: Path, grace_s: float) -> dict
     return {name: p.returncode for name, p in procs.items()}
 
 
-def summary(run: Path) -> str:
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()] \
-        if (run / "metrics.jsonl").exists() else []
-    if not rows:
-        return "no metrics written"
-    r = rows[-1]
-    keys = ("produced", "trained", "filtered", "dropped", "pending")
-    acc = ", ".join(f"{k} {r['trajectories_' + k]}" for k in keys)
-    balanced = r["trajectories_produced"] == sum(r["trajectories_" + k] for k in keys[1:])
-    return (f"{len(rows)} steps, last step {r['step']} (version {r['version']}), wall_s {r['wall_s']:.1f}; "
-            f"trajectories: {acc} ({'balanced' if balanced else 'NOT balanced'}); "
-            f"max staleness {max(x['max_staleness'] for x in rows)}")
-
-
 def main(argv=None) -> int:
     args, extra = parse_args(argv)
     job_path = Path(args.job).resolve()
-    run = Path(args.run or json.loads(job_path.read_text()).get("out_dir", "runs/multinode"))
+    run = Path(args.run or json.loads(job_path.read_text()).get("out_dir", "runs/multinode")
+               + ("-single-node" if args.single_node else ""))  # never over the two-node run's directory
     run = run if run.is_absolute() else ROOT / run
     model = prepare_job(job_path, run, args.single_node)
     if not (model / "config.json").exists():
@@ -137,8 +131,9 @@ def main(argv=None) -> int:
     cmds = {n["name"]: launcher_cmd(plan, i, rdzv, run, extra) for i, n in enumerate(nodes)}
     t0 = time.time()
     codes = run_launchers(cmds, run, args.grace_s)
-    print(f"== {len(nodes)} node(s), exit codes {codes}, wall {time.time() - t0:.1f} s (launch to exit)")
-    print(f"== {summary(run)}")
+    wall = time.time() - t0
+    print(f"== {plural(len(nodes), 'node')}, exit codes {codes}, wall {wall:.1f} s (launch to exit)")
+    print(summarize(run, launch_s=wall))
     return max(abs(c) for c in codes.values())
 
 

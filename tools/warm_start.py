@@ -30,15 +30,14 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from hexrl.model.tiny import tiny_config  # noqa: E402
-
 from hexrl.data.datasets import load_dataset  # noqa: E402
 from hexrl.data.heldout import greedy_accuracy, prompt_ids  # noqa: E402
+from hexrl.data.tokenizer import CharTokenizer  # noqa: E402
 from hexrl.model.checkpoint import save_pretrained  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.model.decoder import Decoder  # noqa: E402
+from hexrl.model.tiny import tiny_config  # noqa: E402
 from hexrl.rewards import exact_match_reward  # noqa: E402
-from hexrl.data.tokenizer import CharTokenizer  # noqa: E402
 
 
 @dataclass

@@ -11,7 +11,6 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-
 # ---------------------------------------------------------------- endpoint exchange
 
 _KEY_PREFIX = "hexrl/endpoint/"

@@ -12,6 +12,9 @@ from typing import Protocol, Sequence, runtime_checkable
 
 CHAR_TOKENIZER_FILE = "hexrl_tokenizer.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
+# what a model directory's tokenizer is made of (eos ids may come from generation_config.json)
+TOKENIZER_FILES = (CHAR_TOKENIZER_FILE, HF_TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
 
 # The instruction Qwen-Math / DeepSeek-R1 style evaluations append to a math question.
 MATH_INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
@@ -246,3 +249,10 @@ def load_tokenizer(path_or_name: str | Path) -> CharTokenizer | HFTokenizer:
     raise FileNotFoundError(
         f"no tokenizer in {p}: expected {CHAR_TOKENIZER_FILE} (hexrl char tokenizer) or "
         f"{HF_TOKENIZER_FILE} (Hugging Face)")
+
+
+def tokenizer_files(model_dir: str | Path) -> dict[str, str]:
+    """The tokenizer files of a model directory as {name: text}, to write next to weights exported
+    from it, so that every model directory hexrl writes can be loaded and prompted on its own."""
+    d = Path(model_dir)
+    return {name: (d / name).read_text(encoding="utf-8") for name in TOKENIZER_FILES if (d / name).is_file()}

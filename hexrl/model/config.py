@@ -9,6 +9,10 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is needed: the planner reads configs without it
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
 _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -131,7 +135,8 @@ class ModelConfig:
         h, i = self.hidden_size, self.intermediate_size
         q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
         n = 2 * h * q + 2 * h * kv + 3 * h * i + 2 * h
-        return n + (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0) + (2 * i + h if self.mlp_bias else 0)
+        biases = (q + 2 * kv if self.qkv_bias else 0) + (h if self.o_bias else 0) + (2 * i + h if self.mlp_bias else 0)
+        return n + biases
 
     def embed_params(self) -> int:
         """Input embedding plus (if untied) the output head, plus the final norm."""
@@ -155,7 +160,7 @@ def _arch_from_model_type(model_type: str | None) -> str:
     return {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(model_type or "", str(model_type))
 
 
-def rope_inv_freq(cfg: ModelConfig) -> "torch.Tensor":
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """RoPE inverse frequencies, with Llama-3 style scaling when the config asks for it."""
     import torch
 

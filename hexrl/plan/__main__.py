@@ -5,7 +5,9 @@
 
 The first plans a job; the second runs the plan through the discrete-event simulator
 (tokens/s, idle fractions, staleness histogram, a Gantt chart of the first steps). Exit code 0
-on success, 2 with every problem of an invalid or infeasible job or plan on stderr.
+on success, 2 with every problem of an invalid or infeasible job or plan on stderr, 1 when a
+picture was asked for and could not be drawn (matplotlib missing). Layers are printed half-open,
+as plan.json stores them: [0, 12) is layers 0 to 11.
 """
 
 import argparse
@@ -15,14 +17,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 from hexrl.plan.planner import plan_job
-from hexrl.runtime.preflight import check_inputs
 from hexrl.plan.simulate import simulate
+from hexrl.runtime.preflight import check_inputs
 from hexrl.schema import ConfigError, load_job, load_plan
+from hexrl.schema.fields import plural
 
 
 def summary(plan) -> str:
     pr, t = plan.predicted, plan.trainer
-    stages = ", ".join(f"{s.gpu_type} tp{s.tp} layers {s.layers[0]}-{s.layers[1] - 1}" for s in t.stages)
+    stages = ", ".join(f"{s.gpu_type} tp{s.tp} layers [{s.layers[0]}, {s.layers[1]})" for s in t.stages)
     reps: dict = {}
     for r in plan.replicas:
         reps[(r.gpu_type, r.tp)] = reps.get((r.gpu_type, r.tp), 0) + 1
@@ -30,7 +33,7 @@ def summary(plan) -> str:
     b = pr["breakdown"]
     return "\n".join([
         f"trainer : dp={t.dp} pp={t.pp} [{stages}]",
-        f"rollout : {len(plan.replicas)} replicas [{roll}]",
+        f"rollout : {plural(len(plan.replicas), 'replica')} [{roll}]",
         f"step    : {pr['step_time_s']:.2f} s  (train {b['train_s']:.2f}, rollout {b['rollout_s']:.2f}, "
         f"reward {b['reward_s']:.2f}, weight sync {b['weight_sync_s']:.2f})",
         f"predict : {pr['tokens_per_s']:.0f} tokens/s, ${pr['cost_per_hour']:.2f}/h "
@@ -39,7 +42,10 @@ def summary(plan) -> str:
 
 
 def plan_main(argv) -> int:
-    ap = argparse.ArgumentParser(prog="python -m hexrl.plan", description="Plan an RL job on a heterogeneous cluster.")
+    ap = argparse.ArgumentParser(prog="python -m hexrl.plan", formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description="Plan an RL job on a heterogeneous cluster.",
+                                 epilog="Simulate a plan: python -m hexrl.plan simulate PLAN.json [--steps 12] "
+                                        "[--gantt gantt.png]\n(see python -m hexrl.plan simulate --help)")
     ap.add_argument("job", help="job.json")
     ap.add_argument("-o", "--out", required=True, help="where to write plan.json")
     ap.add_argument("--baseline", choices=["exhaustive", "homogeneous", "uniform"],
@@ -62,8 +68,9 @@ def plan_main(argv) -> int:
     print(f"wrote {args.out}")
     if args.draw:
         from hexrl.plan.draw import draw_plan
-        if draw_plan(plan, args.draw):
-            print(f"drew {args.draw}")
+        if not draw_plan(plan, args.draw):
+            return 1  # the plan is written; the picture asked for is not
+        print(f"drew {args.draw}")
     return 0
 
 
@@ -110,8 +117,9 @@ def simulate_main(argv) -> int:
             json.dump(d, f, indent=1)
     if args.gantt:
         from hexrl.plan.draw import draw_gantt
-        if draw_gantt(res.gantt, args.gantt, f"{plan.job.name}: first {args.gantt_steps} steps"):
-            print(f"drew {args.gantt}")
+        if not draw_gantt(res.gantt, args.gantt, f"{plan.job.name}: first {args.gantt_steps} steps"):
+            return 1
+        print(f"drew {args.gantt}")
     return 0
 
 

@@ -60,7 +60,7 @@ class Evaluator:
         recompute takes): each type is solved alone first, then again for the step length of
         all types together, rounded down to a power of 2^(1/4). Each type may use the gate's
         whole cap on running sequences, so where the cap binds the estimate can miss either
-        way (splitting the cap by decode rate made it pessimistic more often: README, plan
+        way (splitting the cap by decode rate made it pessimistic more often: docs/planner.md, plan
         quality). None if a type's free GPUs hold no replica (the joint MILP fails then too)."""
         cm = self.cm
         classes = free_classes(cm.cluster, per_node)

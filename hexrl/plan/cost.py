@@ -11,16 +11,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from hexrl.gpus import GPU, gpu
 from hexrl.plan.lengths import output_lengths
 from hexrl.plan.wave import Lengths, WaveSteps, bin_width, wave_steps
 from hexrl.schema import Job
-from hexrl.gpus import GPU, gpu
 
 BYTES_PER_PARAM_TRAIN = 18  # bf16 weights 2 + fp32 grads 4 + fp32 master 4 + Adam m, v 8
 WORKSPACE_BYTES = 1.5e9  # allocator slack, kernels' scratch, CUDA context
 ALLREDUCE_LATENCY_S = 8e-6  # one small NVLink all-reduce (decode-time TP)
 MAX_DECODE_BATCH = 1024  # engine cap on running sequences per replica
-MIN_MICRO_TOKENS = 4096  # short sequences are packed up to this (the trainer's default): tiny micro-batches pay per-op overhead
+# short sequences are packed up to this (the trainer's default): tiny micro-batches pay per-op overhead
+MIN_MICRO_TOKENS = 4096
 REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5}
 # The rollout leader hands a finished group to its RewardPool (hexrl/rollout/worker.py, default
 # reward_workers=2) and decodes on: scoring overlaps decoding; only the step's last group, and any
@@ -44,7 +45,7 @@ class Workload:
     mean_out: float
     max_out: float
     max_seq: int  # prompt + max_new_tokens: a micro-batch holds at least one whole sequence
-    micro_tokens: int  # tokens per training micro-batch: max(max_seq, MIN_MICRO_TOKENS) unless the job's runtime knobs say
+    micro_tokens: int  # tokens per training micro-batch: max(max_seq, MIN_MICRO_TOKENS) unless the runtime knobs say
     ctx_decode: float  # time-averaged context length of a decoding sequence
     ctx_attn: float  # average causal attention context of a trained token
     tokens: float  # tokens trained per step (prompt + output)
@@ -364,7 +365,8 @@ class CostModel:
         decode = steps.width * (self.decode_fixed_s(gpu_type, tp, steps.batch) + c * steps.context)
         starts = steps.starts.copy()
         starts[0] -= first  # prefilled together, below
-        one = self.prefill_s(gpu_type, tp, self.w.prompt_len, self.w.prompt_len / 2) + self.gpus[gpu_type].host_s_per_sample
+        one = (self.prefill_s(gpu_type, tp, self.w.prompt_len, self.w.prompt_len / 2)
+               + self.gpus[gpu_type].host_s_per_sample)
         first_s = self.prefill_s(gpu_type, tp, first * self.w.prompt_len, self.w.prompt_len / 2)
         return first_s + np.cumsum(steps.alive * (decode + starts * one))
 

@@ -10,11 +10,11 @@ Training ranks fill the trainer grid stage by stage, dp-major, tp-minor.
 
 import math
 
-from hexrl.schema import ConfigError, Plan, Stage, TrainerLayout
-from hexrl.plan.cost import CostModel
 from hexrl.plan.candidate import Candidate, candidate
+from hexrl.plan.cost import CostModel
 from hexrl.plan.rollout_milp import RolloutPlan, RolloutReplica, makespan
 from hexrl.plan.train_search import TrainPlan, cost_layout_fitting
+from hexrl.schema import ConfigError, Plan, Stage, TrainerLayout
 
 
 def fixed_candidate(cm: CostModel, layout: dict) -> Candidate:

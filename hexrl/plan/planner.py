@@ -1,13 +1,13 @@
 """The planner: job -> plan. Checks feasibility, runs the two-phase search (or a baseline,
 or fills in a user-fixed layout) and writes ranks, trainer grid, replicas and predictions."""
 
-from hexrl.schema import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout
 from hexrl.plan import baselines, partition
 from hexrl.plan.budget import affordable_subsets
-from hexrl.plan.cost import CostModel
 from hexrl.plan.candidate import Candidate, Evaluator
+from hexrl.plan.cost import CostModel
 from hexrl.plan.fixed import fixed_candidate
 from hexrl.plan.knobs import replica_knobs, train_knobs
+from hexrl.schema import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout
 
 METHODS = {
     "two-phase": partition.two_phase,

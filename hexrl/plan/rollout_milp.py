@@ -18,6 +18,9 @@ exact condition for divisible sizes: for every size s, sum_{tp >= s} tp * y_tp <
 for s = 1 it is an equality, because every rank of the plan needs a role.
 """
 
+import ctypes
+import os
+import sys
 from dataclasses import dataclass, replace
 
 import highspy
@@ -100,6 +103,23 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
     return None if y is None else _assemble(cm, classes, cols, y, sol, theta)
 
 
+def quiet_highs() -> highspy.Highs:
+    """A HiGHS instance that prints nothing. Its first construction in a process prints a copyright
+    banner from C++ before any option can be set, so stdout's descriptor points at /dev/null then."""
+    sys.stdout.flush()
+    saved, null = os.dup(1), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    try:
+        h = highspy.Highs()
+    finally:
+        ctypes.CDLL(None).fflush(None)  # the banner may sit in C's stdout buffer: flush it while it is null
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(null)
+    h.setOptionValue("output_flag", False)
+    return h
+
+
 def _solve(cm: CostModel, classes, cols, rates, concurrency):
     """Build and solve the MILP; returns (replica count per column, total token rate U)."""
     n = len(cols)
@@ -163,8 +183,7 @@ def _highs(cost, lower, upper, rows, lo, hi, n_int) -> highspy.Highs:
     lp.a_matrix_.value_ = np.asarray(value, dtype=float)
     lp.integrality_ = [highspy.HighsVarType.kInteger] * n_int + \
         [highspy.HighsVarType.kContinuous] * (len(cost) - n_int)
-    h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h = quiet_highs()
     h.setOptionValue("mip_rel_gap", 1e-6)
     h.passModel(lp)
     h.run()

@@ -29,9 +29,9 @@ import numpy as np
 from hexrl.control.buffer import ReplayBuffer
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
-from hexrl.schema import Plan
 from hexrl.plan.cost import CostModel
 from hexrl.plan.fixed import plan_candidate
+from hexrl.schema import Plan
 from hexrl.trajectory import Trajectory
 
 
@@ -359,7 +359,8 @@ class Simulation:
             staleness=dict(sorted(self.staleness.items())), violations=self.violations,
             dropped_stale=self.buffer.dropped.get("stale", 0),
             predicted_step_s=self.cand.step_s, gantt=self.gantt,
-            mean_batch=sum(r.seq_steps for r in self.replicas.values()) / max(1, sum(r.steps for r in self.replicas.values())),
+            mean_batch=(sum(r.seq_steps for r in self.replicas.values())
+                        / max(1, sum(r.steps for r in self.replicas.values()))),
         )
 
 

@@ -13,7 +13,7 @@ A test is one of:
 A `{"check"}` or `{"all"}` test may carry `"setup"` (the prompt's code) and `"entry_point"`: a
 completion that does not define the entry point is taken as the body continuing the prompt.
 Nothing the program prints, patches, or exits with decides the score: a value either equals
-the expected one or the test fails. See README "Reward safety" for what remains possible.
+the expected one or the test fails. See docs/rewards.md for what remains possible.
 """
 
 from __future__ import annotations

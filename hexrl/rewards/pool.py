@@ -12,8 +12,8 @@ still has its own `timeout_s`: the clock restarts at every reply.
 
 from __future__ import annotations
 
-import math
 import itertools
+import math
 import multiprocessing as mp
 import signal
 import threading

@@ -2,12 +2,13 @@
 
 Every running sequence holds a slot (a row of the device-side `BlockTable` and of the engine's
 per-slot sampling parameters) from admission until it finishes or is preempted. Scheduling is
-O(running): no list searches. A step is a list of chunks `(seq, start, n)`: run tokens [start, start + n) of `seq` through the
-model. Decode (one uncached token) and prefill (many, chunked under the token budget) are the
-same thing; a sequence is sampled when its chunk reaches its last token. Running decodes go
-first, then running prefills, then waiting sequences are admitted (oldest first) while pages,
-the token budget and `max_running` allow. When pages run out, the newest sequences not yet
-scheduled this step are preempted: their pages are freed and they wait to be recomputed.
+O(running): no list searches. A step is a list of chunks `(seq, start, n)`: run tokens
+[start, start + n) of `seq` through the model. Decode (one uncached token) and prefill (many,
+chunked under the token budget) are the same thing; a sequence is sampled when its chunk
+reaches its last token. Running decodes go first, then running prefills, then waiting
+sequences are admitted (oldest first) while pages, the token budget and `max_running` allow.
+When pages run out, the newest sequences not yet scheduled this step are preempted: their
+pages are freed and they wait to be recomputed.
 """
 from __future__ import annotations
 

@@ -8,8 +8,8 @@ import torch
 import torch.distributed as dist
 
 from hexrl.comm.store import broadcast_bytes
-from hexrl.runtime.dist_rules import compute_device
 from hexrl.model.parallel import TPGroup
+from hexrl.runtime.dist_rules import compute_device
 
 from .sequence import Request
 

@@ -17,15 +17,15 @@ from pathlib import Path
 
 import torch
 
-from hexrl.runtime.context import RankContext
-from hexrl.runtime import effective
 from hexrl.comm.channel import DealerChannel
 from hexrl.comm.store import lookup_endpoint, lookup_secret
 from hexrl.comm.wire import message, trajectory_to_msg
-from hexrl.runtime.files import write_json_atomic
 from hexrl.rewards import RewardPool
-from hexrl.trajectory import Trajectory
+from hexrl.runtime import effective
+from hexrl.runtime.context import RankContext
+from hexrl.runtime.files import write_json_atomic
 from hexrl.runtime.watchdog import describe_exception
+from hexrl.trajectory import Trajectory
 from hexrl.weights import TensorSpec, load_into, receive_stage
 
 from .engine import Engine, EngineStats
@@ -145,7 +145,8 @@ class RolloutLeader:
         self.groups[msg["group_id"]] = PendingGroup(msg)
         for i in range(msg["n"]):
             self.engine.add(Request(
-                id=f"{msg['group_id']}:{i}", prompt_ids=list(msg["prompt_ids"]), max_new_tokens=int(s["max_new_tokens"]),
+                id=f"{msg['group_id']}:{i}", prompt_ids=list(msg["prompt_ids"]),
+                max_new_tokens=int(s["max_new_tokens"]),
                 temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
                 seed=(int(s["seed"]) * 64 + i) % (1 << 62)))
 
@@ -228,9 +229,9 @@ def check_kv_room(model, knobs, replica_id: int, device: torch.device) -> None:
 
 def run_rollout(ctx: RankContext) -> None:
     """A rollout rank: load the model (this rank's TP shard), then lead or follow the replica."""
+    from hexrl.data.tokenizer import load_tokenizer
     from hexrl.model.checkpoint import load_pretrained
     from hexrl.model.parallel import TPGroup
-    from hexrl.data.tokenizer import load_tokenizer
     from hexrl.weights import stage_specs
 
     from .engine import EngineConfig
@@ -257,8 +258,9 @@ def run_rollout(ctx: RankContext) -> None:
     if tp_rank != 0:
         engine.follow(on_update=receive)
         return
+    trace = Path(ctx.run_dir) / "engine" / f"replica{replica.id}.jsonl"
     leader = RolloutLeader(engine, replica.id, ctx.rank, ctx.store, receive, job.reward.name,
-                           job.reward.timeout_s, tokenizer, trace=Path(ctx.run_dir) / "engine" / f"replica{replica.id}.jsonl")
+                           job.reward.timeout_s, tokenizer, trace=trace)
     leader.run()
     write_engine_stats(ctx.run_dir, replica.id, engine.stats)
 

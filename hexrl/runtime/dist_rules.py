@@ -186,5 +186,6 @@ def _batch(fn):
 def _refuse(name: str):
     def wrapper(*args, **kwargs):
         raise RuleError(f"strict collectives: {name} pickles Python objects; send bytes in a uint8 tensor "
-                        "(hexrl.comm.store.broadcast_bytes, msgpack inside) instead (rule 4, hexrl/runtime/dist_rules.py)")
+                        "(hexrl.comm.store.broadcast_bytes, msgpack inside) instead "
+                        "(rule 4, hexrl/runtime/dist_rules.py)")
     return wrapper

@@ -62,7 +62,7 @@ def address_problems(plan: Plan) -> list[str]:
 def placement_problems(plan: Plan, rank: int, local_rank: int, node_rank: int, node_name: str | None) -> list[str]:
     """Every way this rank's torchrun placement contradicts its plan entry (empty when it matches)."""
     x, nodes = plan.ranks[rank], plan.job.cluster.nodes
-    fix = f"start each node's launcher with --rdzv-backend static --node-rank <its index in cluster.nodes>"
+    fix = "start each node's launcher with --rdzv-backend static --node-rank <its index in cluster.nodes>"
     if (x.node, x.local_rank) != (node_rank, local_rank):
         return [f"rank {rank}: torchrun placed it on node rank {node_rank}, local rank {local_rank}, but the plan "
                 f"puts rank {rank} on {node_label(plan, x.node)}, local rank {x.local_rank}; {fix}"]

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from hexrl.data.problems import Problem
 from hexrl.data.datasets import dataset_problems, load_dataset
+from hexrl.data.problems import Problem
 from hexrl.data.tokenizer import load_tokenizer
 
 _SHOW = 3  # how many skipped prompts a message lists

@@ -4,8 +4,18 @@ The schema depends on nothing above it: the GPU catalogue (hexrl.gpus) and the H
 parser (hexrl.model.config) are the only project modules it reads.
 """
 from hexrl.schema.fields import ConfigError
-from hexrl.schema.job import (PRESETS, ClusterSpec, DataSpec, Job, ModelSpec, NodeSpec, RewardSpec, RLSpec,
-                              WorkloadSpec, load_job)
+from hexrl.schema.job import (
+                              PRESETS,
+                              ClusterSpec,
+                              DataSpec,
+                              Job,
+                              ModelSpec,
+                              NodeSpec,
+                              RewardSpec,
+                              RLSpec,
+                              WorkloadSpec,
+                              load_job,
+)
 from hexrl.schema.layout import Stage, TrainerLayout
 from hexrl.schema.plan import Plan, RankInfo, Replica, check_plan, load_plan, validate_plan_against_world
 

@@ -3,6 +3,12 @@
 import math
 from pathlib import Path
 
+
+def plural(n: int, noun: str) -> str:
+    """"1 node", "2 nodes": a count and its noun, for messages."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 class ConfigError(ValueError):
     """An invalid job or plan; `problems` lists every problem, each naming its field."""
 

@@ -1,7 +1,7 @@
 """The job schema: what job.json may say, loaded into dataclasses and checked all at once.
 
 A job names the model, data, reward, RL settings, the workload the planner should assume,
-the cluster, prices and budget, and optionally a fixed layout (README.md, "The job file", lists every
+the cluster, prices and budget, and optionally a fixed layout (docs/jobs.md, "The job file", lists every
 field). Loading reports every problem in one ConfigError, each naming its field.
 """
 
@@ -14,7 +14,6 @@ from hexrl.model.config import ModelConfig
 from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.fields import ConfigError, Reader, resolve
 from hexrl.schema.knobs import read_overrides
-
 
 # ----------------------------------------------------------------------------- model
 
@@ -159,7 +158,7 @@ class RLSpec:
     # prompt groups generating at once (was `max_running`); _read_rl fills (eta+1)·B, or 8·B if eta is None
     max_concurrent_rollouts: int | None = None
     # Optimizer steps per training step. The decoupled objective's clip is relative to the proximal
-    # policy, so with 1 it never engages (see README "Learning"); default min(4, batch_size).
+    # policy, so with 1 it never engages (see docs/learning.md); default min(4, batch_size).
     ppo_minibatches: int = 4
     lr: float = 1e-6
     grad_clip: float | None = 1.0  # max global gradient norm; None = off
@@ -553,7 +552,8 @@ def read_source(path_or_dict, what: str) -> tuple[dict, Path]:
     except OSError as e:
         raise ConfigError([f"{p}: cannot read: {e.strerror or e}"], f"invalid {what}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError([f"{p}: not UTF-8 text (a binary file?): byte {e.start} is {e.object[e.start:e.start + 1]!r}"],
+        byte = e.object[e.start:e.start + 1]
+        raise ConfigError([f"{p}: not UTF-8 text (a binary file?): byte {e.start} is {byte!r}"],
                           f"invalid {what}") from None
     except json.JSONDecodeError as e:
         raise ConfigError([f"{p}: not valid JSON: {e}"], f"invalid {what}") from None

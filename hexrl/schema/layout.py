@@ -123,7 +123,8 @@ class TrainerLayout:
         """The ranks this slot sends its output activations to."""
         if stage == self.pp - 1:
             return []
-        return [self.rank(stage + 1, dp, t) for t in range(self.stages[stage + 1].tp) if t % self.stages[stage].tp == tp]
+        return [self.rank(stage + 1, dp, t) for t in range(self.stages[stage + 1].tp)
+                if t % self.stages[stage].tp == tp]
 
     def grad_source(self, stage: int, dp: int, tp: int) -> int | None:
         """The rank this slot receives the gradient of its output from (None on the last stage)."""
@@ -133,7 +134,8 @@ class TrainerLayout:
         """The ranks this slot sends the gradient of its input to."""
         if stage == 0:
             return []
-        return [self.rank(stage - 1, dp, t) for t in range(self.stages[stage - 1].tp) if t % self.stages[stage].tp == tp]
+        return [self.rank(stage - 1, dp, t) for t in range(self.stages[stage - 1].tp)
+                if t % self.stages[stage].tp == tp]
 
 
 def _positive_int(v) -> bool:
@@ -145,4 +147,8 @@ def _is_rank(v) -> bool:
 
 
 def _is_range(v) -> bool:
-    return isinstance(v, (list, tuple)) and len(v) == 2 and all(isinstance(x, int) and not isinstance(x, bool) for x in v)
+    return isinstance(v, (list, tuple)) and len(v) == 2 and all(_is_int(x) for x in v)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)

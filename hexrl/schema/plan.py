@@ -9,10 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hexrl.gpus import canonical_name
-from hexrl.schema.fields import ConfigError, Reader, short
+from hexrl.schema.fields import ConfigError, Reader, plural, short
 from hexrl.schema.job import ClusterSpec, Job, known_types, parse_job, read_source
-from hexrl.schema.knobs import (ROLLOUT_KEYS, TRAIN_KEYS, RolloutKnobs, TrainKnobs, read_rollout_knobs,
-                                read_train_knobs)
+from hexrl.schema.knobs import ROLLOUT_KEYS, TRAIN_KEYS, RolloutKnobs, TrainKnobs, read_rollout_knobs, read_train_knobs
 from hexrl.schema.layout import Stage, TrainerLayout
 
 _PLAN_KEYS = {"ranks", "trainer", "rollout", "predicted"}
@@ -259,7 +258,8 @@ def _check_replicas(plan: Plan, p: list[str]):
         if len(rep.ranks) != rep.tp:
             p.append(f"{w}.ranks: {len(rep.ranks)} ranks for tp={rep.tp}")
         if plan.job.model.config.num_attention_heads % rep.tp:
-            p.append(f"{w}.tp: {rep.tp} does not divide num_attention_heads {plan.job.model.config.num_attention_heads}")
+            heads = plan.job.model.config.num_attention_heads
+            p.append(f"{w}.tp: {rep.tp} does not divide num_attention_heads {heads}")
         for k, rk in enumerate(rep.ranks):
             x = by_rank.get(rk)
             if rk in covered:
@@ -312,7 +312,7 @@ def _world_problems(n_ranks: int, c: ClusterSpec, world_size: int, local_world_s
     p = []
     if world_size != n_ranks:
         p.append(f"WORLD_SIZE={world_size} but the plan has {n_ranks} ranks "
-                 f"({len(c.nodes)} nodes x {c.gpus_per_node}); launch with "
+                 f"({plural(len(c.nodes), 'node')} x {c.gpus_per_node}); launch with "
                  f"torchrun --nnodes {len(c.nodes)} --nproc_per_node {c.gpus_per_node}")
     if local_world_size != c.gpus_per_node:
         p.append(f"LOCAL_WORLD_SIZE={local_world_size} but every plan node has {c.gpus_per_node} GPUs; "

@@ -22,10 +22,10 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from hexrl.runtime.dist_rules import warm_up
 from hexrl.model.attention import CausalAttention
 from hexrl.model.checkpoint import load_pretrained, save_state_dict
 from hexrl.model.config import ModelConfig
+from hexrl.runtime.dist_rules import warm_up
 from hexrl.schema.layout import TrainerLayout
 from hexrl.trajectory import Trajectory
 
@@ -230,7 +230,8 @@ class Trainer:
             loss = t.loss.sum() / num_tokens
             with torch.no_grad():  # everything stays on the device: one copy at the end of the step
                 ent = entropy.double().sum() if entropy is not None else loss.new_zeros((), dtype=torch.float64)
-                state.sums += torch.stack([loss.double(), loss.new_tensor(float(mb.num_loss_tokens), dtype=torch.float64),
+                n_loss = loss.new_tensor(float(mb.num_loss_tokens), dtype=torch.float64)
+                state.sums += torch.stack([loss.double(), n_loss,
                                            *(x.double().sum() for x in (t.clipped, t.capped, t.w, t.kl)), ent])
                 for seq, lp in zip(mb.seqs, logp.detach().split(mb.completion_lens)):
                     state.logprobs[seq] = lp
@@ -332,10 +333,12 @@ class Trainer:
         other ranks. Collective over the TP group of DP replica 0."""
         return ckpt.gather_stage(self.model, self.grid, dtype)
 
-    def export_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """Write the whole model as a Hugging Face checkpoint from the leader rank (collective)."""
+    def export_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                  extra_files: dict[str, str] | None = None) -> None:
+        """Write the whole model as a Hugging Face checkpoint from the leader rank (collective);
+        `extra_files` ({name: text}, e.g. the tokenizer's) go into the same directory."""
         full = ckpt.gather_model(self.model, self.grid, dtype)
         if full is not None:
-            save_state_dict(full, self.model_cfg, path)
+            save_state_dict(full, self.model_cfg, path, extra_files=extra_files)
         if self.grid.trainer_group is not None:
             dist.barrier(group=self.grid.trainer_group)

@@ -59,7 +59,8 @@ def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp: TPG
     softmax(logits / T), from this rank's vocab slice `logits` [N, V/tp]. float32 results
     (float64 for float64 logits). `entropy=False` may skip the entropy (None) where it costs a pass."""
     if logits.dim() != 2 or targets.shape != logits.shape[:1]:
-        raise ValueError(f"logits must be [N, V_local] and targets [N]; got {list(logits.shape)}, {list(targets.shape)}")
+        raise ValueError(f"logits must be [N, V_local] and targets [N]; "
+                         f"got {list(logits.shape)}, {list(targets.shape)}")
     group = tp.group if tp is not None and tp.size > 1 else None
     if group is None:
         return _single_logprobs(logits, targets, temperature, entropy)

@@ -14,8 +14,6 @@ import time
 import msgpack
 import torch
 
-from hexrl.runtime.context import RankContext
-from hexrl.runtime import effective
 from hexrl.comm.channel import RouterChannel, new_secret
 from hexrl.comm.store import broadcast_bytes, publish_endpoint, publish_secret
 from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
@@ -23,15 +21,17 @@ from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, staleness_histogram
 from hexrl.data.heldout import greedy_accuracy
+from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
 from hexrl.model.checkpoint import load_pretrained
+from hexrl.runtime import effective
+from hexrl.runtime.context import RankContext
 from hexrl.runtime.nodes import bind_host
-from hexrl.data.tokenizer import load_tokenizer
+from hexrl.schema.knobs import TrainKnobs
 from hexrl.trajectory import Trajectory
 from hexrl.weights import send_stage, stage_specs
 
 from .checkpoint import full_param, shard_dims
-from hexrl.schema.knobs import TrainKnobs
-
+from .export import write_model_files
 from .trainer import DTYPES, TrainConfig, Trainer
 
 
@@ -95,7 +95,7 @@ class HeldoutEval:
             return None
         t0 = time.perf_counter()
         path = self.ctx.run_dir / "eval_model"
-        trainer.export_hf(path)
+        trainer.export_hf(path, extra_files=tokenizer_files(self.ctx.plan.job.model.path))
         acc = None
         if self.tokenizer is not None:
             acc, _ = greedy_accuracy(load_pretrained(path), self.tokenizer, self.heldout, self.max_new_tokens)
@@ -133,6 +133,8 @@ def run_trainer(ctx: RankContext, grid) -> None:
     elif ctx.rank == 0:
         effective.write(ctx.store, [r.id for r in ctx.plan.replicas], ctx.run_dir)
     is_controller = ctx.rank == ctx.controller_rank
+    if is_controller:  # so that a checkpoint is a model directory's worth: `hexrl.generate RUN_DIR`
+        write_model_files(ctx.run_dir / "checkpoints", job.model.path)
     controller = metrics = None
     tokenizer = load_tokenizer(job.model.path)
     train, heldout = ctx.inputs.train, ctx.inputs.heldout  # the same usable prompts on every trainer rank
@@ -163,7 +165,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
     try:
         for step in range(start_step, job.rl.steps):
             run_step(ctx, trainer, controller, metrics, evaluator, step, rollout_dtype)
-        trainer.export_hf(ctx.run_dir / "final")
+        trainer.export_hf(ctx.run_dir / "final", extra_files=tokenizer_files(job.model.path))
     finally:
         if controller is not None:
             controller.stop()
@@ -178,7 +180,8 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
     groups = controller.next_batch() if controller else None
     # in group-id order, not completion order: which replica finished first must not change the
     # mini-batches (a run with eta=0 is then reproducible, on one node or several)
-    batch = [t for g in sorted(groups, key=lambda g: g.group_id) for t in g.trajectories] if groups is not None else None
+    batch = ([t for g in sorted(groups, key=lambda g: g.group_id) for t in g.trajectories]
+             if groups is not None else None)
     t_batch = time.perf_counter()
     batch = share_batch(batch, trainer.grid.trainer_group, ctx.controller_rank, ctx.device)
     version_before = trainer.version
@@ -213,7 +216,8 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             "rollout_tokens_per_s": (c["completion_tokens"] - tokens_before) / elapsed,
             "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
-            "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"], "mean_w": out["mean_w"],
+            "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"],
+            "mean_w": out["mean_w"],
             "grad_norm": out["grad_norm"], "kl": out["kl"], "entropy": out["entropy"],
             "problem_ids": sorted({t.problem_id for t in batch}, key=str),
             "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),

@@ -29,6 +29,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Callable
 
@@ -41,10 +42,10 @@ sys.path.insert(0, str(BENCH))
 from bench_rollout import DTYPES, SHAPES, model_config, random_model  # noqa: E402
 from compare_cost_model import calibrate  # noqa: E402
 
+from hexrl.gpus import CATALOGUE  # noqa: E402
 from hexrl.model.attention import CausalAttention  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.model.decoder import Decoder  # noqa: E402
-from hexrl.gpus import CATALOGUE  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
 from kernels import sample, token_logprobs  # noqa: E402
 
@@ -366,7 +367,7 @@ def sampling_points(batches, vocab: int, dtype: torch.dtype, device: torch.devic
         logits = torch.randn(b, vocab, device=device, dtype=dtype) * 3
         seeds = torch.arange(b, device=device)
         for case, args in (("plain", (1.0, 0, 1.0)), ("topk-topp", (0.7, 50, 0.9))):
-            s = timed(lambda: sample(logits, *args, seeds, 0, check=False), device)
+            s = timed(partial(sample, logits, *args, seeds, 0, check=False), device)
             rows.append({"batch": b, "vocab": vocab, "case": case, "seconds": s})
     return rows
 
@@ -377,7 +378,7 @@ def logprob_points(tokens, vocab: int, dtype: torch.dtype, device: torch.device)
     for n in tokens:
         logits = torch.randn(n, vocab, device=device, dtype=dtype)
         targets = torch.randint(0, vocab, (n,), device=device)
-        s = timed(lambda: token_logprobs(logits, targets, check=False), device)
+        s = timed(partial(token_logprobs, logits, targets, check=False), device)
         rows.append({"tokens": n, "vocab": vocab, "seconds": s})
         del logits
     return rows
@@ -441,7 +442,8 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     logprob = optional("logprob", lambda: logprob_points(grid.logprob_tokens, cfg.vocab_size, dtype, device),
                        errors, log)
     return {"copy_Bps": bw, "matmul_flops": peak, "decode": decode, "prefill": prefill, "train": train,
-            "optimizer": optimizer, "host": host, "control": control, "sampling": sampling, "logprob": logprob, "errors": errors}
+            "optimizer": optimizer, "host": host, "control": control, "sampling": sampling, "logprob": logprob,
+            "errors": errors}
 
 
 def table(m: dict, cfg: ModelConfig, elem: int, datasheet) -> list[tuple[str, str, str, str, float]]:
@@ -502,8 +504,8 @@ def _control_seconds(groups: int, group: int, prompt_len: int, out_len: int) -> 
     secret = new_secret()
     router, dealer = RouterChannel(secret), DealerChannel("replica-0", secret)
     dealer.connect(router.bind("127.0.0.1"))
-    rl = SimpleNamespace(batch_size=groups, group_size=group, eta=0, max_concurrent_rollouts=None, filter_equal_groups=True,
-                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=out_len, seed=0)
+    rl = SimpleNamespace(batch_size=groups, group_size=group, eta=0, max_concurrent_rollouts=None,
+                         filter_equal_groups=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=out_len, seed=0)
     problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(groups)]
     prompt = list(range(3, 3 + prompt_len))
     ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: prompt, [ReplicaInfo(0, 1.0)], router,
@@ -542,7 +544,8 @@ def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelCon
         # planner keys (hexrl/plan/catalogue.py GPU fields): measured peaks ...
         "hbm_TBps": m["copy_Bps"] / 1e12, "bf16_tflops": m["matmul_flops"] / 1e12,
         "decode": m["decode"], "prefill": m["prefill"], "train": m["train"], "optimizer": m["optimizer"],
-        "host": m["host"], "control": m["control"], "train_s_per_token": statistics.median(r["s_per_token"] for r in m["train"]),
+        "host": m["host"], "control": m["control"],
+        "train_s_per_token": statistics.median(r["s_per_token"] for r in m["train"]),
         "prefill_tokens_per_s": statistics.median(r["tokens_per_s"] for r in m["prefill"]) if m["prefill"] else None,
         "sampling": m["sampling"], "logprob": m["logprob"], "errors": m["errors"],
     }

@@ -16,10 +16,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hexrl.schema import load_job  # noqa: E402
-from hexrl.plan.cost import CostModel  # noqa: E402
 from hexrl.plan.candidate import Evaluator  # noqa: E402
+from hexrl.plan.cost import CostModel  # noqa: E402
 from hexrl.plan.partition import exhaustive, n_splits, two_phase  # noqa: E402
+from hexrl.schema import load_job  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

@@ -21,9 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hexrl.model.config import ModelConfig  # noqa: E402
+from hexrl.model.config import (
+    ModelConfig,  # noqa: E402
+    rope_inv_freq,  # noqa: E402
+)
 from hexrl.model.decoder import Decoder  # noqa: E402
-from hexrl.model.config import rope_inv_freq  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
 
 SHAPES = {

@@ -38,6 +38,20 @@ def torch_sort_sample(logits, temperature: float, top_k: int, top_p: float):
     return order.gather(1, pick)[:, 0]
 
 
+def bench_cases(logits, seeds, targets, sample, token_logprobs) -> list:
+    """(name, kernel call, torch baseline call) on one batch of logits."""
+    return [
+        ("sample T=1", lambda: sample(logits, 1.0, 0, 1.0, seeds, 0, check=False),
+         lambda: torch_sort_sample(logits, 1.0, 0, 1.0)),
+        ("sample T=.7 k=50 p=.9", lambda: sample(logits, 0.7, 50, 0.9, seeds, 0, check=False),
+         lambda: torch_sort_sample(logits, 0.7, 50, 0.9)),
+        ("sample T=1 p=.95", lambda: sample(logits, 1.0, 0, 0.95, seeds, 0, check=False),
+         lambda: torch_sort_sample(logits, 1.0, 0, 0.95)),
+        ("token_logprobs", lambda: token_logprobs(logits, targets, check=False),
+         lambda: torch.log_softmax(logits.float(), -1).gather(1, targets[:, None])),
+    ]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab", type=int, default=151936)
@@ -62,16 +76,7 @@ def main() -> int:
         nbytes = logits.numel() * logits.element_size()
         seeds = torch.arange(batch, device="cuda")
         targets = torch.randint(0, args.vocab, (batch,), device="cuda")
-        cases = [
-            ("sample T=1", lambda: sample(logits, 1.0, 0, 1.0, seeds, 0, check=False),
-             lambda: torch_sort_sample(logits, 1.0, 0, 1.0)),
-            ("sample T=.7 k=50 p=.9", lambda: sample(logits, 0.7, 50, 0.9, seeds, 0, check=False),
-             lambda: torch_sort_sample(logits, 0.7, 50, 0.9)),
-            ("sample T=1 p=.95", lambda: sample(logits, 1.0, 0, 0.95, seeds, 0, check=False),
-             lambda: torch_sort_sample(logits, 1.0, 0, 0.95)),
-            ("token_logprobs", lambda: token_logprobs(logits, targets, check=False),
-             lambda: torch.log_softmax(logits.float(), -1).gather(1, targets[:, None])),
-        ]
+        cases = bench_cases(logits, seeds, targets, sample, token_logprobs)
         for name, kernel, baseline in cases:
             ms = triton.testing.do_bench(kernel, warmup=10, rep=100)
             ms_ref = triton.testing.do_bench(baseline, warmup=10, rep=100)

@@ -26,9 +26,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hexrl.schema import Job, load_job  # noqa: E402
 from hexrl.gpus import CATALOGUE, GPU, canonical_name, read_profile  # noqa: E402
 from hexrl.plan.cost import CostModel  # noqa: E402
+from hexrl.schema import Job, load_job  # noqa: E402
 
 TARGET = 0.15  # issue 8: the median relative error should be within 15%
 STAND_IN = "H100"  # catalogue type a job names when the profile's GPU is not in the catalogue
@@ -44,14 +44,14 @@ REQUIRED = ("gpu", "model_config", "hbm_TBps", "bf16_tflops", "decode", "train")
 def problems(profile: dict) -> list[str]:
     """Everything missing or malformed in a profile, all at once (empty if usable)."""
     out = [f"missing key {k!r}" for k in REQUIRED if k not in profile]
-    for key, fields in (("decode", ("batch", "context", "step_s")), ("train", ("seq_len", "s_per_token")),
+    for key, keys in (("decode", ("batch", "context", "step_s")), ("train", ("seq_len", "s_per_token")),
                         ("prefill", ("batch", "prompt_len", "seconds"))):
         rows = profile.get(key, [])
         if not isinstance(rows, list) or (key != "prefill" and not rows):
             out.append(f"{key}: must be a non-empty list of measured points")
             continue
         for i, row in enumerate(rows):
-            bad = [f for f in fields if not _positive(row.get(f) if isinstance(row, dict) else None)]
+            bad = [f for f in keys if not _positive(row.get(f) if isinstance(row, dict) else None)]
             if bad:
                 out.append(f"{key}[{i}]: needs positive numbers for {', '.join(bad)}")
     return out

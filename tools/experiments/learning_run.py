@@ -1,16 +1,17 @@
 """The learning experiment: warm start, then asynchronous GRPO with hexrl, evaluated on held-out problems.
 
-    python tools/experiments/learning_run.py OUT                 # eta=4 (decoupled, naive) vs eta=0
-    python tools/experiments/learning_run.py OUT --ablation      # eta in {0,1,2,4,8,inf} x {naive PPO, decoupled}
-    python tools/experiments/learning_run.py OUT --study         # eta 0,1,2,4 decoupled + 4 naive over 3 seeds, vs the simulator
-    python tools/experiments/learning_run.py OUT --steps 100     # shorter budget
+    python tools/experiments/learning_run.py OUT              # eta=4 (decoupled, naive) vs eta=0
+    python tools/experiments/learning_run.py OUT --ablation   # eta in {0,1,2,4,8,inf} x {naive PPO, decoupled}
+    python tools/experiments/learning_run.py OUT --study      # eta 0,1,2,4 decoupled + 4 naive, 3 seeds, vs simulator
+    python tools/experiments/learning_run.py OUT --steps 100  # shorter budget
     python tools/experiments/learning_run.py OUT --only 1:naive 4:decoupled
 
 Phase 1 (reported separately): `tools/warm_start.py` trains a tiny char-level model on
 arithmetic with cross-entropy for a short budget, into OUT/model. Phase 2: each configuration
 is planned (`python -m hexrl.plan`) and run with torchrun: 1 trainer rank and 1 rollout rank, each
 pinned to its own core with one thread (the job's `cpu_affinity`; `--shared-cores` restores the
-old 2 trainer ranks + 1 rollout rank on whatever cores are free), evaluated with greedy decoding on the warm start's held-out set every `--eval-every` steps.
+old 2 trainer ranks + 1 rollout rank on whatever cores are free), evaluated with greedy decoding
+on the warm start's held-out set every `--eval-every` steps.
 Same seeds and step budget for every configuration; a table of final held-out accuracy, steps
 and wall time to `--target` accuracy and throughput is printed and written to OUT/summary.md
 (and summary.json); with matplotlib, learning.png goes into each run directory and OUT.

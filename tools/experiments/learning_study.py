@@ -1,7 +1,7 @@
 """The async-advantage study: every main configuration over several seeds, measured and simulated.
 
-    python tools/experiments/learning_run.py OUT --study                  # eta 0,1,2,4 decoupled + eta 4 naive, 3 seeds
-    python tools/experiments/learning_run.py OUT --study --smoke          # a few steps, one seed: checks the pipeline only
+    python tools/experiments/learning_run.py OUT --study          # eta 0,1,2,4 decoupled + eta 4 naive, 3 seeds
+    python tools/experiments/learning_run.py OUT --study --smoke  # a few steps, one seed: checks the pipeline only
 
 Each rank has its own core (1 trainer rank + 1 rollout rank, `cpu_affinity` in the job). Just
 before each run starts, the CPU "device" is profiled on one pinned core into RUN/profiles/cpu.json
@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[2]
 STUDY = [("0", True), ("1", True), ("2", True), ("4", True), ("4", False)]  # (eta, decoupled)
 TARGETS = (0.7, 0.8, 0.9)  # held-out accuracy levels: steps and wall seconds to reach each
 WINDOW = 50  # steps per simulator comparison window
-SIM_KEYS = ("step_s", "train_s", "trainer_idle", "rollout_idle", "mean_staleness", "rollout_s", "mean_batch")  # averaged over windows and seeds
+# averaged over windows and seeds
+SIM_KEYS = ("step_s", "train_s", "trainer_idle", "rollout_idle", "mean_staleness", "rollout_s", "mean_batch")
 
 
 # ----------------------------------------------------------------------------- one run
@@ -237,8 +238,9 @@ def simulate_windows(runs: list[Path], profiles: list[Path], prompt: float, stat
             sims[-1].append(simulate(run, prof, prompt, w["completion_len"], w["equal_fraction"], steps, tag=f"-w{a}"))
             k = speeds(run, prof, prompt, w, sims[-1][-1])
             ks[-1].append(k)
-            fixed[-1].append(k and simulate(run, at_speeds(prof, k, run / f"profiles-w{a}"), prompt, w["completion_len"],
-                                            w["equal_fraction"], steps, tag=f"-w{a}-measured-speed"))
+            fixed[-1].append(k and simulate(run, at_speeds(prof, k, run / f"profiles-w{a}"), prompt,
+                                            w["completion_len"], w["equal_fraction"], steps,
+                                            tag=f"-w{a}-measured-speed"))
     out = []
     for i, w in enumerate(stats[0]["windows"]):
         have = [k for k, st in enumerate(stats) if len(st["windows"]) > i]
@@ -280,7 +282,8 @@ def fmt(s: dict | None, f: str = ".3f", of: int | None = None) -> str:
 
 def aggregate(name: str, stats: list[dict], sim_windows: list[dict]) -> dict:
     keys = ("wall_s", "step_s", "train_s", "traj_per_s", "generated_per_s", "trainer_wait", "trainer_idle_cpu",
-            "rollout_idle_cpu", "mean_staleness", "generated_per_trained") + tuple(f"{k}_{t}" for t in TARGETS for k in ("step", "wall"))
+            "rollout_idle_cpu", "mean_staleness", "generated_per_trained") \
+        + tuple(f"{k}_{t}" for t in TARGETS for k in ("step", "wall"))
     row = {"name": name, "seeds": len(stats), "sim": whole_run(sim_windows),
            "measured_speed": whole_run(sim_windows, "measured_speed"), "windows": sim_windows,
            **{k: spread(s[k] for s in stats) for k in keys}}
@@ -326,8 +329,9 @@ def tables(rows: list[dict]) -> str:
               "generated groups filtered for equal rewards in that window (f, the workload the simulator is given):",
               "", "| config | " + " | ".join(f"steps {a}-{b}" for a, b in spans) + " |", "|---|" + "---|" * len(spans)]
     for r in rows:
-        cells = [f"{w['step_s']['mean']:.2f} / {w['sim']['step_s']:.2f} ({w['sim']['step_s'] / w['step_s']['mean']:.2f}x,"
-                 f" f {w['equal_fraction']:.2f})" for w in r["windows"]]
+        cells = [f"{w['step_s']['mean']:.2f} / {w['sim']['step_s']:.2f} "
+                 f"({w['sim']['step_s'] / w['step_s']['mean']:.2f}x, f {w['equal_fraction']:.2f})"
+                 for w in r["windows"]]
         lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     steps = sorted(set.intersection(*(set(r["acc_by_step"]) for r in rows)))
     lines += ["", "Held-out accuracy at fixed steps, mean [min-max] over seeds:", "",
@@ -350,7 +354,8 @@ def speed_tables(rows: list[dict]) -> list[str]:
              "the run:", "",
              "| config | step s: measured / simulated (ratio) | training s per step: measured / simulated "
              "| mean staleness: measured / simulated | trainer idle: measured wait / simulated "
-             "| machine vs profile, mean [min-max] over windows: engine / host / training |", "|---|---|---|---|---|---|"]
+             "| machine vs profile, mean [min-max] over windows: engine / host / training |",
+             "|---|---|---|---|---|---|"]
     for r in rows:
         s = r["measured_speed"]
         k = {key: [w["speed"][key]["mean"] for w in r["windows"]] for key in ("rollout", "host", "train")}

@@ -20,10 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hexrl.schema import load_job  # noqa: E402
 from hexrl.plan.candidate import Evaluator  # noqa: E402
 from hexrl.plan.cost import CostModel  # noqa: E402
 from hexrl.plan.partition import exhaustive, n_splits, two_phase  # noqa: E402
+from hexrl.schema import load_job  # noqa: E402
 
 TYPES = ["H100", "H200", "H800", "H20", "A100-80G", "L40S", "RTX4090"]
 MODELS = ["r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "r1-distill-qwen-14b"]
@@ -106,7 +106,8 @@ def main():
     print(f"time two-phase / exhaustive: median {tr[len(tr) // 2]:.2f}, worst {tr[-1]:.2f}")
     if big:
         tb = sorted(r["t_ours"] / r["t_exh"] for r in big)
-        print(f"on the {len(big)} clusters where exhaustive takes >= 5 s: median {tb[len(tb) // 2]:.2f}, worst {tb[-1]:.2f}")
+        print(f"on the {len(big)} clusters where exhaustive takes >= 5 s: median {tb[len(tb) // 2]:.2f}, "
+              f"worst {tb[-1]:.2f}")
 
 
 if __name__ == "__main__":
