@@ -116,6 +116,8 @@ def weight_buckets_stay_on_the_gpu(rank, world):
 
 @pytest.mark.gpu
 def test_dp2_on_one_gpu_keeps_every_collective_on_the_device(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     from hexrl.model.tiny import make_tiny_model
 
     path = make_tiny_model(tmp_path / "m", layers=2, tie=False)
@@ -125,4 +127,6 @@ def test_dp2_on_one_gpu_keeps_every_collective_on_the_device(tmp_path):
 
 @pytest.mark.gpu
 def test_weight_sync_buckets_stay_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
     assert run_world(weight_buckets_stay_on_the_gpu, 2)[1] == {"cuda:0"}
