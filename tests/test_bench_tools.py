@@ -8,7 +8,6 @@ import json
 import re
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -21,6 +20,7 @@ import compare_cost_model as ccm  # noqa: E402
 from bench_rollout import model_config  # noqa: E402
 
 from hexrl.gpus import CATALOGUE, GPU, gpu, read_profile  # noqa: E402
+from test_plan_cost import ATTN, HEAD, KV_BYTES, LAYER, MATMUL  # noqa: E402  the 1.5B shape, by hand
 
 PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
                 "train_mfu", "host_s_per_sample", "control_s_per_sample"}
@@ -82,19 +82,27 @@ def test_compare_cost_model_reports_every_problem(tmp_path, capsys):
 
 
 def test_calibration_recovers_known_efficiencies():
-    """Measurements made by the cost model itself with known keys: the fit finds them again."""
-    cfg = model_config("qwen2.5-1.5b").to_hf()
-    truth = replace(CATALOGUE["H100"], bf16_tflops=780.0, hbm_TBps=2.9, hbm_efficiency=0.7, decode_mfu=0.3,
-                    decode_overhead_s=2.5e-3, prefill_mfu=0.45, train_mfu=0.35)
-    decode = [{"batch": b, "context": c, "step_s": ccm.predict_decode_s(ccm.context_job(cfg, "H100", c), truth, b)}
-              for b in (1, 64, 256) for c in (300.5, 4100.0)]
+    """Measurements worked out by hand for a GPU with known keys: the fit finds them again. The
+    H800 entry is only the name; its peaks and efficiencies are the `truth` below."""
+    cfg = model_config("qwen2.5-1.5b").to_hf()  # r1-distill-qwen-1.5b's layers and head, tied embedding
+    assert [cfg[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                             "num_key_value_heads", "vocab_size")] == [1536, 8960, 28, 12, 2, 151936]
+    bw, decode_peak = 2.9e12 * 0.7, 780e12 * 0.3  # truth: measured peaks x hbm_efficiency, x decode_mfu
+
+    def decode_s(b: int, ctx: float) -> float:  # overhead, weights read or multiplied, KV of b contexts
+        return 2.5e-3 + max(2 * MATMUL / bw, 2 * MATMUL * b / decode_peak) + b * ctx * KV_BYTES / bw
+
+    decode = [{"batch": b, "context": c, "step_s": decode_s(b, c)} for b in (1, 64, 256) for c in (300.5, 4100.0)]
+    # 8 prompts of 2048 tokens: 2 FLOPs a parameter and causal attention (context 1024) per token, at prefill_mfu
     prefill = [{"batch": 8, "prompt_len": 2048,
-                "seconds": ccm.predict_prefill_s(ccm.context_job(cfg, "H100", 2048), truth, 8)}]
-    train = [{"seq_len": 1024, "s_per_token": ccm.predict_train_s_per_token(cfg, truth, 1024, "H100")}]
-    profile = {"gpu": "H100", "model_config": cfg, "hbm_TBps": 2.9, "bf16_tflops": 780.0, "decode": decode,
+                "seconds": 8 * 2048 * (2 * MATMUL + 28 * ATTN * 1024) / (780e12 * 0.45)}]
+    # fwd + bwd (3 passes) per token of 1024-token sequences (causal context 512), at train_mfu
+    train = [{"seq_len": 1024, "s_per_token": 3 * (28 * (2 * LAYER + ATTN * 512) + 2 * HEAD) / (780e12 * 0.35)}]
+    profile = {"gpu": "H800", "model_config": cfg, "hbm_TBps": 2.9, "bf16_tflops": 780.0, "decode": decode,
                "prefill": prefill, "train": train}
     keys = ccm.calibrate(profile)
-    assert keys["prefill_mfu"] == pytest.approx(0.45) and keys["train_mfu"] == pytest.approx(0.35)
+    assert keys["prefill_mfu"] == pytest.approx(0.45)
+    assert keys["train_mfu"] == pytest.approx(0.35)
     assert keys["hbm_efficiency"] == pytest.approx(0.7, rel=0.04)  # the search grid is 6.7% apart
     assert keys["decode_overhead_s"] == pytest.approx(2.5e-3, rel=0.1)
     rows = ccm.compare({**profile, **keys})

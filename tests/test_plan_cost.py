@@ -8,12 +8,12 @@ import pytest
 
 from hexrl.gpus import PAPER_DECODE_FACTOR
 from hexrl.plan.candidate import Evaluator
-from hexrl.plan.cost import CostModel, StageCoeffs
+from hexrl.plan.cost import MAX_DECODE_BATCH, CostModel, StageCoeffs
 from hexrl.plan.partition import lower_bounds, split_grid
 from hexrl.plan.placement import FreeClass, free_classes, train_per_node
 from hexrl.plan.rollout_milp import _columns, _solve
 from hexrl.plan.train_search import assign_layers
-from hexrl.schema import load_job
+from hexrl.schema import PRESETS, Job, load_job
 
 
 def job(nodes, model="r1-distill-qwen-1.5b", **rl):
@@ -29,24 +29,138 @@ def nodes(*spec, gpus=8):
     return [{"name": f"n{i}", "gpu_type": t, "gpus": gpus} for i, t in enumerate(spec)]
 
 
+# ---------------------------------------------------------------- cost terms by hand
+# Each cost term against arithmetic from the model's shape and the GPU's datasheet, never from the
+# CostModel's own helpers. The types used (H20, H800) have no measured profile in the repository,
+# and use_profiles=False keeps it so.
+
+# r1-distill-qwen-1.5b (hexrl/schema/job.py): hidden 1536, MLP 8960, 28 layers, 12 heads of 128, 2 KV heads
+LAYER = (2 * 1536 * 1536  # q and o projections (12 heads x 128 = 1536)
+         + 2 * 1536 * 256  # k and v projections (2 KV heads x 128 = 256)
+         + 3 * 1536 * 8960  # SwiGLU gate, up, down
+         + 1536 + 2 * 256  # Qwen2's q, k, v biases
+         + 2 * 1536)  # two RMSNorm weights
+HEAD = 151_936 * 1536  # output head (untied); the input embedding is as large
+MATMUL = 28 * LAYER + HEAD  # parameters a token multiplies through (the embedding is a lookup)
+PARAMS = 28 * LAYER + 2 * HEAD + 1536  # all of them: layers, embedding, head, final norm
+KV_BYTES = 2 * 28 * 2 * 128 * 2  # K and V, 28 layers, 2 KV heads of 128, bf16
+ATTN = 4 * 12 * 128  # FLOPs per layer per context position: q.k and p.v, 2 FLOPs a multiply-add, 12 heads of 128
+
+# H20 datasheet (hexrl/gpus.py): 148 TFLOP/s dense bf16, 4 TB/s HBM, 96 GB, 450 GB/s NVLink;
+# the catalogue's efficiencies, scaled on the rollout side by the paper-fitted decode factor
+F_H20 = PAPER_DECODE_FACTOR["H20"]
+H20_BW = 4e12 * 0.75 * F_H20  # bytes/s decode reads at (hbm_efficiency 0.75)
+H20_PEAK = 148e12 * 0.5 * F_H20  # FLOP/s of decode and prefill (decode_mfu = prefill_mfu = 0.5)
+H20_STEP = 2e-3 / F_H20  # decode_overhead_s per step
+
+
+def fixed_job(gpu: str, prompt: int, out: int, model: dict | None = None, **rl) -> Job:
+    """One node of 8 `gpu`; every prompt `prompt` tokens, every output `out` tokens."""
+    return load_job({
+        "model": model or {"preset": "r1-distill-qwen-1.5b"}, "data": {"synthetic": {}},
+        "rl": {"batch_size": 8, "group_size": 4, "max_new_tokens": out, "eta": 0, **rl},
+        "workload": {"prompt_len": prompt, "output_len": {"samples": [out]}},
+        "cluster": {"nodes": nodes(gpu)},
+    })
+
+
+def read_or_compute(b: int) -> float:
+    """Weight part of an H20 decode step of b sequences (1.5B, tp 1): the slower of reading and multiplying."""
+    return max(2 * MATMUL / H20_BW, 2 * MATMUL * b / H20_PEAK)
+
+
 def test_decode_step_is_the_hbm_roofline_at_batch_one():
-    cm = CostModel(job(nodes("H20")), use_profiles=False)
-    pt = cm.decode_point("H20", 1, 1)
-    # by hand: 28 layers x 46.8M + 233M head params, bf16, over 4 TB/s x 0.75; KV of one sequence
-    weights = 2 * (28 * 46_797_824 + 151_936 * 1536)
-    kv = 2 * 28 * 2 * 128 * 2 * cm.w.ctx_decode
-    f = PAPER_DECODE_FACTOR["H20"]  # the paper-calibrated share of the roofline (hexrl/gpus.py)
-    expect = (2e-3 + (weights + kv) / (4e12 * 0.75)) / f
-    assert pt.step_s == pytest.approx(expect, rel=1e-6)
+    cm = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
+    # the bf16 weights and one sequence's KV at its average context 256 + 1000 / 2, read once
+    expect = H20_STEP + (2 * MATMUL + 756 * KV_BYTES) / H20_BW
+    assert cm.decode_point("H20", 1, 1).step_s == pytest.approx(expect, rel=1e-9)
+
+
+def test_decode_reads_the_weights_once_and_multiplies_them_per_sequence():
+    """The context-free part of a decode step: the weights read once (small batches), or 2 FLOPs
+    a parameter per sequence (large batches), plus TP's all-reduces."""
+    cm = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
+    read = 2 * MATMUL / H20_BW  # bf16 weights, read once a step
+    assert cm.decode_fixed_s("H20", 1, 1) == pytest.approx(H20_STEP + read, rel=1e-9)
+    # 512 sequences: 2 FLOPs per parameter each, past the H20's 24.7 FLOPs a byte: compute-bound
+    assert cm.decode_fixed_s("H20", 1, 512) == pytest.approx(H20_STEP + 2 * MATMUL * 512 / H20_PEAK, rel=1e-9)
+    # TP 2 at 8 sequences: half the weights each; per layer 2 all-reduces of 8 x 1536 bf16
+    # activations (a ring moves 2 (tp - 1) / tp of them over 450 GB/s NVLink), 8 us apiece
+    allreduce = 8e-6 + 8 * 1536 * 2 * 2 * (1 / 2) / 450e9
+    assert cm.decode_fixed_s("H20", 2, 8) == pytest.approx(H20_STEP + read / 2 + 2 * 28 * allreduce, rel=1e-9)
+
+
+def test_decode_attention_reads_the_kv_cache():
+    """The context part of a decode step: every running sequence's KV read once (GQA, 2 KV heads:
+    6 FLOPs a byte, far under the GPU's ratio), split over TP ranks up to the KV head count."""
+    cm = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
+    for tp, kv_per_gpu in ((1, KV_BYTES), (2, KV_BYTES / 2), (4, KV_BYTES / 2)):  # tp 4: KV heads replicated
+        assert cm.decode_coeffs("H20", tp, 1)[1] == pytest.approx(kv_per_gpu / H20_BW, rel=1e-9)
+    # a whole step of 64 sequences, each reading a context of 256 + 1000 / 2 on average
+    step = H20_STEP + read_or_compute(64) + 64 * 756 * KV_BYTES / H20_BW
+    assert cm.decode_point("H20", 1, 64).step_s == pytest.approx(step, rel=1e-9)
+
+
+def test_decode_attention_flops_bind_with_one_kv_head():
+    """48 query heads of 32 on one KV head: 48 FLOPs per KV byte, past the H20's 24.7, so the
+    attention FLOPs, not the KV bytes, set the step's context cost."""
+    mqa = {**PRESETS["r1-distill-qwen-1.5b"], "num_attention_heads": 48, "num_key_value_heads": 1}
+    cm = CostModel(fixed_job("H20", 256, 1000, model={"config": mqa}), use_profiles=False)
+    flops = 4 * 48 * 32 * 28  # q.k and p.v per context position, 48 heads of 32, 28 layers
+    kv = 2 * 28 * 1 * 32 * 2  # the KV bytes it reads: 3584, 2x faster to read than to multiply
+    assert kv / H20_BW < flops / H20_PEAK
+    assert cm.decode_coeffs("H20", 1, 1)[1] == pytest.approx(flops / H20_PEAK, rel=1e-9)
+    # tp 2 splits the query heads but not the one KV head: each rank reads all of the KV, which binds again
+    assert kv / H20_BW > flops / 2 / H20_PEAK
+    assert cm.decode_coeffs("H20", 2, 1)[1] == pytest.approx(kv / H20_BW, rel=1e-9)
+
+
+def test_prefill_prices_linears_and_causal_attention():
+    """Prefill (and KV recompute): 2 FLOPs a parameter per token, and attention over the token's
+    causal context, at prefill_mfu of the peak."""
+    cm = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
+    linears = 2 * MATMUL  # per token
+    attention = 28 * ATTN * 1024  # per token at an average context of 1024 (prompts of 2048)
+    assert cm.prefill_s("H20", 1, 4096, 1024) == pytest.approx(4096 * (linears + attention) / H20_PEAK, rel=1e-9)
+    assert cm.prefill_s("H20", 4, 4096, 1024) == pytest.approx(4096 * (linears + attention) / 4 / H20_PEAK,
+                                                               rel=1e-9)
+    # the attention part alone: twice the context costs 28 x ATTN x 1024 more per token
+    more = cm.prefill_s("H20", 1, 4096, 2048) - cm.prefill_s("H20", 1, 4096, 1024)
+    assert more == pytest.approx(4096 * attention / H20_PEAK, rel=1e-9)
+    # a running batch's recompute after a weight update: 64 sequences of 756 tokens on average, causal
+    assert cm.decode_point("H20", 1, 64).recompute_s == pytest.approx(
+        64 * 756 * (linears + 28 * ATTN * 756 / 2) / H20_PEAK, rel=1e-9)
+
+
+def test_training_flops_and_time_by_hand():
+    """One step's training: forward + backward (3 passes) and the decoupled objective's proximal
+    forward (1), 2 FLOPs a parameter and causal attention per token; then the optimizer streams its
+    state through HBM once per PPO minibatch. On one H20 at its train_mfu 0.23."""
+    cm = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
+    tokens = 8 * 4 * (256 + 1000)  # B x G sequences, prompt + output
+    per_token = 28 * (2 * LAYER + ATTN * 1256 / 2) + 2 * HEAD  # layers (causal context: half the sequence), head
+    flops = 4 * per_token * tokens  # fwd + bwd (3) + proximal log-prob forward (1)
+    assert cm.train_flops() == pytest.approx(flops, rel=1e-9)
+    optimizer = 4 * 2 * 16 * (28 * LAYER + 2 * HEAD) / 4e12  # 4 minibatches; read + write 16 B a parameter
+    s = cm.stage_coeffs("H20", 1, 1, 1, 0, 1, None, False)
+    assert s.per_layer * 28 + s.fixed == pytest.approx(flops / (148e12 * 0.23) + optimizer, rel=1e-9)
+    r = cm.stage_coeffs("H20", 1, 1, 1, 0, 1, None, True)  # activation recompute: one forward more
+    assert (r.per_layer - s.per_layer) * 28 + r.fixed - s.fixed == pytest.approx(flops / 4 / (148e12 * 0.23),
+                                                                                 rel=1e-9)
 
 
 def test_kv_capacity_fits_memory():
-    cm = CostModel(job(nodes("H800")), use_profiles=False)
-    for tp in cm.tp_options("H800"):
-        b = cm.max_decode_batch("H800", tp)
-        per_gpu = 2 * cm.m.num_params / tp + b * cm.w.ctx_decode * cm.kv_bytes_per_token(tp)
-        assert 0 < b and per_gpu <= cm.usable_bytes("H800")
+    """The decode batch is the largest whose KV fits beside the weights: b sequences fit, b + 1 do not."""
+    cm = CostModel(fixed_job("H800", 1024, 12000), use_profiles=False)
     assert cm.tp_options("H800") == [1, 2, 4]  # 12 heads: 8 does not divide
+    usable = 80e9 * 0.90 - 1.5e9  # H800's 80 GB at mem_util 0.9, less the workspace
+    for tp in (1, 2, 4):
+        room = usable - 2 * PARAMS / tp  # bf16 weights, split over TP
+        seq = KV_BYTES / min(tp, 2) * (1024 + 12000 / 2)  # KV of an average sequence (2 KV heads: replicated past tp 2)
+        b = cm.max_decode_batch("H800", tp)
+        assert 0 < b < 1024 and b * seq <= room < (b + 1) * seq
+    short = CostModel(fixed_job("H800", 256, 100), use_profiles=False)
+    assert short.max_decode_batch("H800", 1) == MAX_DECODE_BATCH  # the engine's cap binds first
 
 
 def test_layer_assignment_matches_brute_force():

@@ -6,7 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
+from test_plan_cost import ATTN, HEAD, KV_BYTES, LAYER, MATMUL  # the 1.5B model's shape, by hand
 
+from hexrl.gpus import PAPER_DECODE_FACTOR
 from hexrl.plan.__main__ import main
 from hexrl.plan.cost import CostModel
 from hexrl.plan.planner import plan_job
@@ -23,12 +25,12 @@ CONFIGS = Path(__file__).resolve().parent.parent / "tools" / "configs"
 
 
 def two_gpu_job(**rl) -> dict:
-    """One H100 trains, one generates; every output is exactly 10 tokens long."""
+    """One H800 trains the 1.5B model, one generates; every prompt is 2048 tokens, every output 10."""
     return {
-        "model": {"preset": "tiny"}, "data": {"synthetic": {}},
+        "model": {"preset": "r1-distill-qwen-1.5b"}, "data": {"synthetic": {}},
         "rl": {"batch_size": 1, "group_size": 2, "max_new_tokens": 10, **rl},
-        "workload": {"prompt_len": 16, "output_len": {"samples": [10]}},
-        "cluster": {"nodes": [{"gpu_type": "H100", "gpus": 2}]},
+        "workload": {"prompt_len": 2048, "output_len": {"samples": [10]}, "reward_s_per_sample": 0.01},
+        "cluster": {"nodes": [{"gpu_type": "H800", "gpus": 2}]},
         "layout": {"train_gpus": 1},
     }
 
@@ -44,20 +46,34 @@ def hetero_job(eta) -> dict:
 
 
 def test_synchronous_step_matches_hand_computation():
+    """One group of 2 x 10 tokens a step, from prompts of 2048, every term by hand from the model's
+    shape (test_plan_cost.py) and the H800's datasheet: 756 TFLOP/s, 2 TB/s (hexrl/gpus.py)."""
     plan = plan_job(load_job(two_gpu_job(eta=0)), use_profiles=False)
     sim = Simulation(plan, use_profiles=False)
-    res = sim.run(steps=5, warmup=1)
-    cm = CostModel(plan.job, use_profiles=False)
-    # one group of 2 x 10 tokens: prefill both prompts, 10 decode steps at batch 2 from context 32
-    a, c = cm.decode_coeffs("H100", 1, 2)
-    decode = 10 * a + c * (10 * 32 + 2 * 45)
-    prefill = cm.prefill_s("H100", 1, 2 * 16, 8)
-    host = 2 * cm.gpus["H100"].host_s_per_sample  # the leader hands both samples over before scoring
-    control = 2 * cm.gpus["H100"].control_s_per_sample  # the controller thread takes both in
-    expect = prefill + decode + host + cm.w.reward_s + control + sim.cand.C_T + sim.cand.C_sync
+    res = sim.run(steps=5, warmup=1, gantt_steps=5)
+    f = PAPER_DECODE_FACTOR["H800"]  # the paper-fitted share of the roofline the rollout reaches
+    bw, peak = 2e12 * 0.75 * f, 756e12 * 0.5 * f  # HBM bytes/s and FLOP/s of decode and prefill
+    # both prompts prefilled together: 2 FLOPs a parameter and causal attention (context 1024) per token
+    prefill = 2 * 2048 * (2 * MATMUL + 28 * ATTN * 1024) / peak
+    # 10 decode steps at batch 2 (weights read once a step), step k reading 2 x (2048 + k) positions of KV
+    decode = sum(2e-3 / f + 2 * MATMUL / bw + 2 * (2048 + k) * KV_BYTES / bw for k in range(10))
+    # training 2 x 2058 tokens: fwd + bwd and the proximal forward (4 passes) at train_mfu 0.40; then one
+    # minibatch's optimizer step streams 16 bytes a parameter in and out at 2 TB/s
+    train = (4 * 2 * 2058 * (28 * (2 * LAYER + ATTN * 2058 / 2) + 2 * HEAD) / (756e12 * 0.40)
+             + 2 * 16 * (28 * LAYER + 2 * HEAD) / 2e12)
+    host = 2 * 2e-4  # host_s_per_sample: the leader hands both samples over before scoring
+    reward = 0.01  # the two samples scored side by side on the replica's 2 reward workers
+    control = 2 * 5e-5  # control_s_per_sample: the controller thread takes both in
+    spans = {}
+    for lane, kind, t0, t1 in res.gantt:
+        spans.setdefault((lane, kind), []).append(t1 - t0)
+    assert spans[("R0", "prefill")] == pytest.approx([prefill] * 5, rel=1e-9)
+    assert spans[("R0", "decode")] == pytest.approx([decode] * 5, rel=1e-9)
+    assert spans[("trainer", "train")] == pytest.approx([train] * 5, rel=1e-9)
+    expect = prefill + decode + host + reward + control + train + sim.cand.C_sync  # the plan's weight sync
     assert res.step_time_s == pytest.approx(expect, rel=1e-9)
     assert res.staleness == {0: 10} and res.violations == 0
-    assert res.tokens_per_s == pytest.approx(2 * 26 / expect, rel=1e-9)
+    assert res.tokens_per_s == pytest.approx(2 * 2058 / expect, rel=1e-9)
 
 
 def test_gate_keeps_synchronous_runs_fresh_and_async_runs_overlapping():
@@ -167,19 +183,32 @@ def test_controller_work_takes_the_trainers_core_only_while_it_trains():
     def run(eta, control_s):
         sim = Simulation(plan_job(load_job(hetero_job(eta)), use_profiles=False), use_profiles=False)
         sim.control_s = control_s
+        arrivals = []  # when each scored group reaches the controller
+        arrive = sim.arrive
+        sim.arrive = lambda t, gid: (arrivals.append(t), arrive(t, gid))
         res = sim.run(steps=6, warmup=2, gantt_steps=6)
-        spans = {lane: [(t0, t1) for ln, kind, t0, t1 in res.gantt if ln == lane and kind == "control"]
-                 for lane in ("trainer", "controller")}
-        return res.trainer_busy * res.step_time_s, spans, sim
+        spans = {(lane, kind): [(t0, t1) for ln, k, t0, t1 in res.gantt if (ln, k) == (lane, kind)]
+                 for lane in ("trainer", "controller") for kind in ("train", "control")}
+        return res.trainer_busy * res.step_time_s, spans, arrivals, sim
 
-    quiet, _, _ = run(2, 0.0)
-    busy, spans, sim = run(2, 2e-3)
-    assert spans["trainer"] and spans["controller"]
-    # at most every trajectory of a step (B x G) arrives during its training
-    assert 0 < busy - quiet <= 1.05 * sim.B * sim.G * 2e-3
-    _, spans, sim = run(0, 2e-3)
-    assert not spans["trainer"] and len(spans["controller"]) >= 6 * sim.B  # every group, one at a time
-    assert all(b0 >= a1 - 1e-12 for (_, a1), (b0, _) in zip(spans["controller"], spans["controller"][1:]))
+    quiet, _, _, _ = run(2, 0.0)
+    busy, spans, arrivals, sim = run(2, 2e-3)
+    charged, control = spans[("trainer", "control")], spans[("controller", "control")]
+    assert charged and control
+    # exactly the groups that arrive while the trainer trains (its train spans and what they were
+    # lengthened by) are charged to it, G x 2 ms each
+    training = spans[("trainer", "train")] + charged
+    during = sum(any(t0 <= t < t1 for t0, t1 in training) for t in arrivals)
+    assert 0 < during < len(arrivals)
+    assert sum(t1 - t0 for t0, t1 in charged) == pytest.approx(during * sim.G * 2e-3, rel=1e-9)
+    # at most every trajectory of a step (B x G) arrives during its training; at eta = 2 the next
+    # step's groups decode while it trains and over half of them arrive then (246 of 450 groups
+    # here): a training step grows by a quarter of B x G x 2 ms at least
+    assert 0.25 * sim.B * sim.G * 2e-3 <= busy - quiet <= 1.05 * sim.B * sim.G * 2e-3
+    _, spans, _, sim = run(0, 2e-3)
+    control = spans[("controller", "control")]
+    assert not spans[("trainer", "control")] and len(control) >= 6 * sim.B  # every group, one at a time
+    assert all(b0 >= a1 - 1e-12 for (_, a1), (b0, _) in zip(control, control[1:]))
 
 
 def test_filtered_groups_are_generated_again():
