@@ -1,0 +1,115 @@
+"""Mutation check of the planner's and simulator's tests (issue 37): each mutation, applied alone,
+must make the test that claims it fail.
+
+    python tools/experiments/mutations.py              # the unmutated tests pass, then every mutation
+    python tools/experiments/mutations.py kv_batch     # only the mutations named
+
+Each mutation is one exact text edit of one file under hexrl/, written in place and restored
+afterwards (also on an error or Ctrl-C): run it on a clean tree and never commit what it leaves.
+The first six are issue 37's table; the rest pin the other cost terms the hand tests check.
+Exit status 0 when every test passes unmutated and every mutation fails its test.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    path: str  # relative to the repository root
+    old: str  # exact text, found once in the file
+    new: str
+    tests: tuple[str, ...]  # pytest node ids that must fail
+
+
+COST, SIM, LENGTHS = "hexrl/plan/cost.py", "hexrl/plan/simulate.py", "hexrl/plan/lengths.py"
+HAND = "tests/test_simulate.py::test_synchronous_step_matches_hand_computation"
+MUTATIONS = [
+    Mutation("prefill_attention_x0.5", COST, "self.attn_flops_per_pos() * ctx\n",
+             "self.attn_flops_per_pos() * ctx * 0.5\n",
+             (HAND, "tests/test_bench_tools.py::test_calibration_recovers_known_efficiencies",
+              "tests/test_plan_cost.py::test_prefill_prices_linears_and_causal_attention")),
+    Mutation("kv_batch_is_1", COST, "return int(min(self.decode_batch_cap, room // (kv * self.w.ctx_decode)))",
+             "return 1", ("tests/test_plan_cost.py::test_kv_capacity_fits_memory",)),
+    Mutation("decode_attention_x2", COST, "c = max(self.kv_bytes_per_token(tp) / bw, self.attn_flops_per_pos() / peak)",
+             "c = 2 * max(self.kv_bytes_per_token(tp) / bw, self.attn_flops_per_pos() / peak)",
+             (HAND, "tests/test_plan_cost.py::test_decode_attention_reads_the_kv_cache",
+              "tests/test_plan_cost.py::test_decode_attention_flops_bind_with_one_kv_head")),
+    Mutation("expected_max_x1.04", LENGTHS, "            out += l * (cdf ** n - prev ** n)\n        return out\n",
+             "            out += l * (cdf ** n - prev ** n)\n        return out * 1.04\n",
+             ("tests/test_plan_lengths.py::test_expected_max_against_a_monte_carlo_and_the_tail_sum",)),
+    Mutation("slowest_of_m_sqrt_0.5_ln_m", COST, "sd * math.sqrt(2 * math.log(len(active)))",
+             "sd * math.sqrt(0.5 * math.log(len(active)))",
+             ("tests/test_plan_wave.py::test_the_slowest_replica_against_a_monte_carlo_of_its_draws",)),
+    Mutation("controller_work_x0.01", SIM, "self.control_debt += work\n", "self.control_debt += work * 0.01\n",
+             ("tests/test_simulate.py::test_controller_work_takes_the_trainers_core_only_while_it_trains",)),
+    # beyond the table: the other terms the hand tests pin
+    Mutation("decode_weights_read_x0.5", COST, "np.maximum(2 * n / tp / bw,", "np.maximum(n / tp / bw,",
+             (HAND, "tests/test_plan_cost.py::test_decode_reads_the_weights_once_and_multiplies_them_per_sequence")),
+    Mutation("kv_not_replicated_past_kv_heads", COST,
+             "self.m.kv_bytes_per_token() / min(tp, self.m.num_key_value_heads)",
+             "self.m.kv_bytes_per_token() / tp",
+             ("tests/test_plan_cost.py::test_decode_attention_reads_the_kv_cache",
+              "tests/test_plan_cost.py::test_kv_capacity_fits_memory")),
+    Mutation("train_without_proximal_forward", COST, "passes = 3 + w.extra_fwd + int(recompute)",
+             "passes = 3 + int(recompute)", (HAND, "tests/test_plan_cost.py::test_training_flops_and_time_by_hand")),
+    Mutation("train_attention_x0.5", COST, "4 * q_dim * self.w.ctx_attn", "2 * q_dim * self.w.ctx_attn",
+             (HAND, "tests/test_plan_cost.py::test_training_flops_and_time_by_hand",
+              "tests/test_bench_tools.py::test_calibration_recovers_known_efficiencies")),
+]
+
+
+def pytest_run(test: str) -> tuple[bool, str]:
+    """(passed, the first assertion line of its failure, or its last line) for one test id."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--timeout=900", test],
+                         cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    lines = out.stdout.splitlines()
+    first = next((l.strip() for l in lines if l.startswith("E ")), lines[-1] if lines else out.stderr.strip())
+    return out.returncode == 0, first
+
+
+def apply(m: Mutation) -> str:
+    """Write the mutation; returns the file's original text (to restore)."""
+    path = ROOT / m.path
+    text = path.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"{m.name}: the text to mutate occurs {text.count(m.old)} times in {m.path}, not once")
+    path.write_text(text.replace(m.old, m.new))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("names", nargs="*", help="mutations to run (default: all)")
+    args = p.parse_args(argv)
+    chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    ok = True
+    for test in dict.fromkeys(t for m in chosen for t in m.tests):  # unmutated, every test passes
+        passed, line = pytest_run(test)
+        ok &= passed
+        print(f"unmutated  {'pass' if passed else 'FAIL: ' + line}  {test}", flush=True)
+    for m in chosen:
+        print(f"\n{m.name}: {m.path}: {m.old.strip()!r} -> {m.new.strip()!r}", flush=True)
+        original = apply(m)
+        try:
+            for test in m.tests:
+                passed, line = pytest_run(test)
+                ok &= not passed
+                print(f"  {'SURVIVED' if passed else 'fails'}  {test}\n      {line}", flush=True)
+        finally:
+            (ROOT / m.path).write_text(original)
+    print("\nevery mutation fails its tests" if ok else
+          "\nNOT every mutation fails its tests (or a test fails unmutated)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
