@@ -18,9 +18,9 @@ sys.path.insert(0, str(TOOLS))
 import bench_kernels  # noqa: E402
 import compare_cost_model as ccm  # noqa: E402
 from bench_rollout import model_config  # noqa: E402
+from test_plan_cost import ATTN, HEAD, KV_BYTES, LAYER, MATMUL  # noqa: E402  the 1.5B shape, by hand
 
 from hexrl.gpus import CATALOGUE, GPU, gpu, read_profile  # noqa: E402
-from test_plan_cost import ATTN, HEAD, KV_BYTES, LAYER, MATMUL  # noqa: E402  the 1.5B shape, by hand
 
 PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
                 "train_mfu", "host_s_per_sample", "control_s_per_sample"}
