@@ -132,14 +132,21 @@ def kept_mask(x: torch.Tensor, s: torch.Tensor, top_k: torch.Tensor, top_p: torc
     return keep_k & torch.where(use_p[:, None], x >= tau_p[:, None], keep)
 
 
+def greedy_torch(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy rows: (argmax [B] int64, its log-prob under softmax(logits) at T = 1 [B] float32).
+    Plain torch ops, so it can be captured in a CUDA graph."""
+    x = logits.float()
+    tokens = x.argmax(dim=-1)
+    return tokens, x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+
+
 def sample_torch(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, check: bool = True):
     """Sort-based reference sampler: (tokens [B] int64, logprobs [B] float32). See module doc."""
     temp, k, p, seeds, offsets, streams = sample_args(logits, temperature, top_k, top_p, seed, offset, check)
     x = logits.float()
     greedy = temp < GREEDY_EPS
     if bool(greedy.all()):  # argmax and the full softmax at T=1: no filtering, no noise
-        tokens = x.argmax(dim=-1)
-        return tokens, x.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(x, dim=-1)
+        return greedy_torch(x)
     s = x / torch.where(greedy, 1.0, temp)[:, None]
     keep = kept_mask(x, s, torch.where(greedy, 0, k), torch.where(greedy, 1.0, p))
     noise = gumbel_noise(seeds, offsets, streams, x.shape[1])

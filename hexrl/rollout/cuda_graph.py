@@ -9,10 +9,15 @@ Memory: every graph writes its logits into one shared float32 [max size, V] buff
 keeping its own output would hold sum(sizes) x V floats: ~1.3 GB at V = 152k with the old
 size list), and all graphs share one memory pool, one float and one int FlashInfer workspace.
 Only one graph replays at a time, so sharing is safe.
+
+Greedy steps replay a second, small graph per size after the forward one: argmax and its log-prob
+into shared buffers (`run_greedy`), so an all-greedy decode step never launches the sampling kernel.
 """
 from __future__ import annotations
 
 import torch
+
+from kernels.reference import greedy_torch
 
 from .attention import StepMeta, build_meta
 from .flashinfer_backend import GraphDecodeAttention
@@ -60,6 +65,8 @@ class SharedGraphBuffers:
         self.ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.logits = torch.zeros(max_batch, vocab, dtype=torch.float32, device=device)
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # greedy head outputs
+        self.logprobs = torch.zeros(max_batch, dtype=torch.float32, device=device)
 
     def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.ids[:bs], self.positions[:bs], self.logits[:bs]
@@ -101,24 +108,40 @@ class DecodeGraphs:
         def forward() -> None:
             logits.copy_(self.model.logits(self.model.stage(ids, positions, attn), fp32=True))
 
+        def greedy() -> None:
+            tokens, logprobs = greedy_torch(logits)
+            self.buffers.tokens[:bs].copy_(tokens)
+            self.buffers.logprobs[:bs].copy_(logprobs)
+
+        return self._record(forward), attn, self._record(greedy)
+
+    def _record(self, fn) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the graph: lazy init, cuBLAS workspaces
             for _ in range(2):
-                forward()
+                fn()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            forward()
-        return graph, attn
+            fn()
+        return graph
 
     def run(self, meta: StepMeta, ids: torch.Tensor) -> torch.Tensor:
         """Logits [B, V_local] (float32, a view of the shared buffer: read before the next replay)
         for a decode step of B sequences with token ids `ids` [B]."""
         b = len(ids)
         bs = pick_size(self.batch_sizes, b)
-        graph, attn = self.graphs[bs]
+        graph, attn, _ = self.graphs[bs]
         self.buffers.load(ids, meta.positions, bs)
         attn.plan(meta)
         graph.replay()
         return self.buffers.logits[:b]
+
+    def run_greedy(self, meta: StepMeta, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """An all-greedy decode step: (tokens [B], logprobs [B]) from the forward graph, then the
+        argmax graph (views of shared buffers: read before the next replay)."""
+        b = len(ids)
+        self.run(meta, ids)
+        self.graphs[pick_size(self.batch_sizes, b)][2].replay()
+        return self.buffers.tokens[:b], self.buffers.logprobs[:b]

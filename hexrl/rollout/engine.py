@@ -32,7 +32,7 @@ from hexrl.model.decoder import Decoder
 from .attention import StepMeta, step_meta
 from .cpu_linear import pack_linears
 from .pages import PagePool, page_bytes
-from .sampler import SlotParams
+from .sampler import SlotParams, is_greedy
 from .scheduler import Chunk, Scheduler
 from .sequence import Finished, Request, Sequence
 from .torch_paged import TorchPagedBackend
@@ -284,8 +284,7 @@ class Engine:
         step = self._decode_inputs(decodes) if decodes is not None else self._schedule()
         if step is None:
             return []
-        logits = self._forward(step)
-        tokens, logprobs = self._sample(logits, step)
+        tokens, logprobs = self._sample(step)
         finished = self._append(step.sampling, tokens, logprobs)
         s = self.stats
         s.steps += 1
@@ -324,7 +323,7 @@ class Engine:
         b, kv_lens = len(seqs), [len(s.tokens) for s in seqs]
         rows_d, kv_d = self._h2d([s.slot for s in seqs] + kv_lens).split([b, b])
         meta = step_meta(self.pool.page_size, [1] * b, kv_lens, self.scheduler.tables.flush(), rows_d, kv_d - 1)
-        return StepInputs(meta, self.params.last_token[rows_d], seqs, rows_d, kv_d, None)
+        return StepInputs(meta, self.params.last_token[rows_d], seqs, rows_d, kv_d, None, all_greedy(seqs))
 
     def _inputs(self, chunks: list[Chunk]) -> "StepInputs":
         """Any step's inputs from its chunks (host lists -> one host-to-device copy)."""
@@ -343,7 +342,8 @@ class Engine:
         token_rows = torch.repeat_interleave(rows_d, ns_d, output_size=t)
         meta = step_meta(self.pool.page_size, ns, kv_lens, self.scheduler.tables.flush(), rows_d, pos_d, token_rows)
         last = (torch.cumsum(ns_d, 0) - 1)[picks_d]  # each sampling chunk's last token
-        return StepInputs(meta, ids_d, [chunks[i].seq for i in picks], rows_d[picks_d], kv_d[picks_d], last)
+        sampling = [chunks[i].seq for i in picks]
+        return StepInputs(meta, ids_d, sampling, rows_d[picks_d], kv_d[picks_d], last, all_greedy(sampling))
 
     def _h2d(self, values: list[int]) -> torch.Tensor:
         """One int64 host-to-device copy (through a reused pinned buffer on CUDA)."""
@@ -361,10 +361,13 @@ class Engine:
         self._h2d_done.record()
         return out
 
+    def _graphed(self, step: "StepInputs") -> bool:
+        return self.graphs is not None and step.last is None and len(step.sampling) <= self.graphs.max_batch
+
     def _forward(self, step: "StepInputs") -> torch.Tensor:
         """Logits [S, V] (full vocab, float32) of the last token of each sampling chunk."""
         meta, n = step.meta, len(step.sampling)
-        if self.graphs is not None and step.last is None and n <= self.graphs.max_batch:
+        if self._graphed(step):
             logits = self.graphs.run(meta, step.ids)
             self.stats.graph_steps += 1
         else:
@@ -376,11 +379,17 @@ class Engine:
             logits = gather_vocab(logits, self.tp)
         return logits
 
-    def _sample(self, logits: torch.Tensor, step: "StepInputs") -> tuple[list[int], list[float]]:
-        """Sampled tokens and their behaviour log-probs, read back in one copy."""
-        if not step.sampling:
-            return [], []
-        tokens, logprobs = self.params.sample(logits, step.rows, step.kv_lens)
+    def _sample(self, step: "StepInputs") -> tuple[list[int], list[float]]:
+        """Forward, then the sampled tokens and their behaviour log-probs, read back in one copy.
+        An all-greedy step takes an argmax (inside the decode graph when replayed), never the sampler."""
+        if step.greedy and step.sampling and self._graphed(step):
+            tokens, logprobs = self.graphs.run_greedy(step.meta, step.ids)
+            self.stats.graph_steps += 1
+        else:
+            logits = self._forward(step)
+            if not step.sampling:
+                return [], []
+            tokens, logprobs = self.params.sample(logits, step.rows, step.kv_lens, step.greedy)
         self.params.last_token[step.rows] = tokens  # the next decode step's input, without a host round trip
         if self.device.type != "cuda":
             return tokens.tolist(), logprobs.tolist()
@@ -437,6 +446,11 @@ class StepInputs:
     rows: torch.Tensor  # [S] slot of each sampling chunk
     kv_lens: torch.Tensor  # [S] tokens of each sampling sequence (its sampling offset + prompt)
     last: torch.Tensor | None  # [S] token index of each sampling row; None: every token samples (decode)
+    greedy: bool = False  # every sampling sequence is greedy: an argmax, no sampling kernel
+
+
+def all_greedy(seqs: list[Sequence]) -> bool:
+    return all(is_greedy(s.req) for s in seqs)
 
 
 def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference import sample_torch
+from kernels.reference import GREEDY_EPS, greedy_torch, sample_torch
 from kernels.sampling import sample
 
 from .sequence import Sequence
@@ -21,6 +21,17 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     would wait for the device."""
     fn = sample if logits.is_cuda else sample_torch
     return fn(logits, temperature, top_k, top_p, seeds, offsets, check=check)
+
+
+def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """An all-greedy step: argmax and its T = 1 log-prob, without the sampling kernel (the same
+    tokens and log-probs the kernel gives greedy rows)."""
+    return greedy_torch(logits)
+
+
+def is_greedy(req) -> bool:
+    """Whether a request decodes greedily (the sampler's own temperature cut-off)."""
+    return req.temperature < GREEDY_EPS
 
 
 class SlotParams:
@@ -45,7 +56,10 @@ class SlotParams:
                           (self.last_token, [s.tokens[-1] for s in seqs])):
             t[rows] = torch.tensor(values, dtype=t.dtype).to(t.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor):
-        """Sample one token per logits row; row i belongs to slot rows[i] and has kv_lens[i] tokens."""
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, greedy: bool = False):
+        """Sample one token per logits row; row i belongs to slot rows[i] and has kv_lens[i] tokens.
+        greedy=True (every row is greedy): an argmax, never the sampling kernel."""
+        if greedy:
+            return greedy_tokens(logits)
         return sample_tokens(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seed[rows],
                              kv_lens - self.num_prompt[rows])
