@@ -22,7 +22,7 @@ def finish(proc, timeout_s=240):
 
 
 def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
-    plan = write_job(tmp_path, steps=3, eta=1, heldout=20, eval_every=2)
+    plan = write_job(tmp_path, steps=3, eta=1, heldout=20, eval_every=2, policy_kl_probe=4)
     proc = torchrun(plan, tmp_path / "run")
     # a foreign and a corrupted message to the controller must be rejected and counted
     assert wait_for(lambda: (tmp_path / "run" / "controller_endpoint").exists(), 120, proc)
@@ -41,6 +41,11 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     for r in rows:
         assert all(k in r for k in REQUIRED), r
         assert r["max_staleness"] <= 1  # eta
+        # the staleness study's metrics (issue 36; each checked against a reference in test_staleness_metrics.py)
+        assert sum(r["token_staleness_hist"].values()) == r["tokens_trained"] > 0
+        assert set(r["token_staleness_hist"]) <= {"0", "1"} and r["policy_kl"] >= 0
+        assert r["w_p05"] <= r["w_p50"] <= r["w_p95"] and r["w_std"] >= 0
+        assert r["equal_reward_share"] in (0.0, None)  # None: no group completed during the step
         # every trajectory produced is trained, filtered or dropped (or still pending)
         assert r["trajectories_produced"] == (r["trajectories_trained"] + r["trajectories_filtered"] +
                                               r["trajectories_dropped"] + r["trajectories_pending"])

@@ -25,6 +25,21 @@ def staleness_histogram(oldest_versions: Iterable[int], trainer_version: int) ->
     return {str(a): ages[a] for a in sorted(ages)}
 
 
+def token_staleness_histogram(trajectories: Iterable, trainer_version: int) -> dict[str, int]:
+    """{"lag": count} over every completion token: trainer_version - the version that sampled it
+    (one trajectory may mix versions when a weight update interrupts it)."""
+    lags = Counter(trainer_version - v for t in trajectories for v in t.versions)
+    return {str(a): lags[a] for a in sorted(lags)}
+
+
+def equal_reward_share(before: dict, after: dict) -> float | None:
+    """Share of the groups completed between two controller `counters()` readings that were filtered
+    for equal rewards (in trajectories, so groups of any size weigh by their samples); None if none completed."""
+    equal = after["filtered"].get("equal_rewards", 0) - before["filtered"].get("equal_rewards", 0)
+    done = (after["accepted"] - before["accepted"]) + sum(after["filtered"].values()) - sum(before["filtered"].values())
+    return equal / done if done > 0 else None
+
+
 def _jsonable(value):
     """numpy/torch scalars -> Python numbers; NaN/inf -> None (strict JSON has neither)."""
     if isinstance(value, dict):

@@ -178,6 +178,8 @@ class RLSpec:
     seed: int = 0
     checkpoint_every: int = 0  # 0 = only at the end
     eval_every: int = 0  # greedy held-out accuracy every K steps (and at 0 and the end); 0 = off
+    # KL(pi_v || pi_v+1) after each step on this many held-out problems (hexrl/train/probe.py); 0 = off
+    policy_kl_probe: int = 0
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -217,6 +219,7 @@ def _read_rl(r: Reader, d) -> RLSpec:
     x.seed = r.num(d, "seed", w, x.seed, integer=True)
     x.checkpoint_every = r.num(d, "checkpoint_every", w, 0, integer=True, lo=0)
     x.eval_every = r.num(d, "eval_every", w, 0, integer=True, lo=0)
+    x.policy_kl_probe = r.num(d, "policy_kl_probe", w, 0, integer=True, lo=0)
     if x.ppo_minibatches > x.batch_size:
         r.bad("rl.ppo_minibatches", f"{x.ppo_minibatches} > batch_size {x.batch_size}")
     if x.group_size == 1 and x.filter_equal_groups:

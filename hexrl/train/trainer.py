@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
+from hexrl.control.metrics import token_staleness_histogram
 from hexrl.model.attention import CausalAttention
 from hexrl.model.checkpoint import load_pretrained, save_state_dict
 from hexrl.model.config import ModelConfig
@@ -32,6 +33,7 @@ from hexrl.trajectory import Trajectory
 from . import checkpoint as ckpt
 from .data_parallel import GradBuckets
 from .grid import Grid, build_grid
+from .importance import NUM_BINS, log_w_counts, w_quantile, w_std
 from .loss import equal_reward_groups, group_advantages, ppo_terms
 from .optim import AdamW, clip_divisor, global_grad_norm
 from .packing import MicroBatch, check_trajectories, plan_step
@@ -40,8 +42,9 @@ from .vocab_parallel import vocab_parallel_logprobs
 
 # No float16: its gradients underflow without a loss scaler, and bf16 needs none.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# Token-level sums reduced over all trainer ranks each step, in this order.
-SUMS = ("loss", "tokens", "clipped", "capped", "w", "kl", "entropy")
+# Token-level sums reduced over all trainer ranks each step, in this order; then the counts of
+# log w per bin (hexrl/train/importance.py).
+SUMS = ("loss", "tokens", "clipped", "capped", "w", "kl", "entropy", "w2")
 
 
 @dataclass
@@ -173,7 +176,7 @@ class Trainer:
         mine = [[mb.to(self.device) for mb in p.micro_batches[g.dp_rank]] for p in plans]
         prox = self._forward_logprobs(self.model, mine) if c.decoupled else [[None] * len(m) for m in mine]
         ref = self._forward_logprobs(self.ref_model, mine) if self.ref_model else [[None] * len(m) for m in mine]
-        state = _StepState(torch.zeros(len(SUMS), dtype=torch.float64, device=self.device))
+        state = _StepState(torch.zeros(len(SUMS) + NUM_BINS, dtype=torch.float64, device=self.device))
         lr = self.optimizer.lr_at(self.optimizer.steps)
         for plan, mbs, p, r in zip(plans, mine, prox, ref):
             lr = self._train_minibatch(mbs, p, r, plan.num_loss_tokens, state)
@@ -194,9 +197,10 @@ class Trainer:
         parts = [state.logprobs[i] for i in seqs]
         norms = [n.double().reshape(1) for n in state.norms]
         host = torch.cat([sums, *norms, *(lp.double() for lp in parts)]).cpu()
-        k = len(SUMS) + len(norms)
+        n = len(sums)
+        k = n + len(norms)
         lps = host[k:].float().split([len(lp) for lp in parts])
-        return host[:len(SUMS)], host[len(SUMS):k].tolist(), dict(zip(seqs, lps))
+        return host[:n], host[n:k].tolist(), dict(zip(seqs, lps))
 
     def _forward_logprobs(self, model, mine: list[list[MicroBatch]]) -> list[list[torch.Tensor | None]]:
         """Log-probs of every micro-batch's targets under `model` (last stage; None elsewhere)."""
@@ -231,8 +235,10 @@ class Trainer:
             with torch.no_grad():  # everything stays on the device: one copy at the end of the step
                 ent = entropy.double().sum() if entropy is not None else loss.new_zeros((), dtype=torch.float64)
                 n_loss = loss.new_tensor(float(mb.num_loss_tokens), dtype=torch.float64)
-                state.sums += torch.stack([loss.double(), n_loss,
-                                           *(x.double().sum() for x in (t.clipped, t.capped, t.w, t.kl)), ent])
+                w = t.w.double()
+                state.sums[:len(SUMS)] += torch.stack([loss.double(), n_loss, *(x.double().sum() for x in (
+                    t.clipped, t.capped, t.w, t.kl)), ent, (w * w).sum()])
+                state.sums[len(SUMS):] += log_w_counts(w)
                 for seq, lp in zip(mb.seqs, logp.detach().split(mb.completion_lens)):
                     state.logprobs[seq] = lp
             return loss
@@ -295,9 +301,13 @@ class Trainer:
         p.main_grad.copy_(full[g.tp_rank * rows:(g.tp_rank + 1) * rows])
 
     def _metrics(self, sums, trajs, seqs, dropped, plans, norms, lr, nonfinite) -> dict:
-        s = dict(zip(SUMS, sums.tolist()))
+        s, w_counts = dict(zip(SUMS, sums[:len(SUMS)].tolist())), sums[len(SUMS):]
         n = max(s["tokens"], 1.0)
         return {
+            # the staleness of what was trained, per token: lag behind the weights before this step
+            "token_staleness_hist": token_staleness_histogram([trajs[i] for i in seqs], self.version - 1),
+            "w_std": w_std(s["tokens"], s["w"], s["w2"]), "w_p05": w_quantile(w_counts, 0.05),
+            "w_p50": w_quantile(w_counts, 0.5), "w_p95": w_quantile(w_counts, 0.95),
             "version": self.version, "loss": s["loss"] / max(len(plans), 1), "tokens": int(s["tokens"]),
             "clip_frac": s["clipped"] / n, "capped_frac": s["capped"] / n, "mean_w": s["w"] / n,
             "kl": s["kl"] / n, "entropy": s["entropy"] / n if self.config.entropy_metric else float("nan"),

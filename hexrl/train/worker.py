@@ -19,7 +19,7 @@ from hexrl.comm.store import broadcast_bytes, publish_endpoint, publish_secret
 from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
-from hexrl.control.metrics import MetricsWriter, staleness_histogram
+from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram
 from hexrl.data.heldout import greedy_accuracy
 from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
 from hexrl.model.checkpoint import load_pretrained
@@ -32,6 +32,7 @@ from hexrl.weights import send_stage, stage_specs
 
 from .checkpoint import full_param, shard_dims
 from .export import write_model_files
+from .probe import PolicyProbe, probe_batch
 from .trainer import DTYPES, TrainConfig, Trainer
 
 
@@ -155,6 +156,10 @@ def run_trainer(ctx: RankContext, grid) -> None:
         metrics = MetricsWriter(ctx.run_dir, resume_step=start_step if ctx.resume is not None else None)
         controller.start()
     evaluator = HeldoutEval(ctx, heldout, tokenizer, job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
+    probe = None
+    if is_controller and job.rl.policy_kl_probe:  # the policy as it starts: the first step's KL is from it
+        probe = PolicyProbe(probe_batch(heldout, tokenizer, job.rl.policy_kl_probe))
+        probe.measure(trainer)
     if start_step == 0:
         evaluator.maybe(trainer, 0)
     rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
@@ -164,7 +169,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
         sync_weights(ctx, trainer, rollout_dtype)
     try:
         for step in range(start_step, job.rl.steps):
-            run_step(ctx, trainer, controller, metrics, evaluator, step, rollout_dtype)
+            run_step(ctx, trainer, controller, metrics, evaluator, step, rollout_dtype, probe)
         trainer.export_hf(ctx.run_dir / "final", extra_files=tokenizer_files(job.model.path))
     finally:
         if controller is not None:
@@ -174,9 +179,9 @@ def run_trainer(ctx: RankContext, grid) -> None:
 
 
 def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, metrics, evaluator: HeldoutEval,
-             step: int, dtype) -> None:
+             step: int, dtype, probe: PolicyProbe | None = None) -> None:
     job, t0 = ctx.plan.job, time.perf_counter()
-    tokens_before = controller.counters()["completion_tokens"] if controller else 0
+    before = controller.counters() if controller else None
     groups = controller.next_batch() if controller else None
     # in group-id order, not completion order: which replica finished first must not change the
     # mini-batches (a run with eta=0 is then reproducible, on one node or several)
@@ -194,6 +199,9 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             controller.publish_version(trainer.version)
             controller.wait_delivered(trainer.version)  # wakes, and raises, on a controller failure
         sync_s = sync_weights(ctx, trainer, dtype)
+    t_probe = time.perf_counter()  # after the weight sync, so the rollout never waits for it
+    policy_kl = probe.measure(trainer) if probe else None
+    evaluator.seconds += time.perf_counter() - t_probe  # kept out of wall_s, as evaluation is
     accuracy = evaluator.maybe(trainer, step + 1)
     every = job.rl.checkpoint_every
     if last or (every and (step + 1) % every == 0):
@@ -213,11 +221,14 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             "staleness_hist": staleness_histogram([t.oldest_version for t in batch], version_before),
             "too_stale": c["too_stale"], "rejected_messages": c["rejected_messages"],
             "rejected_reasons": c["rejected_reasons"],
-            "rollout_tokens_per_s": (c["completion_tokens"] - tokens_before) / elapsed,
+            "rollout_tokens_per_s": (c["completion_tokens"] - before["completion_tokens"]) / elapsed,
             "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
             "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"],
-            "mean_w": out["mean_w"],
+            "mean_w": out["mean_w"], "w_std": out["w_std"], "w_p05": out["w_p05"], "w_p50": out["w_p50"],
+            "w_p95": out["w_p95"], "tokens_trained": out["tokens"], "token_staleness_hist": out["token_staleness_hist"],
+            "policy_kl": policy_kl,
+            "equal_reward_share": equal_reward_share(before, c),
             "grad_norm": out["grad_norm"], "kl": out["kl"], "entropy": out["entropy"],
             "problem_ids": sorted({t.problem_id for t in batch}, key=str),
             "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),

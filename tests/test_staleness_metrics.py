@@ -1,0 +1,167 @@
+"""The staleness study's per-step metrics (issue 36), each against an independent reference:
+the trained tokens' staleness histogram (by hand; it adds up to the trained token count), the
+importance weights' spread and the cap's share (a float64 forward per sequence), the policy
+change between versions (float64 KL of two separately loaded models; 0 for the same weights),
+and the share of groups filtered for equal rewards (a replay buffer's own counts)."""
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hexrl.control.buffer import ReplayBuffer
+from hexrl.control.metrics import equal_reward_share, token_staleness_histogram
+from hexrl.data.heldout import prompt_ids
+from hexrl.data.problems import Problem
+from hexrl.data.tokenizer import load_tokenizer
+from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.tiny import make_tiny_model
+from hexrl.schema import load_job
+from hexrl.train import TrainConfig, Trainer
+from hexrl.train.importance import log_w_counts, w_quantile
+from hexrl.train.probe import PolicyProbe, policy_kl, probe_batch
+from hexrl.trajectory import Trajectory
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_train_parallel import make_batch, seq_logprobs  # noqa: E402
+
+SINGLE = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def stale_batch() -> list[Trajectory]:
+    """make_batch with versions 0-3 per token (some trajectories mixing two versions) and behaviour
+    log-probs near the model's (so w spreads around 1 with a tail past the cap)."""
+    rng = random.Random(3)
+    out = make_batch()
+    for t in out:
+        v = rng.randrange(4)
+        cut = rng.randrange(len(t.completion_ids) + 1)
+        t.versions = [max(v - 1, 0)] * cut + [v] * (len(t.completion_ids) - cut)
+    return out
+
+
+def test_token_staleness_histogram_counts_every_trained_token_by_lag(tmp_path):
+    trainer = Trainer(make_tiny_model(tmp_path / "m", layers=2, tie=False), SINGLE, TrainConfig(lr=1e-3))
+    trainer.version = 5
+    batch = stale_batch()
+    m = trainer.step(batch)
+    by_hand: dict[str, int] = {}
+    for t in batch:
+        if t.group_id == 0:  # all-equal rewards: filtered, not trained
+            continue
+        for v in t.versions:
+            by_hand[str(5 - v)] = by_hand.get(str(5 - v), 0) + 1
+    assert m["token_staleness_hist"] == by_hand
+    assert sum(m["token_staleness_hist"].values()) == m["tokens"]
+    assert len(by_hand) >= 3  # the batch really mixes lags
+    assert token_staleness_histogram([], 3) == {}
+
+
+def test_importance_weight_spread_and_cap_share_match_a_float64_forward(tmp_path):
+    path = make_tiny_model(tmp_path / "m", layers=2, tie=False)
+    batch = make_batch()
+    model = load_pretrained(path).double()
+    with torch.no_grad():  # behaviour log-probs near the model's, a few far below (w past the cap)
+        rng = np.random.default_rng(0)
+        for t in batch:
+            lp = seq_logprobs(model, t).numpy()
+            t.logprobs = (lp + rng.normal(0, 0.3, len(lp)) - (rng.random(len(lp)) < 0.1) * 2.5).tolist()
+    trainer = Trainer(path, SINGLE, TrainConfig(lr=1e-3, behav_cap=5.0, ppo_minibatches=2))
+    m = trainer.step(batch)
+    with torch.no_grad():
+        w = torch.cat([(seq_logprobs(model, t) - torch.tensor(t.logprobs, dtype=torch.float64)).exp()
+                       for t in batch if t.group_id != 0]).numpy()
+    assert len(w) == m["tokens"]
+    assert m["capped_frac"] == pytest.approx(np.mean(w > 5.0), abs=1e-12) and m["capped_frac"] > 0
+    assert m["mean_w"] == pytest.approx(w.mean(), rel=1e-5)
+    assert m["w_std"] == pytest.approx(w.std(), rel=1e-4) and m["w_std"] > 0.2
+    for q in ("05", "50", "95"):  # the bin's centre: within half a bin (0.5%) of the exact quantile
+        exact = np.quantile(w, int(q) / 100, method="inverted_cdf")
+        assert abs(np.log(m[f"w_p{q}"]) - np.log(exact)) <= 0.005 + 1e-9, (q, m[f"w_p{q}"], exact)
+
+
+def test_w_quantile_open_bins_and_no_tokens():
+    assert w_quantile(log_w_counts(torch.ones(7)), 0.95) == 1.0  # w = 1 sits in the bin centred on 1
+    assert w_quantile(log_w_counts(torch.tensor([1.0, 100.0])), 0.95) == float("inf")
+    assert w_quantile(log_w_counts(torch.tensor([1e-3, 1.0])), 0.05) == pytest.approx(np.exp(-3.005))
+    assert w_quantile(torch.zeros(log_w_counts(torch.ones(1)).shape), 0.5) is None
+
+
+def reference_kl(before, after, tokenizer, problems) -> float:
+    """Mean over answer positions of KL(before ‖ after), float64, one unpacked sequence at a time."""
+    terms = []
+    for p in problems:
+        prompt = prompt_ids(tokenizer, p.prompt)
+        ids = torch.tensor(prompt + tokenizer.encode(p.answer) + [tokenizer.eos_id])
+        rows = slice(len(prompt) - 1, len(ids) - 1)  # the positions that predict an answer token
+        a, b = (torch.log_softmax(m(ids[None, :-1])[0].double(), -1)[rows] for m in (before, after))
+        terms.append((a.exp() * (a - b)).sum(-1))
+    return float(torch.cat(terms).mean())
+
+
+def test_policy_kl_probe_is_zero_for_one_version_and_matches_float64_after_a_step(tmp_path):
+    path = make_tiny_model(tmp_path / "m", layers=2, tie=False, tokenizer="char")
+    tok = load_tokenizer(path)
+    problems = [Problem(f"{a}+{b}", str(a + b), i, kind="synthetic")
+                for i, (a, b) in enumerate([(12, 34), (5, 77), (40, 40), (99, 1), (3, 8)])]
+    trainer = Trainer(path, SINGLE, TrainConfig(lr=3e-2, ppo_minibatches=1))
+    probe = PolicyProbe(probe_batch(problems, tok, 4))  # the first 4 problems
+    assert probe.measure(trainer) is None  # nothing to compare with yet
+    assert probe.measure(trainer) == 0.0  # the same weights: exactly 0
+    batch = make_batch()
+    for t in batch:  # ids inside the char vocabulary
+        t.prompt_ids = [3 + x % 20 for x in t.prompt_ids]
+        t.completion_ids = [3 + x % 20 for x in t.completion_ids]
+    trainer.step(batch)
+    kl = probe.measure(trainer)
+    trainer.export_hf(tmp_path / "after")
+    with torch.no_grad():
+        ref = reference_kl(load_pretrained(path).double(), load_pretrained(tmp_path / "after").double(), tok,
+                           problems[:4])
+        back = reference_kl(load_pretrained(tmp_path / "after").double(), load_pretrained(path).double(), tok,
+                            problems[:4])
+    assert kl > 1e-3 and kl == pytest.approx(ref, rel=1e-4)
+    assert abs(back - ref) > 1e-3 * ref  # the direction matters at this step size: KL(before ‖ after) it is
+
+
+def test_policy_kl_against_torch_kl_div():
+    g = torch.Generator().manual_seed(0)
+    a, b = (torch.log_softmax(torch.randn(6, 11, generator=g) * 2, -1) for _ in range(2))
+    a[0, 3] = -torch.inf  # a token the first policy never samples: 0 · log 0 = 0
+    a[0] = torch.log_softmax(a[0], -1)
+    want = F.kl_div(b.double(), a.double(), log_target=True, reduction="none").nan_to_num(0.0).sum(-1).mean()
+    assert policy_kl(a, b) == pytest.approx(float(want), rel=1e-12)
+    assert policy_kl(a, a) == 0.0
+
+
+def test_equal_reward_share_from_the_buffer_counts():
+    buf = ReplayBuffer()
+    before = buf.accounting()
+    for gid, rewards in enumerate([(1.0, 1.0), (0.0, 1.0), (0.0, 0.0), (1.0, 0.0)]):
+        buf.expect(gid, 2)
+        for r in rewards:
+            buf.add(Trajectory(gid, [1], [4], [-1.0], [0], reward=r))
+    buf.expect(9, 2)
+    buf.add(Trajectory(9, [1], [4], [-1.0], [0], reward=1.0))  # pending: not completed, not counted
+    assert equal_reward_share(before, buf.accounting()) == 0.5
+    assert equal_reward_share(buf.accounting(), buf.accounting()) is None
+
+
+def test_policy_kl_probe_is_a_job_field(tmp_path):
+    job = {"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 64}},
+           "cluster": {"nodes": [{"name": "a", "gpu_type": "cpu", "gpus": 2}]}, "rl": {"policy_kl_probe": 32}}
+    assert load_job(job, check_paths=False).rl.policy_kl_probe == 32
+    assert load_job({**job, "rl": {}}, check_paths=False).rl.policy_kl_probe == 0
+    with pytest.raises(ValueError, match="policy_kl_probe"):
+        load_job({**job, "rl": {"policy_kl_probe": -1}}, check_paths=False)
