@@ -32,8 +32,8 @@ class Mutation:
 COST, SIM, LENGTHS = "hexrl/plan/cost.py", "hexrl/plan/simulate.py", "hexrl/plan/lengths.py"
 HAND = "tests/test_simulate.py::test_synchronous_step_matches_hand_computation"
 MUTATIONS = [
-    Mutation("prefill_attention_x0.5", COST, "self.attn_flops_per_pos() * ctx\n",
-             "self.attn_flops_per_pos() * ctx * 0.5\n",
+    Mutation("prefill_attention_x0.5", COST, "self.attn_flops_per_pos() * context\n",
+             "self.attn_flops_per_pos() * context * 0.5\n",
              (HAND, "tests/test_bench_tools.py::test_calibration_recovers_known_efficiencies",
               "tests/test_plan_cost.py::test_prefill_prices_linears_and_causal_attention")),
     Mutation("kv_batch_is_1", COST, "return int(min(self.decode_batch_cap, room // (kv * self.w.ctx_decode)))",
@@ -76,12 +76,20 @@ def pytest_run(test: str) -> tuple[bool, str]:
     return out.returncode == 0, first
 
 
+def stale_mutations(mutations: list[Mutation]) -> list[str]:
+    """One line per mutation whose text no longer occurs exactly once in its file."""
+    lines = []
+    for m in mutations:
+        n = (ROOT / m.path).read_text().count(m.old)
+        if n != 1:
+            lines.append(f"{m.name}: the text to mutate occurs {n} times in {m.path}, not once")
+    return lines
+
+
 def apply(m: Mutation) -> str:
     """Write the mutation; returns the file's original text (to restore)."""
     path = ROOT / m.path
     text = path.read_text()
-    if text.count(m.old) != 1:
-        raise SystemExit(f"{m.name}: the text to mutate occurs {text.count(m.old)} times in {m.path}, not once")
     path.write_text(text.replace(m.old, m.new))
     return text
 
@@ -91,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("names", nargs="*", help="mutations to run (default: all)")
     args = p.parse_args(argv)
     chosen = [m for m in MUTATIONS if not args.names or m.name in args.names]
+    stale = stale_mutations(chosen)
+    if stale:  # the code moved on: say so before spending minutes on tests
+        raise SystemExit("\n".join(stale))
     ok = True
     for test in dict.fromkeys(t for m in chosen for t in m.tests):  # unmutated, every test passes
         passed, line = pytest_run(test)
