@@ -18,6 +18,7 @@ import torch.distributed as dist
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 
+from .model.fused import hf_tensors, to_hf_names
 from .model.parallel import TPGroup, shard_dim_of
 
 BUCKET_BYTES = 64 << 20  # big enough to amortise per-call latency, small enough to hold one extra
@@ -80,9 +81,10 @@ def receive_stage(specs: list[TensorSpec], src: int, group, dtype: torch.dtype, 
         consume({specs[i].name: part.view(specs[i].shape) for i, part in zip(idx, torch.split(flat, sizes))})
 
 
-def shard_for(model: Decoder, name: str, full: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
-    """This TP rank's slice of a full tensor, following the owning module's `shard_dim`."""
-    dim = shard_dim_of(model.get_submodule(name.rsplit(".", 1)[0]), name, tp)
+def shard_for(module: torch.nn.Module, name: str, full: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:
+    """This TP rank's slice of a full tensor, following the owning module's `shard_dim` (a fused qkv or
+    gate_up module is column-parallel: its q, k, v parts are each sliced by rank, then stacked)."""
+    dim = shard_dim_of(module, name, tp)
     if dim is None:
         return full
     n = full.shape[dim] // tp.size
@@ -91,8 +93,28 @@ def shard_for(model: Decoder, name: str, full: torch.Tensor, tp: TPGroup | None)
 
 @torch.no_grad()
 def load_into(model: Decoder, full_state: dict[str, torch.Tensor]) -> None:
-    """Copy received full tensors into a (possibly TP-sharded) model in place."""
-    params = dict(model.named_parameters())
+    """Copy received full tensors (HF names) into a (possibly TP-sharded, possibly fused) model in place."""
+    targets = hf_tensors(model)
     for name, full in full_state.items():
-        if name in params:
-            params[name].copy_(shard_for(model, name, full, model.tp))
+        if name in targets:
+            module, dst = targets[name]
+            dst.copy_(shard_for(module, name, full, model.tp))
+
+
+def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a state dict of this rank's tensors (HF names, or the model's own fused names) into the
+    model's parameters in place (CUDA graphs keep their addresses), after checking names and shapes;
+    every problem is reported at once."""
+    targets = hf_tensors(model)  # a tied lm_head appears once, as the embedding
+    state = to_hf_names(model, state)
+    has_head = getattr(model, "lm_head", None) is not None
+    tied = {"lm_head.weight"} if has_head and "lm_head.weight" not in targets else set()
+    problems = [f"missing {n}" for n in targets if n not in state]
+    problems += [f"{n}: shape {tuple(state[n].shape)}, model has {tuple(t.shape)}"
+                 for n, (_, t) in targets.items() if n in state and state[n].shape != t.shape]
+    problems += [f"unexpected {n}" for n in state if n not in targets and n not in tied]
+    if problems:
+        raise ValueError("update_weights: state dict does not match the model: " + "; ".join(problems))
+    with torch.no_grad():
+        for n, (_, t) in targets.items():
+            t.copy_(state[n])

@@ -179,9 +179,9 @@ def test_a_broadcast_style_weight_update_reaches_the_packed_linears(tmp_path):
         return engine.generate([Request(0, [5, 6, 7, 8, 9], max_new_tokens=8, temperature=0.0, ignore_eos=True)])[0]
 
     engine = Engine(load_pretrained(paths[0]), cfg, eos_ids=[])
-    assert len(engine.packed) == 7 * engine.model.cfg.num_hidden_layers + 1  # q, k, v, o, gate, up, down; lm_head
+    assert len(engine.packed) == 4 * engine.model.cfg.num_hidden_layers + 1  # qkv, o, gate_up, down; lm_head
     before = run(engine)
-    new = load_pretrained(paths[1]).state_dict()
+    new = load_pretrained(paths[1], fused=True).state_dict()  # the engine's own (fused) names
 
     def like_a_broadcast(model):
         for name, p in model.named_parameters():

@@ -1,4 +1,5 @@
-"""Weight sync: a trainer stage broadcasts full tensors; a TP=2 rollout replica keeps its slices."""
+"""Weight sync: a trainer stage broadcasts full tensors; a TP=2 rollout replica keeps its slices
+(per part, under a fused layout: rank r holds [q_r; k_r; v_r])."""
 
 import torch
 import torch.distributed as dist
@@ -36,6 +37,8 @@ def sync_worker(rank, world):
         return None
     model = Decoder(CFG, tp=TPGroup(replica, rank - 1, 2))
     model.init_weights(seed=0)
+    if rank == 2:  # fused q/k/v and gate/up, as the rollout engine runs; rank 1 keeps HF's split layout
+        model.fuse()
     receive_stage(specs, 0, everyone, torch.float32, torch.device("cpu"), lambda part: load_into(model, part))
     with torch.no_grad():
         local = model.logits(model.stage(IDS, torch.arange(5), CausalAttention([5])))

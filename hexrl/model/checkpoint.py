@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 
 from .config import ModelConfig, rope_inv_freq
 from .decoder import Decoder
+from .fused import hf_state_dict
 from .parallel import TPGroup, shard_dim_of
 
 INDEX = "model.safetensors.index.json"
@@ -72,8 +73,10 @@ def load_pretrained(
     layers: tuple[int, int] | None = None,
     tp: TPGroup | None = None,
     device: str | torch.device = "cpu",
+    fused: bool = False,
 ) -> Decoder:
-    """Load an HF Qwen2/Llama checkpoint (or its layers [i, j) / TP shard) into a `Decoder`."""
+    """Load an HF Qwen2/Llama checkpoint (or its layers [i, j) / TP shard) into a `Decoder`; `fused=True`
+    stacks q/k/v and gate/up (each TP rank its own shards) as the rollout engine runs them."""
     path = Path(path)
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
@@ -104,6 +107,8 @@ def load_pretrained(
     for mod in model.modules():  # buffers (RoPE frequencies) were created on meta
         if hasattr(mod, "inv_freq"):
             mod.inv_freq = rope_inv_freq(cfg)
+    if fused:
+        model.fuse()  # on the host, before the move: the device never holds both layouts
     return model.to(device)
 
 
@@ -136,10 +141,11 @@ def save_state_dict(state: dict[str, torch.Tensor], cfg: ModelConfig, path: str 
 
 
 def save_pretrained(model: Decoder, path: str | os.PathLike, max_shard_bytes: int = 4 << 30) -> None:
-    """Save a whole (single-process) model so `transformers.AutoModelForCausalLM` can load it."""
+    """Save a whole (single-process) model so `transformers.AutoModelForCausalLM` can load it (HF names:
+    a fused model's q/k/v and gate/up are written split)."""
     if not (model.is_first and model.is_last) or (model.tp and model.tp.size > 1):
         raise ValueError("save_pretrained needs the whole model; gather pipeline/TP shards first")
-    save_state_dict(model.state_dict(), model.cfg, path, max_shard_bytes)
+    save_state_dict(hf_state_dict(model), model.cfg, path, max_shard_bytes)
 
 
 def _shard(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

@@ -14,6 +14,7 @@ from torch import nn
 
 from .attention import AttentionBackend, CausalAttention
 from .config import ModelConfig, rope_inv_freq
+from .fused import fuse_linears
 from .parallel import TPGroup, column_linear, copy_to_tp, embedding, row_linear
 
 
@@ -71,12 +72,21 @@ class Attention(nn.Module):
         self.v_proj = column_linear(h, kv, cfg.qkv_bias, tp, "num_key_value_heads*head_dim")
         self.o_proj = row_linear(q, h, cfg.o_bias, tp)
         self.rotary = rotary  # shared by all layers
+        self.qkv_proj: nn.Linear | None = None  # q, k, v as one weight once fuse() ran (the rollout engine)
+
+    def fuse(self) -> None:
+        """Replace q_proj, k_proj, v_proj by one qkv_proj (in place; each TP rank stacks its own shards)."""
+        self.qkv_proj = fuse_linears(self, ("q_proj", "k_proj", "v_proj"))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
-        q = self.rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
-        k = self.rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        if self.qkv_proj is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = self.qkv_proj(x).split([m for _, m in self.qkv_proj.parts], dim=-1)
+        q = self.rotary(q.view(t, self.num_heads, self.head_dim), positions)
+        k = self.rotary(k.view(t, self.num_kv_heads, self.head_dim), positions)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn(self.layer, q, k, v).reshape(t, -1))
 
 
@@ -87,9 +97,17 @@ class MLP(nn.Module):
         self.gate_proj = column_linear(h, i, cfg.mlp_bias, tp, "intermediate_size")
         self.up_proj = column_linear(h, i, cfg.mlp_bias, tp, "intermediate_size")
         self.down_proj = row_linear(i, h, cfg.mlp_bias, tp, "intermediate_size")
+        self.gate_up_proj: nn.Linear | None = None  # gate and up as one weight once fuse() ran
+
+    def fuse(self) -> None:
+        """Replace gate_proj and up_proj by one gate_up_proj (in place)."""
+        self.gate_up_proj = fuse_linears(self, ("gate_proj", "up_proj"))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_proj is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -129,6 +147,7 @@ class Decoder(nn.Module):
         if not 0 <= start < end <= cfg.num_hidden_layers:
             raise ValueError(f"layers [{start}, {end}) outside the model's {cfg.num_hidden_layers} layers")
         self.cfg, self.tp, self.layer_range = cfg, tp, (start, end)
+        self.fused = False  # q/k/v and gate/up stored fused (fuse()); parameter names differ from HF's then
         self.is_first, self.is_last = start == 0, end == cfg.num_hidden_layers
         self.model = Backbone(cfg, range(start, end), self.is_first, self.is_last, tp)
         self.lm_head = None
@@ -144,6 +163,16 @@ class Decoder(nn.Module):
         for layer in self.model.layers.values():
             h = layer(h, positions, attn)
         return self.model.norm(h) if self.is_last else h
+
+    def fuse(self) -> "Decoder":
+        """Store q/k/v and gate/up as one weight each, in place (the rollout's layout: four weight GEMMs
+        per layer instead of seven). Idempotent. `hexrl.model.fused.hf_tensors` maps HF names onto it."""
+        if not self.fused:
+            for layer in self.model.layers.values():
+                layer.self_attn.fuse()
+                layer.mlp.fuse()
+            self.fused = True
+        return self
 
     def reset_rotary(self) -> None:
         """Start of a forward pass: drop the shared rotary cos/sin cache."""

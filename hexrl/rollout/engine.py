@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from hexrl.model.decoder import Decoder
+from hexrl.weights import load_state
 
 from .attention import StepMeta, step_meta
 from .cpu_linear import pack_linears
@@ -101,6 +102,8 @@ class Engine:
             problems.append("the engine needs a whole model (all layers); pipeline stages are not supported")
         if problems:
             raise ValueError("invalid engine config: " + "; ".join(problems))
+        if hasattr(model, "fuse"):  # q/k/v and gate/up as one weight each: 4 weight GEMMs per layer, not 7
+            model.fuse()
         self.model, self.tokenizer, self.version = model.eval(), tokenizer, 0
         self.tp = model.tp if model.tp is not None and model.tp.size > 1 else None
         self.is_leader = self.tp is None or self.tp.rank == 0
@@ -451,20 +454,3 @@ class StepInputs:
 
 def all_greedy(seqs: list[Sequence]) -> bool:
     return all(is_greedy(s.req) for s in seqs)
-
-
-def load_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copy a state dict into the model's parameters in place (CUDA graphs keep their addresses),
-    after checking names and shapes; every problem is reported at once."""
-    params = dict(model.named_parameters())  # a tied lm_head appears once, as the embedding
-    has_head = getattr(model, "lm_head", None) is not None
-    tied = {"lm_head.weight"} if has_head and "lm_head.weight" not in params else set()
-    problems = [f"missing {n}" for n in params if n not in state]
-    problems += [f"{n}: shape {tuple(state[n].shape)}, model has {tuple(p.shape)}"
-                 for n, p in params.items() if n in state and state[n].shape != p.shape]
-    problems += [f"unexpected {n}" for n in state if n not in params and n not in tied]
-    if problems:
-        raise ValueError("update_weights: state dict does not match the model: " + "; ".join(problems))
-    with torch.no_grad():
-        for n, p in params.items():
-            p.copy_(state[n])

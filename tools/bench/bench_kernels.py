@@ -17,6 +17,7 @@ written only when --out is given; the CPU "bf16" peak is an fp32 matmul (the CPU
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import gc
 import importlib.metadata
@@ -420,10 +421,11 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     bw = copy_bandwidth(grid.copy_bytes, device)
     peak = matmul_peak(grid.matmul_n, dtype if device.type == "cuda" else torch.float32, device)
     log(f"copy {bw / 1e9:.0f} GB/s, matmul {peak / 1e12:.2f} TFLOP/s")
+    rollout = copy.deepcopy(model).fuse()  # the engine's layout (fused qkv, gate_up); training keeps HF's
     decode = []
     for b in grid.decode_batches:
         for c in grid.decode_contexts:
-            decode.append(decode_point(model, b, c, grid, attention))
+            decode.append(decode_point(rollout, b, c, grid, attention))
             log(f"decode batch {b} context {c}: {decode[-1]['step_s'] * 1e3:.2f} ms/step "
                 f"({decode[-1]['attention']}, {decode[-1]['graph_steps']} graph steps)")
     train = [train_point(model, s, n) for s, n in grid.train]
@@ -435,7 +437,7 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     control = optional("control", control_point, errors, log)
     if control:
         log(f"controller work per received trajectory: {control['s_per_sample'] * 1e6:.0f} us")
-    prefill = optional("prefill", lambda: [prefill_point(model, b, p, grid, attention) for b, p in grid.prefill],
+    prefill = optional("prefill", lambda: [prefill_point(rollout, b, p, grid, attention) for b, p in grid.prefill],
                        errors, log)
     sampling = optional("sampling", lambda: sampling_points(grid.sample_batches, cfg.vocab_size, dtype, device),
                         errors, log)

@@ -26,6 +26,7 @@ from hexrl.model.config import (
     rope_inv_freq,  # noqa: E402
 )
 from hexrl.model.decoder import Decoder  # noqa: E402
+from hexrl.model.fused import hf_state_dict  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
 
 SHAPES = {
@@ -129,7 +130,7 @@ def bench_hf(model: Decoder, batch: int, plen: int, olen: int) -> float:
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     with torch.device(device):
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=dtype)
-    missing = hf.load_state_dict(model.state_dict(), strict=False).missing_keys
+    missing = hf.load_state_dict(hf_state_dict(model), strict=False).missing_keys  # HF names, split
     assert not [k for k in missing if "rotary" not in k], f"HF model lacks {missing}"
     hf.eval()
     ids = torch.tensor(prompts(batch, plen, cfg.vocab_size), device=device)
