@@ -1,0 +1,301 @@
+"""The staleness study (issue 36): what does eta=4 cost against eta=0, and why? One command.
+
+    python tools/experiments/staleness_study.py OUT --docs docs  # lr 1e-4: eta 0, 4 decoupled, 4 naive; 2 seeds
+    python tools/experiments/staleness_study.py OUT --configs 2.5e-4:0:decoupled 2.5e-4:4:decoupled --seeds 2
+    python tools/experiments/staleness_study.py OUT --smoke         # 8 steps, batch 16, one seed: a pipeline check
+
+Every configuration (LR:ETA:OBJ) runs from the same warm start (OUT/model, tools/warm_start.py)
+at every seed, through tools/experiments/learning_run.py's `run_config`: 1 trainer rank and 1
+rollout rank, each pinned to its own core with one thread, held-out accuracy every
+`--eval-every` steps. Each run also writes the per-step staleness metrics (hexrl/train/worker.py):
+the trained tokens' lag histogram, the importance weights' spread, the cap's and the clip's
+shares, the share of groups filtered for equal rewards, and (rl.policy_kl_probe) the KL between
+consecutive policy versions on fixed held-out answers. OUT/staleness.md (tables, the issue's
+targets for each learning rate with an eta=0 run) and OUT/staleness.png (curves); `--docs DIR`
+copies them to DIR/staleness-study.md and .png. Finished runs are reused, so an interrupted
+study resumes, and a re-run with more configurations only adds what is missing.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import shutil
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools" / "experiments"))
+import learning_run as lr  # noqa: E402
+from learning_study import fmt, spread  # noqa: E402
+
+DEFAULT = ["1e-4:0:decoupled", "1e-4:4:decoupled", "1e-4:4:naive"]
+TARGET = 0.8
+LAGS = 5  # token lag shares reported: 0 .. LAGS-1, then "LAGS+"
+WINDOW = 100  # steps per window of the per-window tables
+
+
+def parse_configs(items: list[str], p: argparse.ArgumentParser) -> list[tuple[float, str, bool]]:
+    """LR:ETA:OBJ -> (lr, eta key of learning_run.ETAS, decoupled); every bad item named at once."""
+    out, bad = [], []
+    for x in items:
+        parts = x.split(":")
+        try:
+            ok = len(parts) == 3 and float(parts[0]) > 0 and parts[1] in lr.ETAS and parts[2] in ("naive", "decoupled")
+        except ValueError:
+            ok = False
+        if ok:
+            out.append((float(parts[0]), parts[1], parts[2] == "decoupled"))
+        else:
+            bad.append(x)
+    if bad:
+        p.error(f"--configs: {bad}: each must be LR:ETA:OBJ, LR > 0, ETA in {list(lr.ETAS)}, OBJ naive or decoupled")
+    return out
+
+
+def name_of(lr_: float, eta: str, decoupled: bool) -> str:
+    return f"lr{lr_:g}-eta{eta}-{'decoupled' if decoupled else 'naive'}"
+
+
+# ----------------------------------------------------------------------------- one run
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def mean_of(metrics: list[dict], key: str) -> float | None:
+    v = [m[key] for m in metrics if m.get(key) is not None]
+    return statistics.fmean(v) if v else None
+
+
+def token_lags(metrics: list[dict]) -> dict[int, int]:
+    """Trained completion tokens by lag (versions behind the trainer), summed over steps."""
+    out: dict[int, int] = {}
+    for m in metrics:
+        for lag, n in m["token_staleness_hist"].items():
+            out[int(lag)] = out.get(int(lag), 0) + n
+    return out
+
+
+def run_stats(run: Path) -> dict:
+    """What the study reports for one finished run (metrics.jsonl and eval.jsonl)."""
+    metrics, evals = read(run / "metrics.jsonl"), read(run / "eval.jsonl")
+    last, wall = metrics[-1], metrics[-1]["wall_s"]
+    lags = token_lags(metrics)
+    total = max(1, sum(lags.values()))
+    hit = next((e for e in evals if e["heldout_accuracy"] >= TARGET), None)
+    equal = last["filtered_reasons"].get("equal_rewards", 0)
+    out = {"acc_by_step": {e["step"]: e["heldout_accuracy"] for e in evals},
+           "wall_by_step": {e["step"]: e["wall_s"] for e in evals},
+           "final": evals[-1]["heldout_accuracy"],
+           "average": statistics.fmean(e["heldout_accuracy"] for e in evals[1:]),  # the evaluations after step 0
+           "wall_s": wall, "wall_target": hit and hit["wall_s"], "step_target": hit and hit["step"],
+           "traj_per_s": last["trajectories_trained"] / wall,
+           "trainer_wait": sum(m["wait_s"] for m in metrics) / wall,
+           "mean_lag": sum(k * n for k, n in lags.items()) / total,
+           **{f"lag{k}": lags.get(k, 0) / total for k in range(LAGS)},
+           f"lag{LAGS}+": sum(n for k, n in lags.items() if k >= LAGS) / total,
+           "equal_share": equal / max(1, last["trajectories_accepted"] + sum(last["filtered_reasons"].values())),
+           **{k: mean_of(metrics, k) for k in ("policy_kl", "w_std", "w_p05", "w_p95", "capped_frac", "clip_frac",
+                                               "grad_norm")}}
+    out["windows"] = [{"steps": [a, a + WINDOW],
+                       **{k: mean_of(metrics[a:a + WINDOW], k) for k in ("policy_kl", "w_std", "equal_reward_share",
+                                                                          "clip_frac")},
+                       "mean_lag": (lambda h: sum(k * n for k, n in h.items()) / max(1, sum(h.values())))(
+                           token_lags(metrics[a:a + WINDOW]))}
+                      for a in range(0, len(metrics) - WINDOW + 1, WINDOW)]
+    return out
+
+
+# ----------------------------------------------------------------------------- aggregate and report
+
+KEYS = ("final", "average", "wall_s", "wall_target", "step_target", "traj_per_s", "trainer_wait", "mean_lag",
+        *(f"lag{k}" for k in range(LAGS)), f"lag{LAGS}+", "equal_share", "policy_kl", "w_std", "w_p05", "w_p95",
+        "capped_frac", "clip_frac", "grad_norm")
+
+
+def aggregate(name: str, stats: list[dict]) -> dict:
+    row = {"name": name, "seeds": len(stats), **{k: spread(s[k] for s in stats) for k in KEYS}}
+    steps = sorted(set.intersection(*(set(s["acc_by_step"]) for s in stats)))
+    row["acc_by_step"] = {st: spread(s["acc_by_step"][st] for s in stats) for st in steps}
+    row["wall_by_step"] = {st: spread(s["wall_by_step"][st] for s in stats) for st in steps}
+    n = min(len(s["windows"]) for s in stats)
+    row["windows"] = [{"steps": stats[0]["windows"][i]["steps"],
+                       **{k: spread(s["windows"][i][k] for s in stats)
+                          for k in ("policy_kl", "w_std", "equal_reward_share", "clip_frac", "mean_lag")}}
+                      for i in range(n)]
+    return row
+
+
+def targets(rows: dict[str, dict], lrs: list[float]) -> list[str]:
+    """The issue's targets, for every learning rate that has eta=0 and eta=4 decoupled runs."""
+    lines = []
+    for x in lrs:
+        sync, dec, naive = (rows.get(name_of(x, "0", True)), rows.get(name_of(x, "4", True)),
+                            rows.get(name_of(x, "4", False)))
+        if not (sync and dec):
+            continue
+        gap_final = sync["final"]["mean"] - dec["final"]["mean"]
+        gap_avg = sync["average"]["mean"] - dec["average"]["mean"]
+        lines += [f"lr {x:g}:",
+                  f"- eta=4 decoupled vs eta=0, held-out at the last step: {dec['final']['mean']:.3f} vs "
+                  f"{sync['final']['mean']:.3f}, gap {100 * gap_final:+.1f} points "
+                  f"({'within' if gap_final <= 0.02 else 'NOT within'} 2);",
+                  f"- averaged over the evaluations after step 0: {dec['average']['mean']:.3f} vs "
+                  f"{sync['average']['mean']:.3f}, gap {100 * gap_avg:+.1f} points "
+                  f"({'within' if gap_avg <= 0.02 else 'NOT within'} 2);"]
+        s, d = sync["wall_target"], dec["wall_target"]
+        if s and d and s["n"] == sync["seeds"] and d["n"] == dec["seeds"]:
+            ratio = d["mean"] / s["mean"]
+            lines.append(f"- wall s to {TARGET:.0%}: {d['mean']:.0f} vs {s['mean']:.0f}, {ratio:.2f}x "
+                         f"({'meets' if ratio <= 0.7 else 'does NOT meet'} <= 0.7x);")
+        else:
+            lines.append(f"- wall s to {TARGET:.0%}: eta=4 {fmt(d, '.0f', dec['seeds'])}, eta=0 "
+                         f"{fmt(s, '.0f', sync['seeds'])} (not every seed reached it: no ratio);")
+        if naive:
+            ahead = (dec["final"]["mean"] - naive["final"]["mean"], dec["average"]["mean"] - naive["average"]["mean"])
+            lines.append(f"- decoupled vs naive at eta=4: {100 * ahead[0]:+.1f} points at the last step, "
+                         f"{100 * ahead[1]:+.1f} on average ({'ahead' if min(ahead) > 0 else 'NOT ahead on both'}).")
+    return lines
+
+
+def tables(rows: list[dict]) -> str:
+    n = rows[0]["seeds"]
+    lines = [f"| config | seeds | held-out, last step | held-out, mean over the run | step / wall s to {TARGET:.0%} "
+             "| trained traj/s | trainer wait |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['seeds']} | {fmt(r['final'])} | {fmt(r['average'])} | "
+                     f"{fmt(r['step_target'], '.0f', n)} / {fmt(r['wall_target'], '.0f', n)} | "
+                     f"{fmt(r['traj_per_s'], '.0f')} | {fmt(r['trainer_wait'], '.2f')} |")
+    lag_head = " | ".join(f"lag {k}" for k in range(LAGS)) + f" | lag {LAGS}+"
+    lines += ["", "Per-step staleness metrics, mean over the run (then over seeds): the trained tokens' lag "
+              "(versions behind the trainer) and its shares, KL(pi_v || pi_v+1) on the probe set, the importance "
+              "weight w = exp(prox - behav) (std, 5th and 95th percentile; 1 for naive), the shares of tokens "
+              "masked by the cap (w > 5) and clipped, the share of completed groups filtered for equal rewards, "
+              "the gradient norm before clipping:", "",
+              f"| config | mean lag | {lag_head} | policy KL / step | w std | w p05 - p95 | capped | clipped "
+              "| equal-reward share | grad norm |", "|---|---|" + "---|" * (LAGS + 1) + "---|---|---|---|---|---|---|"]
+    for r in rows:
+        shares = " | ".join(fmt(r[f"lag{k}"], ".2f") for k in range(LAGS)) + f" | {fmt(r[f'lag{LAGS}+'], '.2f')}"
+        lines.append(f"| {r['name']} | {fmt(r['mean_lag'], '.2f')} | {shares} | {fmt(r['policy_kl'], '.2e')} | "
+                     f"{fmt(r['w_std'], '.3f')} | {fmt(r['w_p05'], '.3f')} - {fmt(r['w_p95'], '.3f')} | "
+                     f"{fmt(r['capped_frac'], '.4f')} | {fmt(r['clip_frac'], '.3f')} | "
+                     f"{fmt(r['equal_share'], '.2f')} | "
+                     f"{fmt(r['grad_norm'], '.3f')} |")
+    spans = [w["steps"] for w in rows[0]["windows"]]
+    if spans:
+        lines += ["", f"Per {WINDOW}-step window, mean over steps and seeds: policy KL / step, mean token lag, "
+                  "share of groups filtered for equal rewards:", "",
+                  "| config | " + " | ".join(f"steps {a}-{b}" for a, b in spans) + " |", "|---|" + "---|" * len(spans)]
+        for r in rows:
+            cells = [f"{fmt(w['policy_kl'], '.1e')}, lag {fmt(w['mean_lag'], '.2f')}, "
+                     f"f {fmt(w['equal_reward_share'], '.2f')}" for w in r["windows"]]
+            lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    steps = sorted(set.intersection(*(set(r["acc_by_step"]) for r in rows)))
+    lines += ["", "Held-out accuracy at fixed steps, mean [min-max] over seeds:", "",
+              "| config | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
+    for r in rows:
+        lines.append(f"| {r['name']} | " + " | ".join(fmt(r["acc_by_step"][s]) for s in steps) + " |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], runs: dict[str, list[Path]], out: Path) -> Path | None:
+    """OUT/staleness.png: held-out accuracy vs step and vs wall time, policy KL per step (smoothed)."""
+    sys.path.insert(0, str(ROOT))
+    from hexrl.plan.draw import pyplot
+
+    plt = pyplot("staleness_study", str(out))
+    if plt is None:
+        return None
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4))
+    for r in rows:
+        steps = sorted(r["acc_by_step"])
+        mean = [r["acc_by_step"][s]["mean"] for s in steps]
+        line, = a.plot(steps, mean, marker=".", label=r["name"])
+        a.fill_between(steps, [r["acc_by_step"][s]["min"] for s in steps],
+                       [r["acc_by_step"][s]["max"] for s in steps], alpha=0.15, color=line.get_color())
+        b.plot([r["wall_by_step"][s]["mean"] for s in steps], mean, marker=".", color=line.get_color())
+        kl = [[m.get("policy_kl") for m in read(d / "metrics.jsonl")] for d in runs[r["name"]]]
+        n = min(map(len, kl))
+        per_step = [statistics.fmean(x[i] for x in kl if x[i] is not None) if any(x[i] is not None for x in kl)
+                    else float("nan") for i in range(n)]
+        k = 10  # a 10-step moving mean
+        smooth = [statistics.fmean(per_step[max(0, i - k + 1):i + 1]) for i in range(n)]
+        c.plot(range(1, n + 1), smooth, color=line.get_color())
+    a.set(xlabel="step", ylabel="held-out accuracy", title=f"mean [min-max] over {rows[0]['seeds']} seed(s)")
+    b.set(xlabel="wall s (mean over seeds, evaluation excluded)", title="vs wall time")
+    c.set(xlabel="step", ylabel="KL(pi_v || pi_v+1)", yscale="log", title="policy change per step (10-step mean)")
+    for ax in (a, b):
+        ax.axhline(TARGET, color="grey", lw=0.5)
+    for ax in (a, b, c):
+        ax.grid(alpha=0.3)
+    a.legend(fontsize=8)
+    fig.tight_layout()
+    path = out / "staleness.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------- main
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("out", type=Path)
+    p.add_argument("--configs", nargs="+", default=DEFAULT, metavar="LR:ETA:OBJ",
+                   help=f"learning rate, eta, naive|decoupled (default {' '.join(DEFAULT)})")
+    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--first-seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=64, help="prompt groups per step")
+    p.add_argument("--group", type=int, default=8, help="samples per prompt")
+    p.add_argument("--eval-every", type=int, default=25)
+    p.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps) per step")
+    p.add_argument("--behav-cap", type=float, default=5.0)
+    p.add_argument("--probe", type=int, default=32, help="held-out problems in the policy-KL probe (0 = off)")
+    p.add_argument("--shared-cores", action="store_true", help="learning_run's old unpinned layout")
+    p.add_argument("--smoke", action="store_true", help="8 steps, batch 16, one seed: checks the pipeline only")
+    p.add_argument("--docs", type=Path, help="copy staleness.md / .png here as staleness-study.md / .png")
+    a = p.parse_args(argv)
+    configs = parse_configs(a.configs, p)
+    if a.smoke:
+        a.steps, a.eval_every, a.seeds, a.batch = 8, 4, 1, 16
+    a.out.mkdir(parents=True, exist_ok=True)
+    ws = lr.warm_start(a.out, lr.SMOKE_WARM_START if a.smoke else ())
+    stats: dict[str, list[dict]] = {}
+    runs: dict[str, list[Path]] = {}
+    seeds = list(range(a.first_seed, a.first_seed + a.seeds))
+    for seed in seeds:  # seed-major: an interrupted study has every configuration's first seeds
+        for x, eta, decoupled in configs:
+            name = name_of(x, eta, decoupled)
+            args = copy.copy(a)
+            args.lr = x
+            job = lr.job_for(a.out, ws, f"{name}-s{seed}", lr.ETAS[eta], decoupled, args, seed)
+            job["rl"]["policy_kl_probe"] = a.probe
+            lr.run_config(a.out, job, TARGET)
+            runs.setdefault(name, []).append(Path(job["out_dir"]))
+            stats.setdefault(name, []).append(run_stats(runs[name][-1]))
+    rows = [aggregate(name, s) for name, s in stats.items()]
+    by = {r["name"]: r for r in rows}
+    head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
+             else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, {a.minibatches} PPO mini-batches, "
+            f"clip 0.2, behaviour cap {a.behav_cap:g}, {lr.layout(a.shared_cores)[1]}; warm start "
+            f"{ws['heldout_accuracy']:.3f} held-out ({ws.get('n_heldout', 500)} problems); mean [min-max] over seeds "
+            f"{seeds}. Wall time excludes evaluation and the KL probe; trainer wait = time the trainer waited for a "
+            "batch / wall.")
+    goals = targets(by, sorted({x for x, _, _ in configs}))
+    text = head + "\n\n" + tables(rows) + ("\n\nThe issue's targets:\n\n" + "\n".join(goals) if goals else "")
+    print(text)
+    (a.out / "staleness.md").write_text(text + "\n")
+    (a.out / "staleness.json").write_text(json.dumps({"rows": rows, "runs": stats}, indent=1, default=str))
+    png = plot(rows, runs, a.out)
+    if a.docs:
+        a.docs.mkdir(parents=True, exist_ok=True)
+        shutil.copy(a.out / "staleness.md", a.docs / "staleness-study.md")
+        if png:
+            shutil.copy(png, a.docs / "staleness-study.png")
+
+
+if __name__ == "__main__":
+    main()
