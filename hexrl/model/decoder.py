@@ -14,6 +14,7 @@ from torch import nn
 
 from .attention import AttentionBackend, CausalAttention
 from .config import ModelConfig, rope_inv_freq
+from .fp32_linear import fp32_linear
 from .fused import fuse_linears
 from .parallel import TPGroup, column_linear, copy_to_tp, embedding, row_linear
 
@@ -186,10 +187,7 @@ class Decoder(nn.Module):
             out = self.lm_head(hidden)
             return out.float() if fp32 else out
         x = copy_to_tp(hidden, self.tp)  # the column-parallel input's backward all-reduce, as lm_head does
-        w = self.lm_head.weight
-        if x.is_cuda:  # cuBLAS writes its fp32 accumulator directly
-            return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], -1)
-        return F.linear(x.float(), w.float())
+        return fp32_linear(x, self.lm_head.weight)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """[batch, seq] token ids -> [batch, seq, vocab] logits (full, unsharded model only)."""

@@ -34,11 +34,11 @@ from . import checkpoint as ckpt
 from .data_parallel import GradBuckets
 from .grid import Grid, build_grid
 from .importance import NUM_BINS, log_w_counts, w_quantile, w_std
+from .linear_logprobs import CHUNK_ROWS, linear_logprobs
 from .loss import equal_reward_groups, group_advantages, ppo_terms
 from .optim import AdamW, clip_divisor, global_grad_norm
 from .packing import MicroBatch, check_trajectories, plan_step
 from .pipeline import PipeComm, forward_only, train_1f1b
-from .vocab_parallel import vocab_parallel_logprobs
 
 # No float16: its gradients underflow without a loss scaler, and bf16 needs none.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -70,12 +70,13 @@ class TrainConfig:
     dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32
     activation_checkpointing: bool = False
     entropy_metric: bool = True  # the "entropy" metric costs one more float32 pass over the logits
+    logprob_chunk_rows: int = CHUNK_ROWS  # lm_head + log-prob rows at a time: [rows, vocab/tp] float32 logits
     bucket_mb: float = 25.0
     keep_checkpoints: int = 2
 
     def problems(self) -> list[str]:
         p = []
-        for k in ("lr", "micro_batch_tokens", "ppo_minibatches", "temperature", "bucket_mb"):
+        for k in ("lr", "micro_batch_tokens", "ppo_minibatches", "temperature", "bucket_mb", "logprob_chunk_rows"):
             if not getattr(self, k) > 0:
                 p.append(f"train.{k}: must be > 0, got {getattr(self, k)!r}")
         for k in ("clip_low", "clip_high", "kl_coef", "warmup_steps", "weight_decay"):
@@ -267,10 +268,11 @@ class Trainer:
 
     def _logprobs(self, model, h: torch.Tensor, mb: MicroBatch, entropy: bool = True):
         """(log-probs, entropy or None) of the micro-batch's completion tokens from last-stage hidden
-        states. Logits are float32 (bf16 inputs, fp32 output) as on the rollout side, so importance
-        ratios are not dominated by bf16 rounding of the logits."""
-        logits = model.logits(h[mb.loss_index], fp32=True)  # only rows that predict a completion token
-        return vocab_parallel_logprobs(logits, mb.targets, self.grid.tp, self.config.temperature, entropy)
+        states. Logits are float32 (bf16 GEMMs, fp32 accumulation) as on the rollout side, so importance
+        ratios are not dominated by bf16 rounding of the logits; they exist one row chunk at a time."""
+        c = self.config  # only rows that predict a completion token
+        return linear_logprobs(h[mb.loss_index], model.lm_head.weight, mb.targets, self.grid.tp, c.temperature,
+                               entropy, c.logprob_chunk_rows)
 
     def _comm(self, mbs: list[MicroBatch]) -> PipeComm:
         return PipeComm(self.grid, [mb.num_tokens for mb in mbs], self.model_cfg.hidden_size, self.dtype, self.device)

@@ -14,43 +14,64 @@ import torch.distributed as dist
 from hexrl.model.parallel import TPGroup
 
 
+def _slice_targets(targets: torch.Tensor, width: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+    """(column of each target in this rank's vocab slice, clamped; whether this rank owns it)."""
+    local = targets - (dist.get_rank(group) * width if group is not None else 0)
+    mine = (local >= 0) & (local < width)
+    return local.clamp(0, width - 1), mine
+
+
+def softmax_stats(z: torch.Tensor, targets: torch.Tensor, group, entropy: bool):
+    """Log-prob of `targets` and entropy (None unless asked) over the global vocabulary, from this
+    rank's slice `z` [n, V/tp] of logits / T (float32 or float64), which becomes the slice's softmax
+    in place. Two all-reduces over `group` (None: one rank). Returns (logp, lse, entropy, probs)."""
+    n, width = z.shape
+    local, mine = _slice_targets(targets, width, group)
+    target_z = torch.where(mine, z.gather(1, local[:, None])[:, 0], 0.0)
+    zmax = z.max(dim=1).values if width else z.new_full((n,), -torch.inf)
+    if group is not None:
+        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
+    e = z.sub_(zmax[:, None]).exp_()  # z is not needed again: exp(z - max) in its buffer
+    # sum_j e_j * (z_j - max) = sum_j e_j * log(e_j), in row chunks so no second [n, V/tp] buffer exists
+    ez = torch.cat([torch.special.xlogy(c, c).sum(1) for c in e.split(1024)]) if entropy and n else e.new_zeros(n)
+    stats = torch.stack([e.sum(dim=1), target_z, ez])
+    if group is not None:
+        dist.all_reduce(stats, group=group)
+    sumexp, target_z, ez = stats
+    lse = zmax + torch.log(sumexp)
+    ent = (lse - zmax - ez / sumexp) if entropy else None
+    return target_z - lse, lse, ent, e.div_(sumexp[:, None])
+
+
+def softmax_grad_(probs: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor, temperature: float,
+                  group) -> torch.Tensor:
+    """d(sum grad * logp) / d logits on this rank's slice, in `probs`' buffer:
+    grad * (onehot - softmax) / T, with no host sync."""
+    local, mine = _slice_targets(targets, probs.shape[1], group)
+    grad_z = probs.mul_(-grad[:, None])
+    grad_z.scatter_add_(1, local[:, None], torch.where(mine, grad, 0.0)[:, None])
+    return grad_z.div_(temperature) if temperature != 1.0 else grad_z
+
+
 class _VocabParallelLogprob(torch.autograd.Function):
-    """One float32 [N, V/tp] buffer: z = logits / T, turned in place into exp(z - max), then into the
-    softmax that backward needs. The entropy (optional) is reduced from it in row chunks."""
+    """One float32 [N, V/tp] buffer: z = logits / T, turned in place into the softmax that backward needs."""
 
     @staticmethod
     def forward(state, logits, targets, temperature: float, group, entropy: bool):
         dtype = torch.promote_types(logits.dtype, torch.float32)  # f64 stays f64
         z = logits.to(dtype, copy=True).div_(temperature)
-        n, width = z.shape
-        start = dist.get_rank(group) * width
-        local = targets - start
-        mine = (local >= 0) & (local < width)
-        target_z = torch.where(mine, z.gather(1, local.clamp(0, width - 1)[:, None])[:, 0], 0.0)
-        zmax = z.max(dim=1).values
-        dist.all_reduce(zmax, op=dist.ReduceOp.MAX, group=group)
-        e = z.sub_(zmax[:, None]).exp_()  # z is not needed again: exp(z - max) in its buffer
-        # sum_j e_j * (z_j - max) = sum_j e_j * log(e_j), in chunks so no second [N, V/tp] buffer exists
-        ez = torch.cat([torch.special.xlogy(c, c).sum(1) for c in e.split(1024)]) if entropy and n \
-            else e.new_zeros(n)
-        stats = torch.stack([e.sum(dim=1), target_z, ez])
-        dist.all_reduce(stats, group=group)
-        sumexp, target_z, ez = stats
-        lse = zmax + torch.log(sumexp)
-        ent = (lse - zmax - ez / sumexp) if entropy else None
-        probs = e.div_(sumexp[:, None])  # softmax of this slice, for backward
-        state.save_for_backward(probs, local.clamp(0, width - 1), mine)
-        state.temperature, state.dtype = temperature, logits.dtype
+        logp, _, ent, probs = softmax_stats(z, targets, group, entropy)
+        state.save_for_backward(probs, targets)
+        state.temperature, state.dtype, state.group = temperature, logits.dtype, group
         if ent is not None:
             state.mark_non_differentiable(ent)
-        return target_z - lse, ent
+        return logp, ent
 
     @staticmethod
     def backward(state, grad, _grad_entropy):
-        probs, local, mine = state.saved_tensors
-        grad_z = probs.mul_(-grad[:, None])  # the saved buffer is not needed again
-        grad_z.scatter_add_(1, local[:, None], torch.where(mine, grad, 0.0)[:, None])  # no host sync
-        return grad_z.div_(state.temperature).to(state.dtype), None, None, None, None
+        probs, targets = state.saved_tensors  # the saved buffer is not needed again
+        grad_z = softmax_grad_(probs, targets, grad, state.temperature, state.group)
+        return grad_z.to(state.dtype), None, None, None, None
 
 
 def vocab_parallel_logprobs(logits: torch.Tensor, targets: torch.Tensor, tp: TPGroup | None,

@@ -1,0 +1,81 @@
+"""The lm_head and the log-prob of the sampled tokens in one pass over row chunks (Liger-style).
+
+A micro-batch of N completion tokens would need an [N, V] float32 logits tensor (3.7 GB at
+N = 6,144 and V = 152k); here only one [chunk_rows, V/tp] chunk exists at a time. The forward keeps
+each row's log-sum-exp (and, optionally, the entropy, which has no gradient); the backward
+recomputes each chunk's logits from the saved hidden states and weight, turns them into
+grad * (onehot - softmax) / T, and feeds both GEMMs (weights' dtype, fp32 accumulation, as
+`hexrl.model.fp32_linear`). Under TP each chunk's row max, sum-exp and target logit are
+all-reduced across the group (`softmax_stats`), and the hidden-state gradient is all-reduced by
+`copy_to_tp`, as for the column-parallel lm_head.
+"""
+from __future__ import annotations
+
+import torch
+
+from hexrl.model.fp32_linear import mm_fp32
+from hexrl.model.parallel import TPGroup, copy_to_tp
+
+from .vocab_parallel import softmax_grad_, softmax_stats
+
+CHUNK_ROWS = 1024
+
+
+def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = mm_fp32(h, weight.t())
+    return z.div_(temperature) if temperature != 1.0 else z
+
+
+class _LinearLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(state, hidden, weight, targets, temperature: float, group, entropy: bool, chunk_rows: int):
+        n = hidden.shape[0]
+        dtype = torch.promote_types(weight.dtype, torch.float32)
+        logp, lse = hidden.new_empty(n, dtype=dtype), hidden.new_empty(n, dtype=dtype)
+        ent = hidden.new_empty(n, dtype=dtype) if entropy else None
+        for s in range(0, n, chunk_rows):
+            rows = slice(s, s + chunk_rows)
+            z = _chunk_logits(hidden[rows], weight, temperature)
+            lp, lse[rows], e, _ = softmax_stats(z, targets[rows], group, entropy)
+            logp[rows] = lp
+            if entropy:
+                ent[rows] = e
+        state.save_for_backward(hidden, weight, targets, lse)
+        state.temperature, state.group, state.chunk_rows = temperature, group, chunk_rows
+        if ent is not None:
+            state.mark_non_differentiable(ent)
+        return logp, ent
+
+    @staticmethod
+    def backward(state, grad, _grad_entropy):
+        hidden, weight, targets, lse = state.saved_tensors
+        grad_h = torch.empty_like(hidden)
+        grad_w = None  # float32 sum over the chunks (float64 for float64 weights)
+        for s in range(0, hidden.shape[0], state.chunk_rows):
+            rows = slice(s, s + state.chunk_rows)
+            h = hidden[rows]
+            probs = _chunk_logits(h, weight, state.temperature).sub_(lse[rows, None]).exp_()
+            dz = softmax_grad_(probs, targets[rows], grad[rows], state.temperature, state.group).to(weight.dtype)
+            grad_h[rows] = mm_fp32(dz, weight)
+            part = mm_fp32(dz.t(), h)
+            grad_w = part if grad_w is None else grad_w.add_(part)
+        if grad_w is None:
+            grad_w = torch.zeros_like(weight)
+        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
+
+
+def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: TPGroup | None = None,
+                    temperature: float = 1.0, entropy: bool = True, chunk_rows: int = CHUNK_ROWS):
+    """Log-prob of `targets` [N] (global vocab ids) and entropy [N] (no gradient; None unless asked)
+    under softmax(hidden @ weight^T / T), for normed hidden states [N, H] and this rank's lm_head
+    slice `weight` [V/tp, H], without materialising more than [chunk_rows, V/tp] logits.
+    float32 results (float64 for float64 weights); differentiable w.r.t. hidden and weight."""
+    shapes_ok = hidden.dim() == weight.dim() == 2 and hidden.shape[1] == weight.shape[1]
+    if not shapes_ok or targets.shape != hidden.shape[:1]:
+        raise ValueError(f"linear_logprobs: hidden [N, H], weight [V, H], targets [N] expected; got "
+                         f"{list(hidden.shape)}, {list(weight.shape)}, {list(targets.shape)}")
+    if chunk_rows < 1:
+        raise ValueError(f"linear_logprobs: chunk_rows must be >= 1, got {chunk_rows}")
+    group = tp.group if tp is not None and tp.size > 1 else None
+    x = copy_to_tp(hidden, tp)  # the hidden-state gradient is summed over the vocab shards
+    return _LinearLogprobs.apply(x, weight, targets, float(temperature), group, entropy, int(chunk_rows))
