@@ -1,4 +1,6 @@
-"""Fused temperature / top-k / top-p sampling in Triton, without sorting the vocabulary.
+"""Fused temperature / top-k / top-p sampling in Triton, without sorting the vocabulary, one
+program per row (`sample_triton`; kept for comparison: `sample` runs the split-vocabulary
+kernel of `kernels/sampling_split.py`, which shares this file's jit helpers).
 
 Per row (semantics in `kernels/reference.py`, which is the sort-based ground truth):
   pass 1   online max and sum-exp of x/T, min/max of the row, and the Gumbel-max winner for rows
@@ -222,7 +224,8 @@ def sample_triton(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, che
     return tokens, logprobs
 
 
-def sample(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, check: bool = True):
+def sample(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, check: bool = True,
+           filtered: bool | None = None):
     """Sample one token per row of `logits` [B, V].
 
     temperature, top_k (0 = off), top_p (1.0 = off), offset: scalars or [B] tensors; seed: an int
@@ -230,10 +233,13 @@ def sample(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, check: boo
     of the batch it is in). Returns (tokens [B] int64, logprobs [B] float32): the log-prob under
     the distribution sampled from (tempered, filtered, renormalised); greedy rows (T < 1e-5)
     return the argmax and its log-prob under softmax(logits) at T = 1.
-    Runs the Triton kernel on CUDA tensors, and on CPU when TRITON_INTERPRET=1; otherwise the
-    torch reference, which draws the same tokens for the same seeds. check=False skips the value
-    checks (one device sync) for callers that validated their sampling parameters already.
+    Runs the split-vocabulary Triton kernel (`kernels.sampling_split`) on CUDA tensors, and on CPU
+    when TRITON_INTERPRET=1; otherwise the torch reference, which draws the same tokens for the
+    same seeds. check=False skips the value checks (one device sync) for callers that validated
+    their sampling parameters already; filtered=False promises no row uses top-k/top-p.
     """
     if use_triton(logits):
-        return sample_triton(logits, temperature, top_k, top_p, seed, offset, check)
+        from kernels.sampling_split import sample_split  # it imports this module's jit helpers
+
+        return sample_split(logits, temperature, top_k, top_p, seed, offset, check, filtered)
     return sample_torch(logits, temperature, top_k, top_p, seed, offset, check)
