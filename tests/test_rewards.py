@@ -47,7 +47,8 @@ MATH_CASES = [
     ("$\\boxed{3.0}$", "3", 1.0),
     (f"{B}{{\\left(1, 2\\right)}}", "(1,2)", 1.0),
     (f"{B}{{(0.5, 2)}}", "(\\frac{1}{2}, 2)", 1.0),  # tuples compare element-wise
-    (f"first {B}{{3}} then {B}{{4}}", "4", 1.0),  # the last box wins
+    (f"first {B}{{3}} then {B}{{4}}", "4", 0.0),  # two different boxes are a hedge (issue 35)
+    (f"first {B}{{4}} then {B}{{4}}", "4", 1.0),  # the same box twice is one answer
     (f"{B}{{\\frac{{\\sqrt{{3}}}}{{2}}}}", "\\frac{\\sqrt3}{2}", 1.0),  # nested braces
     (f"{B}{{\\sqrt{{3}}/2}}", "\\frac{\\sqrt{3}}{2}", 1.0),
     (f"{B}{{2\\frac{{1}}{{2}}}}", "2.5", 1.0),  # mixed number
@@ -119,6 +120,18 @@ def test_answers_match_is_symmetric_and_reflexive_on_random_latex():
         p, g = ("".join(rng.choice(pieces) for _ in range(rng.randint(0, 15))) for _ in range(2))
         assert answers_match(p, g) == answers_match(g, p), (p, g)
         assert answers_match(p, p) == bool(normalize_answer(p)), p
+
+
+@pytest.mark.parametrize("completion,answer,expected", [
+    (f"{B}{{1}} or {B}{{2}}", "2", 0.0),  # issue 35, item 3: a hedge earns nothing
+    (f"It is {B}{{3}}, {B}{{5}}, {B}{{7}}, or {B}{{2}}", "2", 0.0),
+    (f"{B}{{2}} or maybe {B}{{1}}", "2", 0.0),
+    (f"first {B}{{2}}, so again {B}{{2}}", "2", 1.0),  # one answer repeated still scores
+    (f"{B}{{\\frac{{1}}{{2}}}}, that is {B}{{0.5}}", "1/2", 1.0),  # equivalent forms are one answer
+    (f"{B}{{1}} or {B}{{1}} or {B}{{3}}", "3", 0.0),
+])
+def test_boxed_answers_must_agree(completion, answer, expected):
+    assert math_reward(completion, answer) == expected
 
 
 def test_last_number_fallback_is_opt_in():

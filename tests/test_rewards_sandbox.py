@@ -6,6 +6,8 @@ reward process), an assert the judge sandbox runs, and a stdin/stdout test. `-s`
 seconds each attack cost (measured, never asserted).
 """
 
+import ctypes
+import json
 import os
 import secrets
 import socket
@@ -82,18 +84,56 @@ ATTACKS = {
 TIMES: dict[str, float] = {}
 
 
-def _sandbox_processes() -> list[str]:
-    """Command lines of live processes started from a sandbox's /in (ours are all under /in)."""
-    found = []
-    for pid in os.listdir("/proc"):
+def _all_pids() -> list[str]:
+    return [p for p in os.listdir("/proc") if p.isdigit()]
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _descendants(root: int) -> set[str]:
+    """Pids below `root` (orphans come back to it: the subreaper fixture below)."""
+    children: dict[str, list[str]] = {}
+    for pid in _all_pids():
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = f.read().rsplit(")", 1)[1].split()[1]
+        except (OSError, IndexError):
             continue
-        if "/in/harness.py" in cmd or "/in/main.py" in cmd:
-            found.append(f"{pid}: {cmd}")
-    return found
+        children.setdefault(ppid, []).append(pid)
+    out, todo = set(), [str(root)]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _sandbox_processes() -> list[str]:
+    """Command lines of live processes this test run started from a sandbox's /in (ours are all
+    under /in); another job's sandboxes on the same machine are not ours to count."""
+    return [f"{pid}: {cmd}" for pid in sorted(_descendants(os.getpid()))
+            if "/in/harness.py" in (cmd := _cmdline(pid)) or "/in/main.py" in cmd]
+
+
+def _adopt_orphans(on: bool) -> None:
+    """prctl(PR_SET_CHILD_SUBREAPER): this process adopts its orphaned descendants."""
+    ctypes.CDLL(None, use_errno=True).prctl(36, int(on), 0, 0, 0)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def subreaper():
+    """While these tests run, a sandbox process that outlived its launcher is still found below
+    this process (and nothing else is)."""
+    _adopt_orphans(True)
+    yield
+    _adopt_orphans(False)
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +255,110 @@ def test_the_secrets_attack_is_real_without_the_sandbox(host):
     program = TEMPLATE.format(top=top, body=body)
     assert code_reward(program, TESTS["plain"], unsafe=True) == 1.0
     assert code_reward(program, TESTS["plain"]) == 0.0
+
+
+# ----------------------------------------------------------------------------- issue 35 (reliability, round 3)
+
+
+def test_a_solution_named_like_a_builtin_is_the_one_tested():
+    """The judge calls the solution's `round`, not the builtin it shadows (issue 35, item 1)."""
+    test = "assert round(2.675, 2) == 2.67 or round(2.675, 2) == 2.68"
+    assert code_reward("def round(x, n=0):\n    return 'garbage'", [test]) == 0.0
+    assert code_reward("def round(x, n=0):\n    return 2.68", [test]) == 1.0
+    assert code_reward("x = 1", [test]) == 0.0  # defines no `round`: nothing under test passes
+    # a builtin wrapped around the function under test stays the builtin: shadowing it gains nothing
+    wrapped = ["assert set(f([1, 2, 2])) == {1, 2}", "assert abs(f([3]) - 3) < 1e-9"]
+    honest = "def f(xs):\n    return xs[0] if len(xs) == 1 else list(xs)"
+    assert code_reward(honest, wrapped) == 1.0
+    cheat = "def set(*a):\n    return {1, 2}\ndef abs(*a):\n    return 0\ndef f(xs):\n    return 7"
+    assert code_reward(cheat, wrapped) == 0.0
+
+
+@pytest.mark.parametrize("got,expected", [("{True, 2}", "{1, 2}"), ("{True: 'a'}", "{1: 'a'}"), ("{1.0}", "{1}"),
+                                          ("{(1, True)}", "{(1, 1)}"),
+                                          ("{1: {False}}", "{1: {0}}"), ("[{0.0: 1}]", "[{0: 1}]")])
+def test_type_strict_inside_set_elements_and_dict_keys(got, expected):
+    """Item 2: "type-strict all the way down" includes set elements and dict keys."""
+    assert code_reward(f"def f():\n    return {got}", [f"assert f() == {expected}"]) == 0.0
+    assert code_reward(f"def f():\n    return {expected}", [f"assert f() == {expected}"]) == 1.0
+
+
+def test_strict_equal_matches_sets_and_dicts_by_type_and_value():
+    from hexrl.rewards.harness import strict_equal
+    assert strict_equal({1, 2, (3, "a")}, {(3, "a"), 2, 1})
+    assert strict_equal({float("nan"): [1]}, {float("nan"): [1]})  # NaN equals NaN, as a value does
+    assert strict_equal({1: [2.0], "k": {None}}, {"k": {None}, 1: [2.0]})
+    assert not strict_equal({1: [2.0]}, {1: [2]}) and not strict_equal({0.0}, {False})
+    assert strict_equal([float("nan")], [float("nan")])  # as before: NaN equals NaN as a value
+
+
+@pytest.mark.parametrize("test", [
+    "def check(candidate):\n    assert candidate(1) == 2\n\ncheck(inc)",  # HumanEval's test + a call
+    "assert inc(1) == 2\nassert inc(2) == 3",  # two statements
+    "inc(1) == 2",  # an expression, not an assert
+    "assert inc(1) == (2",  # does not parse
+])
+def test_a_test_string_that_is_not_one_assert_is_refused(test):
+    """Item 4: never a silent 0 for a malformed test; the error points to the converter."""
+    with pytest.raises(ValueError, match=r"hexrl\.data\.code_data\.humaneval_tests"):
+        code_reward("def inc(x):\n    return x + 1", [test])
+
+
+FLOOD = """\
+import os
+P = 2 ** 61 - 1  # every multiple of P hashes to 0: a set of them costs its builder quadratic time
+LINE = ('{"ok":{"set":[' + ','.join('{"int":"%d"}' % (k * P) for k in range(1, 30000)) + ']}}\\n').encode()
+def f(*a):
+    for fd in range(3, 12):
+        try:
+            os.write(fd, LINE)
+        except OSError:
+            pass
+    return 1
+"""
+
+
+def test_protocol_flood_is_bounded_by_the_timeout():
+    """Item 5: hash-colliding integers written straight onto the protocol pipe cost the parent a
+    bounded decode, and the call ends within timeout_s plus a few seconds (before the fix, one
+    flooded 1 MB reply took 6 to 12 s to decode on the 2-core CI machine)."""
+    flood = {}
+    exec(FLOOD, flood)
+    assert 1_000_000 < len(flood["LINE"]) < Limits().output_bytes  # one line as long as a reply may be
+    start = time.perf_counter()
+    assert code_reward(FLOOD, [f"assert f({i}) == 0" for i in range(30)], timeout_s=1.0) == 0.0
+    assert time.perf_counter() - start < 1.0 + 4  # a bound (timeout + grace + start), not a timing claim
+
+
+def test_reply_decoding_bounds_sizes():
+    from hexrl.rewards.code import _FAIL, _reply_value
+    from hexrl.rewards.harness import encode
+    big_set = json.dumps({"ok": encode(set(range(5000)))}).encode()
+    assert _reply_value(big_set) is _FAIL  # more set/dict entries than an answer needs
+    assert _reply_value(json.dumps({"ok": encode(list(range(1000)))}).encode()) == list(range(1000))
+    assert _reply_value(b'{"ok": {"list": [' + b'null, ' * 150_000 + b'null]}}') is _FAIL  # too many values
+    assert _reply_value(b'{"ok": "' + b"x" * (2 << 20) + b'"}') is _FAIL  # longer than a line may be
+
+
+def test_the_leak_scan_ignores_other_jobs_sandboxes():
+    """Item 11: a sandbox of another job on the machine (not started by this test run) is not a leak."""
+    script = "import time; time.sleep(60)"
+    # double fork through a shell that exits: the stand-in is reparented away from this process
+    _adopt_orphans(False)
+    try:
+        subprocess.run(["sh", "-c", f"setsid {sys.executable} -c '{script}' /in/harness.py player >/dev/null 2>&1 &"],
+                       check=True)
+    finally:
+        _adopt_orphans(True)
+    foreign = []
+    try:
+        for _ in range(100):
+            foreign = [p for p in _all_pids() if "/in/harness.py" in _cmdline(p) and script in _cmdline(p)]
+            if foreign:
+                break
+            time.sleep(0.05)
+        assert foreign, "the stand-in for another job's sandbox did not start"
+        assert _sandbox_processes() == []
+    finally:
+        for pid in foreign:
+            os.kill(int(pid), 9)

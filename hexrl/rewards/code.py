@@ -7,7 +7,8 @@ A test is one of:
 - any other assert string (`assert abs(f(x) - 1.5) < 1e-6`), or a HumanEval-style
   `{"check": test code, "entry_point": name, "setup": prompt code}`: the trusted test code runs
   in a second sandbox (the judge), where the solution's functions are proxies returning plain
-  values relayed by this process; the solution never sees the test code;
+  values relayed by this process; the solution never sees the test code (see `_under_test` for
+  which names are the solution's); a test string must be one assert, else ValueError;
 - `{"input": stdin, "output": expected stdout}`: this process compares the output;
 - `{"all": [assert strings]}`: one test that passes when every assert in it passes.
 A `{"check"}` or `{"all"}` test may carry `"setup"` (the prompt's code) and `"entry_point"`: a
@@ -32,6 +33,7 @@ from hexrl.rewards.sandbox import Limits, Sandbox, check_isolation, python_argv,
 _HARNESS = Path(__file__).with_name("harness.py").read_text()
 _FAIL = object()  # a call that raised, crashed, timed out or returned a non-plain value
 _MAX_CONST = 10_000  # size cap when folding constant expressions in tests (3 * 19, 'a' + 'b')
+_MAX_LINE = 1 << 20  # a player's reply line longer than this is not an answer
 
 
 def extract_code(completion: str) -> str:
@@ -61,8 +63,17 @@ def _is_group(t) -> bool:
             and isinstance(t.get("entry_point", ""), str))
 
 
+def _is_one_assert(test: str) -> bool:
+    """True when `test` parses as exactly one `assert` statement."""
+    try:
+        body = ast.parse(test.strip()).body
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return len(body) == 1 and isinstance(body[0], ast.Assert)
+
+
 def validate_tests(tests) -> list:
-    """The tests as a list; ValueError naming every malformed entry."""
+    """The tests as a list; ValueError naming every malformed entry (never a silent 0 later)."""
     if not isinstance(tests, (list, tuple)) or not tests:
         raise ValueError(f"code tests must be a non-empty list, got {type(tests).__name__}")
     bad = [i for i, t in enumerate(tests)
@@ -71,6 +82,13 @@ def validate_tests(tests) -> list:
         raise ValueError(f"code tests {bad} are neither an assert string, "
                          '{"input": str, "output": str}, {"check": str, "entry_point": str}, '
                          'nor {"all": [assert strings]}')
+    strings = [(i, a) for i, t in enumerate(tests) for a in (t["all"] if _is_group(t) else [t]) if isinstance(a, str)]
+    bad = sorted({i for i, a in strings if not _is_one_assert(a)})
+    if bad:
+        raise ValueError(f"code tests {bad}: a test string must be one assert statement that parses; a "
+                         "HumanEval-style test (a check function and its call) becomes "
+                         '{"check": test, "entry_point": name, "setup": prompt}: see '
+                         "hexrl.data.code_data.humaneval_tests")
     return list(tests)
 
 
@@ -128,17 +146,51 @@ def plain_call(test: str) -> tuple[str, tuple, object] | None:
     return call.func.id, args, expected
 
 
-def _proxy_names(tests: list[str]) -> tuple[list[str], list[str]]:
-    """(called names the solution must define, stdlib modules the tests use without importing)."""
+def defined_names(code: str) -> set[str]:
+    """Names the solution's module binds at its top level (def, class, assignment, import, ...),
+    statements nested in if/try/with/for included, function and class bodies not."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return set()
+    out, todo = set(), list(tree.body)
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            out.update((a.asname or a.name).split(".")[0] for a in node.names)
+            continue
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.Name) and isinstance(child.ctx, ast.Store):
+                out.add(child.id)
+            elif isinstance(child, (ast.stmt, ast.expr, ast.excepthandler, ast.withitem, ast.comprehension)):
+                todo.append(child)
+    return out
+
+
+def _under_test(test: str, defined: set[str]) -> tuple[list[str], list[str]]:
+    """(the names the judge must take from the solution, stdlib modules the test uses unimported).
+
+    The functions under test are the names the test calls that are not builtins. A test that calls
+    only builtin names (the solution is named like one: `round`) tests the solution's own
+    definitions of them, as in the solution's module; when it defines none of them, all of them
+    (they then fail). A builtin wrapped around the function under test (`set(f(x))`,
+    `abs(f(x) - y)`) stays the builtin: a solution cannot redefine it to choose the outcome.
+    """
     called, modules = set(), set()
-    for test in tests:
-        for node in ast.walk(ast.parse(test)):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
-                called.add(node.func.id)
-            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-                    and node.value.id in sys.stdlib_module_names):
-                modules.add(node.value.id)
-    return sorted(called - set(dir(builtins)) - modules), sorted(modules)
+    for node in ast.walk(ast.parse(test)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+            called.add(node.func.id)
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in sys.stdlib_module_names):
+            modules.add(node.value.id)
+    called -= modules
+    mine = called - set(dir(builtins))
+    if not mine:
+        mine = (called & defined) or called
+    return sorted(mine), sorted(modules)
 
 
 # ----------------------------------------------------------------------------- running
@@ -150,11 +202,14 @@ def _player(code: str, limits: Limits, unsafe: bool) -> Sandbox:
 
 
 def _reply_value(line: bytes | None):
-    """The plain value in a player's reply line, or _FAIL."""
+    """The plain value in a player's reply line, or _FAIL (also for a line or value too large:
+    the sizes `decode` bounds keep the parent's work small whatever the player writes)."""
+    if line is None or len(line) > _MAX_LINE:
+        return _FAIL
     try:
         reply = json.loads(line)
         return decode(reply["ok"]) if type(reply) is dict and set(reply) == {"ok"} else _FAIL
-    except (TypeError, ValueError, KeyError, RecursionError, OverflowError):
+    except (TypeError, ValueError, KeyError, RecursionError, OverflowError, MemoryError):
         return _FAIL
 
 
@@ -170,7 +225,7 @@ def run_calls(code: str, calls: list[tuple[str, tuple]], limits: Limits, unsafe:
         results = []
         for fn, args in calls:
             results.append(_call(player, fn, encode(args)))
-            if results[-1] is _FAIL and player.ended:  # the rest would fail the same way
+            if (results[-1] is _FAIL and player.ended) or player.expired:  # the rest would fail the same way
                 break
     return results + [_FAIL] * (len(calls) - len(results))
 
@@ -184,7 +239,7 @@ def run_judged(code: str, spec: dict, limits: Limits, unsafe: bool = False) -> l
             Sandbox(python_argv("harness.py", "judge", "/in/tests.json"), files, limits, unsafe=unsafe) as judge:
         if _call(player, None, encode(())) is _FAIL:  # a solution that does not load fails every test
             return [False] * n
-        while len(verdicts) < n and (line := judge.read_line()) is not None:
+        while len(verdicts) < n and not player.expired and (line := judge.read_line()) is not None:
             msg = json.loads(line)  # the judge runs trusted code only
             if "test" in msg:
                 verdicts[msg["test"]] = msg["passed"] is True
@@ -242,14 +297,16 @@ def _flat_outcomes(code: str, tests: list, limits: Limits, unsafe: bool) -> list
         for (i, (_, _, expected)), got in zip(plain.items(), results):
             passed[i] = got is not _FAIL and strict_equal(got, expected)
     if judged:
-        proxies, modules = _proxy_names([tests[i] for i in judged])
+        defined = defined_names(code)
+        names = [_under_test(tests[i], defined) for i in judged]
+        modules = sorted({m for _, ms in names for m in ms})
         spec = {"setup": "".join(f"import {m}\n" for m in modules), "tests": [tests[i] for i in judged],
-                "proxies": proxies}
+                "proxies": [proxies for proxies, _ in names]}
         for i, ok in zip(judged, run_judged(code, spec, limits, unsafe)):
             passed[i] = ok
     for i in checks:
         t = tests[i]
-        spec = {"setup": t.get("setup", ""), "tests": [t["check"]], "proxies": [t["entry_point"]],
+        spec = {"setup": t.get("setup", ""), "tests": [t["check"]], "proxies": [[t["entry_point"]]],
                 "entry_point": t["entry_point"]}
         passed[i] = run_judged(code, spec, limits, unsafe)[0]
     for i, t in enumerate(tests):

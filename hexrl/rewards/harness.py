@@ -19,6 +19,8 @@ import os
 import sys
 
 _MAX_DEPTH = 100  # deeper values are not test answers, and would risk a RecursionError
+_MAX_VALUES = 100_000  # values in one decoded answer
+_MAX_ENTRIES = 2_000  # set elements plus dict keys in one decoded answer (hashed: see decode)
 
 
 class CodecError(ValueError):
@@ -46,10 +48,16 @@ def encode(x, depth: int = 0):
     raise CodecError(f"unsupported type {t.__name__}")
 
 
-def decode(x, depth: int = 0):
-    """The value `encode` produced (type-exact); CodecError for anything malformed."""
-    if depth > _MAX_DEPTH:
-        raise CodecError("value nested too deeply")
+def decode(x, depth: int = 0, budget: list[int] | None = None):
+    """The value `encode` produced (type-exact); CodecError for anything malformed or too big.
+
+    At most _MAX_VALUES values and _MAX_ENTRIES set elements plus dict keys: each entry is
+    hashed, and a sender can make their hashes collide (a set of n costs n^2 then).
+    """
+    budget = [_MAX_VALUES, _MAX_ENTRIES] if budget is None else budget
+    budget[0] -= 1
+    if depth > _MAX_DEPTH or budget[0] < 0:
+        raise CodecError("value nested too deeply or too large")
     if x is None or type(x) in (bool, str):
         return x
     if type(x) is not dict or len(x) != 1:
@@ -61,25 +69,43 @@ def decode(x, depth: int = 0):
         return float(v)
     if tag == "bytes" and type(v) is str:
         return bytes.fromhex(v)
+    if tag in ("set", "frozenset", "dict") and type(v) is list:
+        budget[1] -= len(v)
+        if budget[1] < 0:
+            raise CodecError(f"more than {_MAX_ENTRIES} set elements and dict keys")
     if tag in ("list", "tuple", "set", "frozenset") and type(v) is list:
-        items = [decode(e, depth + 1) for e in v]
+        items = [decode(e, depth + 1, budget) for e in v]
         return {"list": list, "tuple": tuple, "set": set, "frozenset": frozenset}[tag](items)
     if tag == "dict" and type(v) is list and all(type(p) is list and len(p) == 2 for p in v):
-        return {decode(k, depth + 1): decode(e, depth + 1) for k, e in v}
+        return {decode(k, depth + 1, budget): decode(e, depth + 1, budget) for k, e in v}
     raise CodecError(f"malformed value tagged {tag!r}")
 
 
+def strict_key(x):
+    """A key equal for two plain values exactly when they are equal with equal types all the way
+    down (set elements and dict keys included); NaN equals NaN. Orderable, so sets and dicts
+    compare as sorted keys, without hashing."""
+    t = type(x)
+    if t in (list, tuple):
+        return (t.__name__, tuple(strict_key(v) for v in x))
+    if t in (set, frozenset):
+        return (t.__name__, tuple(sorted(strict_key(v) for v in x)))
+    if t is dict:
+        return ("dict", tuple(sorted((strict_key(k), strict_key(v)) for k, v in x.items())))
+    if t is float:
+        return ("float", "nan" if math.isnan(x) else repr(x + 0.0))  # -0.0 + 0.0 is 0.0: 0.0 == -0.0
+    if x is None:
+        return ("NoneType", 0)
+    return (t.__name__, x)  # bool, int, str, bytes: one type per tag, so values compare among themselves
+
+
 def strict_equal(a, b) -> bool:
-    """Equality that also requires equal types all the way down (True != 1, 1 != 1.0, [] != ())."""
-    if type(a) is not type(b):
+    """Equality that also requires equal types all the way down (True != 1, 1 != 1.0, [] != (),
+    {True} != {1}, {1.0: 'a'} != {1: 'a'})."""
+    try:
+        return strict_key(a) == strict_key(b)
+    except (TypeError, RecursionError):  # not a plain value
         return False
-    if type(a) in (list, tuple):
-        return len(a) == len(b) and all(strict_equal(x, y) for x, y in zip(a, b))
-    if type(a) is dict:
-        return a.keys() == b.keys() and all(strict_equal(a[k], b[k]) for k in a)
-    if type(a) is float and math.isnan(a):
-        return math.isnan(b)
-    return a == b
 
 
 # ----------------------------------------------------------------------------- sandbox side
@@ -142,13 +168,13 @@ class _Proxy:
 def _judge(path: str) -> None:
     proto = _channel()
     with open(path) as f:
-        spec = json.load(f)  # {"setup": code, "tests": [code], "proxies": [names]}
+        spec = json.load(f)  # {"setup": code, "tests": [code], "proxies": [[names] per test]}
     for i, test in enumerate(spec["tests"]):
         ns = {"__name__": "__judge__"}
         passed = False
         try:
             exec(spec.get("setup", ""), ns)
-            ns.update({name: _Proxy(name, proto) for name in spec["proxies"]})
+            ns.update({name: _Proxy(name, proto) for name in spec["proxies"][i]})  # shadow builtins too
             ns["candidate"] = ns.get(spec.get("entry_point") or "", ns.get("candidate"))
             exec(test, ns)
             if spec.get("entry_point"):

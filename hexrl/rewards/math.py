@@ -4,6 +4,8 @@ Conventions (documented choices):
 - the answer is the LAST well-formed `\\boxed{...}` / `\\fbox{...}`, else the text after the
   last `####` (GSM8K), else the last "the (final) answer is X", else none (reward 0) unless
   `last_number_fallback=True`;
+- every boxed answer in a completion must be equivalent to the last one, else the reward is 0
+  (`\\boxed{1} or \\boxed{2}` is a hedge); one answer repeated still scores;
 - percent signs are dropped: `50\\%` equals `50` (and does NOT equal `0.5`);
 - units (`\\text{cm}`, `^\\circ`, `5 inches`) are dropped after a number;
 - `1,000` equals `1000` only when the whole answer is a thousands-grouped number, so the
@@ -28,6 +30,7 @@ _MV_TIMEOUT_S = 3  # math-verify's own parse/verify timeouts (signal based: main
 _MV_DIGITS = 50  # numeric check of math-verify's accepts: far beyond any float rounding
 _MAX_NUMBER_LEN = 100  # longer "numbers" are not worth parsing (and could be slow)
 _MAX_ANSWER_LEN = 1000  # longer "answers" are compared as plain strings (keeps the worst case cheap)
+_MAX_BOXES = 8  # more different boxed answers than this in one completion is a hedge
 
 # ----------------------------------------------------------------------------- extraction
 
@@ -56,25 +59,42 @@ def _brace_pairs(s: str) -> dict[int, int]:
     return pairs
 
 
-def find_boxed(text: str) -> str | None:
-    """Content of the last well-formed `\\boxed{...}` or `\\fbox{...}` (nested braces ok).
+def find_all_boxed(text: str) -> list[str]:
+    """Contents of every well-formed `\\boxed{...}` or `\\fbox{...}` (nested braces ok), in order.
 
     `\\boxed 5` (no braces) counts too. Linear time, so a flood of unclosed boxes is cheap.
     """
     starts = [m.end() for m in re.finditer(r"\\(?:boxed|fbox)(?![a-zA-Z])", text)]
     if not starts:
-        return None
-    pairs = _brace_pairs(text)
-    for i in reversed(starts):
+        return []
+    pairs, out = _brace_pairs(text), []
+    for i in starts:
         j = i
         while j < len(text) and text[j] == " ":
             j += 1
         if j < len(text) and text[j] == "{":
             if j in pairs:
-                return text[j + 1:pairs[j]]
+                out.append(text[j + 1:pairs[j]])
         elif j > i and (m := re.match(r"[^\s$]+", text[j:j + 200])):
-            return m.group(0)
-    return None
+            out.append(m.group(0))
+    return out
+
+
+def find_boxed(text: str) -> str | None:
+    """Content of the last well-formed `\\boxed{...}` or `\\fbox{...}` (see find_all_boxed)."""
+    found = find_all_boxed(text)
+    return found[-1] if found else None
+
+
+def hedged(text: str) -> bool:
+    """True when the text's boxed answers are not all one answer (`\\boxed{1} or \\boxed{2}`):
+    a model that lists candidates must not be rewarded for the one that is right. The same
+    answer repeated, or written in equivalent forms, is not a hedge; more than _MAX_BOXES
+    different boxes always is (each needs a comparison)."""
+    boxes = list(dict.fromkeys(b.strip() for b in find_all_boxed(text)))
+    if len(boxes) > _MAX_BOXES:
+        return True
+    return any(not answers_match(b, boxes[-1]) for b in boxes[:-1])
 
 
 def find_hash_answer(text: str) -> str | None:
@@ -305,7 +325,7 @@ def math_reward(completion: str, answer: str, *, last_number_fallback: bool = Fa
         if not isinstance(completion, str) or not isinstance(answer, str):
             return 0.0
         predicted = extract_answer(completion, last_number_fallback)
-        if predicted is None:
+        if predicted is None or hedged(completion):
             return 0.0
         return 1.0 if answers_match(predicted, reference_answer(answer)) else 0.0
     except Exception:  # a reward must never take the rollout down

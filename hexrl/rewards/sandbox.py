@@ -34,7 +34,7 @@ from pathlib import Path
 
 LAUNCHER = Path(__file__).with_name("sandbox_init.py")
 _SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-_GRACE_S = 10.0  # our backstop beyond the launcher's own timeout (startup under load)
+_GRACE_S = 2.0  # our backstop beyond the launcher's own timeout (its startup): whatever the program writes
 
 
 class SandboxUnavailable(RuntimeError):
@@ -103,6 +103,7 @@ class Sandbox:
         self.deadline = time.monotonic() + self.limits.timeout_s + _GRACE_S
         self._buf = b""
         self._eof = False
+        self._overflow = False
         self.status: dict | None = None
         self.proc = subprocess.Popen([os.path.realpath(sys.executable), "-I", "-S", str(LAUNCHER)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
@@ -137,16 +138,26 @@ class Sandbox:
         return bool(chunk) and len(self._buf) <= self.limits.output_bytes
 
     @property
+    def expired(self) -> bool:
+        """True once the deadline (timeout_s + _GRACE_S from the start) has passed."""
+        return time.monotonic() >= self.deadline
+
+    @property
     def ended(self) -> bool:
         """True once the program's stdout reached EOF (it exited, or was killed)."""
         return self._eof
 
     def read_line(self) -> bytes | None:
-        """The next line of stdout (without the newline); None at EOF, timeout or overflow."""
+        """The next line of stdout (without the newline); None at EOF, timeout or overflow
+        (and for every line after an overflow: the stream is out of step)."""
         while b"\n" not in self._buf:
-            if not self._fill():
+            if self._overflow or not self._fill():
+                self._overflow |= len(self._buf) > self.limits.output_bytes
                 return None
         line, self._buf = self._buf.split(b"\n", 1)
+        if len(line) > self.limits.output_bytes:
+            self._overflow = True
+            return None
         return line
 
     def read_all(self) -> bytes | None:
