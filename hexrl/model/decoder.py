@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import ops
 from .attention import AttentionBackend, CausalAttention
 from .config import ModelConfig, rope_inv_freq
 from .fp32_linear import fp32_linear
@@ -26,9 +27,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()  # statistics in fp32, as HF does, so bf16 runs match
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return ops.torch_rms_norm(x, self.weight, self.eps)
 
 
 class Rotary(nn.Module):
@@ -40,8 +39,10 @@ class Rotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.max_positions = cfg.max_position_embeddings
         self._key: tuple | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._cache: torch.Tensor | None = None
 
     def reset(self) -> None:
         """Forget the cached cos/sin (a new forward pass; positions may have changed in place)."""
@@ -53,6 +54,15 @@ class Rotary(nn.Module):
             emb = torch.cat([freqs, freqs], dim=-1)[:, None, :]  # [T, 1, D]
             self._key, self._cos_sin = (positions, dtype), (emb.cos().to(dtype), emb.sin().to(dtype))
         return self._cos_sin
+
+    def cos_sin_cache(self, device: torch.device) -> torch.Tensor:
+        """[max_positions, head_dim] float32: cos of every position's angles, then their sin (FlashInfer's
+        layout), made once, with the same fp32 products as `cos_sin`."""
+        if self._cache is None or self._cache.device != device:
+            pos = torch.arange(self.max_positions, device=device, dtype=torch.float32)
+            freqs = pos[:, None] * self.inv_freq.to(device).float()[None, :]
+            self._cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        return self._cache
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         cos, sin = self.cos_sin(positions, x.dtype)
@@ -82,11 +92,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         t = x.shape[0]
         if self.qkv_proj is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        else:
-            q, k, v = self.qkv_proj(x).split([m for _, m in self.qkv_proj.parts], dim=-1)
-        q = self.rotary(q.view(t, self.num_heads, self.head_dim), positions)
-        k = self.rotary(k.view(t, self.num_kv_heads, self.head_dim), positions)
+            q = self.rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), positions)
+            k = self.rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), positions)
+            v = self.v_proj(x)
+        else:  # one GEMM; RoPE in place on the q and k views of its output (FlashInfer on CUDA)
+            q, k, v = self.qkv_proj(x).split([rows for _, rows in self.qkv_proj.parts], dim=-1)
+            q, k = ops.rope(q, k, positions, self.rotary, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         return self.o_proj(attn(self.layer, q, k, v).reshape(t, -1))
 
@@ -107,8 +118,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -122,6 +132,19 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), positions, attn)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_residual(self, h: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor,
+                         attn: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fused model's form of `forward`: the residual stream travels apart, so each residual add
+        fuses with the norm after it. (h, residual) in, (mlp output, residual) out; the layer's output
+        is their sum. residual=None: h is the layer's input (the first layer)."""
+        ln1, ln2 = self.input_layernorm, self.post_attention_layernorm
+        if residual is None:
+            residual, h = h, ops.rms_norm(h, ln1.weight, ln1.eps)
+        else:
+            h, residual = ops.add_rms_norm(h, residual, ln1.weight, ln1.eps)
+        h, residual = ops.add_rms_norm(self.self_attn(h, positions, attn), residual, ln2.weight, ln2.eps)
+        return self.mlp(h), residual
 
 
 class Backbone(nn.Module):
@@ -161,9 +184,22 @@ class Decoder(nn.Module):
         """Token ids [T] (first stage) or hidden [T, H] -> hidden [T, H], normed on the last stage."""
         self.reset_rotary()
         h = self.model.embed_tokens(x) if self.is_first else x
+        if self.fused:  # the rollout: fused add+norm kernels (ops), the residual stream kept apart
+            return self._stage_residual(h, positions, attn)
         for layer in self.model.layers.values():
             h = layer(h, positions, attn)
         return self.model.norm(h) if self.is_last else h
+
+    def _stage_residual(self, h: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        if not self.is_first:
+            h = h.clone()  # it becomes the residual stream, which the fused kernels update in place
+        residual = None
+        for layer in self.model.layers.values():
+            h, residual = layer.forward_residual(h, residual, positions, attn)
+        if not self.is_last:
+            return h + residual
+        norm = self.model.norm
+        return ops.add_rms_norm(h, residual, norm.weight, norm.eps)[0]
 
     def fuse(self) -> "Decoder":
         """Store q/k/v and gate/up as one weight each, in place (the rollout's layout: four weight GEMMs

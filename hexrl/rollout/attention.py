@@ -1,4 +1,4 @@
-"""What a paged attention backend needs to know about one engine step, and the k/v write.
+"""What a paged attention backend needs to know about one engine step (the k/v write is `hexrl.model.ops`).
 
 The engine builds one `StepMeta` per step; a backend object built from it is the model's
 attention callable `attn(layer, q, k, v)`: it writes the new tokens' k/v into their pages, then
@@ -83,9 +83,3 @@ def build_meta(spans: list[tuple[list[int], int, int]], page_size: int, device: 
     token_rows = torch.repeat_interleave(rows, torch.tensor([n for *_, n in spans]))
     return step_meta(page_size, [n for *_, n in spans], kv_lens, table.to(device), rows.to(device),
                      positions.to(device), token_rows.to(device))
-
-
-def write_kv(cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store new tokens' k/v [T, Hkv, D] into `cache` [P, 2, page_size, Hkv, D] (graph-capturable)."""
-    cache[pages, 0, offsets] = k.to(cache.dtype)
-    cache[pages, 1, offsets] = v.to(cache.dtype)

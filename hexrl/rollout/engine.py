@@ -206,6 +206,9 @@ class Engine:
         if total > self.capacity_tokens:
             p.append(f"request {request.id!r}: prompt + max_new_tokens = {total} tokens exceed the KV pool "
                      f"({self.capacity_tokens} tokens = {self.pool.num_pages} pages x {self.pool.page_size})")
+        if total > self.model.cfg.max_position_embeddings:  # RoPE's cos/sin table ends there (FlashInfer)
+            p.append(f"request {request.id!r}: prompt + max_new_tokens = {total} tokens exceed the model's "
+                     f"max_position_embeddings ({self.model.cfg.max_position_embeddings})")
         if p:
             raise ValueError("; ".join(p))
         if request.seed is None:  # a concrete seed travels to the other TP ranks with the request

@@ -1,7 +1,7 @@
 """FlashInfer paged attention: plan once per step, run once per layer.
 
-flashinfer is imported lazily (a GPU-only extra). Two flavours share the k/v write of
-`attention.write_kv` and the pool's NHD layout:
+flashinfer is imported lazily (a GPU-only extra). Two flavours share the k/v write
+(`hexrl.model.ops.append_kv`: FlashInfer's `append_paged_kv_cache`) and the pool's NHD layout:
   * `FlashInferAttention`: eager; per step it plans the decode wrapper (every sequence has one
     new token) or the prefill wrapper (causal, aligned to the end of each context) for mixed steps;
   * `GraphDecodeAttention`: decode for one fixed batch size, with the page-table and slot
@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import StepMeta, write_kv
+from hexrl.model.ops import KVSlots, append_kv
+
+from .attention import StepMeta
 from .pages import PagePool
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-kv partial results)
@@ -74,6 +76,7 @@ class FlashInferAttention:
         for w in (self.decode, self.prefill):
             w.reset_workspace_buffer(workspace, self.int_workspace)
         self.meta: StepMeta | None = None
+        self.slots: KVSlots | None = None
         self._wrapper = None
 
     def begin(self, meta: StepMeta) -> "FlashInferAttention":
@@ -87,12 +90,12 @@ class FlashInferAttention:
             self.prefill.plan(csr["qo_indptr"], csr["kv_indptr"], csr["kv_indices"], csr["kv_last_page_len"],
                               *self.heads, meta.page_size, causal=True, **kw)
             self._wrapper = self.prefill
-        self.meta = meta
+        self.meta, self.slots = meta, KVSlots.of(meta.slot_pages, meta.slot_offsets)
         return self
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.pool.layer(layer)
-        write_kv(cache, self.meta.slot_pages, self.meta.slot_offsets, k, v)
+        append_kv(cache, k, v, self.slots)
         return self._wrapper.run(q.contiguous(), cache)
 
 
@@ -108,8 +111,8 @@ class GraphDecodeAttention:
         self.indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=dev)
         self.indices = torch.zeros(pool.num_pages + batch_size, dtype=torch.int32, device=dev)
         self.last_page_len = torch.ones(batch_size, dtype=torch.int32, device=dev)
-        self.slot_pages = torch.full((batch_size,), pool.scratch_page, dtype=torch.int64, device=dev)
-        self.slot_offsets = torch.zeros(batch_size, dtype=torch.int64, device=dev)
+        scratch = torch.full((batch_size,), pool.scratch_page, dtype=torch.int64, device=dev)
+        self.slots = KVSlots.of(scratch, torch.zeros_like(scratch))  # static: the graph holds their addresses
         self.wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(
             workspace, "NHD", use_cuda_graph=True, use_tensor_cores=_use_tensor_cores(num_qo_heads, num_kv_heads),
             paged_kv_indptr_buffer=self.indptr, paged_kv_indices_buffer=self.indices,
@@ -126,14 +129,14 @@ class GraphDecodeAttention:
         csr = pad_csr(meta.csr(), self.batch_size, self.pool.scratch_page)
         self.wrapper.plan(csr["kv_indptr"], csr["kv_indices"], csr["kv_last_page_len"], *self.heads,
                           meta.page_size, q_data_type=self.dtype, kv_data_type=self.dtype)
-        self.slot_pages[:b].copy_(meta.slot_pages, non_blocking=True)
-        self.slot_pages[b:].fill_(self.pool.scratch_page)
-        self.slot_offsets[:b].copy_(meta.slot_offsets, non_blocking=True)
-        self.slot_offsets[b:].zero_()
+        self.slots.pages[:b].copy_(meta.slot_pages, non_blocking=True)
+        self.slots.pages[b:].fill_(self.pool.scratch_page)
+        self.slots.offsets[:b].copy_(meta.slot_offsets, non_blocking=True)
+        self.slots.offsets[b:].zero_()
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.pool.layer(layer)
-        write_kv(cache, self.slot_pages, self.slot_offsets, k, v)
+        append_kv(cache, k, v, self.slots)
         return self.wrapper.run(q.contiguous(), cache)
 
 

@@ -14,8 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from hexrl.model.attention import CausalAttention
+from hexrl.model.ops import write_kv
 
-from .attention import StepMeta, write_kv
+from .attention import StepMeta
 from .pages import PagePool
 
 
