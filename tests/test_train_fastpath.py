@@ -4,13 +4,15 @@ that were removed or made optional."""
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hexrl.model.attention import CausalAttention, torch_varlen, varlen_function
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
-from hexrl.model.tiny import tiny_config
+from hexrl.model.tiny import make_tiny_model, tiny_config
 from hexrl.train.optim import AdamW, clip_divisor, global_grad_norm
-from hexrl.train.trainer import TrainConfig
+from hexrl.train.trainer import TrainConfig, Trainer
+from hexrl.trajectory import Trajectory
 
 LENS = [5, 1, 9, 3]
 
@@ -168,3 +170,34 @@ def test_gpu_fp32_logits_forward_and_backward():
     torch.testing.assert_close(out, F.linear(h.float(), model.lm_head.weight.float()), atol=1e-3, rtol=1e-3)
     out.sum().backward()
     assert h.grad is not None and model.lm_head.weight.grad is not None
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts `.item()`-style reads (aten._local_scalar_dense): each one is a host sync on a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.count, self.active = 0, True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += self.active and func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_training_step_reads_no_scalar_from_the_device(tmp_path):
+    path = make_tiny_model(tmp_path / "m", layers=2)
+    trainer = Trainer(path, {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]},
+                      TrainConfig(lr=1e-3, ppo_minibatches=2, micro_batch_tokens=16, grad_clip=0.1), device="cpu")
+    batch = [Trajectory(i // 2, [1, 2, 3 + i], [4 + i, 5, 6, 7], [-4.0] * 4, [0] * 4, reward=float(i % 2))
+             for i in range(6)]
+    reads, to_host = ScalarReads(), trainer._to_host
+
+    def one_copy(state):  # the step's device-to-host copy: what follows reads host tensors
+        reads.active = False
+        return to_host(state)
+
+    trainer._to_host = one_copy
+    with reads:
+        metrics = trainer.step(batch)
+    assert metrics["optimizer_steps"] == 2 and metrics["grad_norm"] > 0.1  # clipping engaged
+    assert not reads.active and reads.count == 0  # norm, clipping, skip and sums stay on the device

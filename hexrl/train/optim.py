@@ -30,6 +30,8 @@ class AdamW:
         if not all(m.is_contiguous() for m in masters):  # fused AdamW (torch 2.13, CPU) updates them wrongly
             raise ValueError("AdamW: every master weight must be contiguous (a TP shard of columns is a strided view)")
         self.master = masters
+        pairs = [(p, m) for p, m in zip(self.params, masters) if m is not p]
+        self._copies = ([p for p, _ in pairs], [m for _, m in pairs]) if pairs else None  # masters -> model
         self.lr, self.warmup_steps, self.steps = lr, warmup_steps, 0
         decay = [m for m in self.master if m.dim() >= 2]
         no_decay = [m for m in self.master if m.dim() < 2]
@@ -53,11 +55,11 @@ class AdamW:
         self.opt.grad_scale = divisor
         self.opt.found_inf = None if skip is None else skip.float()
         self.opt.step()
-        with torch.no_grad():
-            for p, m in zip(self.params, self.master):
-                m.grad = None
-                if m is not p:
-                    p.copy_(m)
+        for m in self.master:
+            m.grad = None
+        if self._copies:
+            with torch.no_grad():  # one multi-tensor launch, not one copy per parameter
+                torch._foreach_copy_(*self._copies)
         self.steps += 1
         return lr
 
@@ -81,8 +83,8 @@ def global_grad_norm(counted: list[torch.Tensor], group, device: torch.device) -
     tensor on the rank's compute `device` (also where nothing is counted, on DP replicas > 0:
     NCCL needs every rank's)."""
     sq = torch.zeros((), dtype=torch.float32, device=device)
-    for g in counted:
-        sq += g.float().pow(2).sum()
+    if counted:  # one multi-tensor kernel for every gradient's norm; nothing waits for the device
+        sq += torch.stack(torch._foreach_norm([g.float() for g in counted])).pow(2).sum()
     if group is not None:
         dist.all_reduce(sq, group=group)
     return sq.sqrt()

@@ -9,7 +9,8 @@ replica's pipeline group (hexrl/train/grid.py says why).
 from __future__ import annotations
 
 from collections import deque
-from typing import Callable
+from contextlib import nullcontext
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -55,12 +56,14 @@ def backward_step(x: torch.Tensor | None, y: torch.Tensor, grad: torch.Tensor | 
 
 
 def train_1f1b(n: int, forward: Callable, comm: PipeComm, stage: int, num_stages: int,
-               before_backward: Callable[[int], None] | None = None) -> None:
+               before_backward: Callable[[int], None] | None = None,
+               phase: Callable[[str], ContextManager] = lambda name: nullcontext()) -> None:
     """Run n micro-batches through this stage: warm-up forwards, one-forward-one-backward, cool-down.
 
     `forward(i, x)` gets the received activation (None on the first stage) and returns the
     stage output, or the micro-batch loss on the last stage. `before_backward(i)` runs before
-    each backward (the trainer turns gradient sync on for the last micro-batch).
+    each backward (the trainer turns gradient sync on for the last micro-batch); `phase("backward")`
+    wraps each backward (the trainer's timer).
     """
     warmup = min(num_stages - stage - 1, n)
     live = deque()  # (x, y) of forwarded micro-batches awaiting their backward, oldest first
@@ -69,7 +72,8 @@ def train_1f1b(n: int, forward: Callable, comm: PipeComm, stage: int, num_stages
         if before_backward is not None:
             before_backward(j)
         x, y = live.popleft()
-        return backward_step(x, y, grad)
+        with phase("backward"):
+            return backward_step(x, y, grad)
 
     for i in range(warmup):
         x = _track(comm.exchange(recv_act=i))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -38,6 +39,7 @@ from .linear_logprobs import CHUNK_ROWS, linear_logprobs
 from .loss import equal_reward_groups, group_advantages, ppo_terms
 from .optim import AdamW, clip_divisor, global_grad_norm
 from .packing import MicroBatch, check_trajectories, plan_step
+from .phases import PhaseTimer
 from .pipeline import PipeComm, forward_only, train_1f1b
 
 # No float16: its gradients underflow without a loss scaler, and bf16 needs none.
@@ -140,6 +142,7 @@ class Trainer:
         self.version = 0
         self.last_logprobs: dict[int, torch.Tensor] = {}  # batch index -> θ log-probs (last stage)
         self._norm_params = self._counted_params()
+        self.phases: PhaseTimer | None = None  # per-phase timing, off unless a caller sets one
         warm_up(self.grid.groups.values(), self.device)  # NCCL communicators before the first p2p
 
     def _load(self, path, dtype=torch.float32):
@@ -175,8 +178,9 @@ class Trainer:
         plans = [p for p in plan_step(trajectories, seqs, adv, c.ppo_minibatches, g.layout.dp, c.micro_batch_tokens)
                  if p.num_loss_tokens > 0]
         mine = [[mb.to(self.device) for mb in p.micro_batches[g.dp_rank]] for p in plans]
-        prox = self._forward_logprobs(self.model, mine) if c.decoupled else [[None] * len(m) for m in mine]
-        ref = self._forward_logprobs(self.ref_model, mine) if self.ref_model else [[None] * len(m) for m in mine]
+        with self._phase("proximal"):  # the forward-only passes: proximal and KL-reference log-probs
+            prox = self._forward_logprobs(self.model, mine) if c.decoupled else [[None] * len(m) for m in mine]
+            ref = self._forward_logprobs(self.ref_model, mine) if self.ref_model else [[None] * len(m) for m in mine]
         state = _StepState(torch.zeros(len(SUMS) + NUM_BINS, dtype=torch.float64, device=self.device))
         lr = self.optimizer.lr_at(self.optimizer.steps)
         for plan, mbs, p, r in zip(plans, mine, prox, ref):
@@ -226,33 +230,46 @@ class Trainer:
 
         def forward(i, x):
             mb = mbs[i]
-            h = self._run_stage(self.model, mb, x)
+            with self._phase("forward"):
+                h = self._run_stage(self.model, mb, x)
             if not g.is_last:
                 return h
-            logp, entropy = self._logprobs(self.model, h, mb, c.entropy_metric)
-            t = ppo_terms(logp, prox[i], mb.behav, mb.adv, c.clip_low, c.clip_high, c.behav_cap, c.decoupled,
-                          ref[i], c.kl_coef)
-            loss = t.loss.sum() / num_tokens
-            with torch.no_grad():  # everything stays on the device: one copy at the end of the step
-                ent = entropy.double().sum() if entropy is not None else loss.new_zeros((), dtype=torch.float64)
-                n_loss = loss.new_tensor(float(mb.num_loss_tokens), dtype=torch.float64)
-                w = t.w.double()
-                state.sums[:len(SUMS)] += torch.stack([loss.double(), n_loss, *(x.double().sum() for x in (
-                    t.clipped, t.capped, t.w, t.kl)), ent, (w * w).sum()])
-                state.sums[len(SUMS):] += log_w_counts(w)
-                for seq, lp in zip(mb.seqs, logp.detach().split(mb.completion_lens)):
-                    state.logprobs[seq] = lp
-            return loss
+            with self._phase("logprob"):
+                return self._loss(mb, h, prox[i], ref[i], num_tokens, state)
 
         def before_backward(j):
             self.grads.sync = j == len(mbs) - 1  # all-reduce only once all micro-batches accumulated
 
-        train_1f1b(len(mbs), forward, self._comm(mbs), g.stage, g.layout.pp, before_backward)
-        self.grads.wait()
-        self._sum_tied_grads()
-        norm = global_grad_norm([p.main_grad for p in self._norm_params], g.trainer_group, self.device)
-        state.norms.append(norm)  # a non-finite gradient skips the update (counted in the metrics)
-        return self.optimizer.step(clip_divisor(norm, c.grad_clip), skip=~torch.isfinite(norm))
+        train_1f1b(len(mbs), forward, self._comm(mbs), g.stage, g.layout.pp, before_backward, self._phase)
+        with self._phase("optimizer"):
+            self.grads.wait()
+            self._sum_tied_grads()
+            norm = global_grad_norm([p.main_grad for p in self._norm_params], g.trainer_group, self.device)
+            state.norms.append(norm)  # a non-finite gradient skips the update (counted in the metrics)
+            return self.optimizer.step(clip_divisor(norm, c.grad_clip), skip=~torch.isfinite(norm))
+
+    def _phase(self, name: str):
+        """Time a phase of the step when `self.phases` (a PhaseTimer, e.g. bench_train's) is set."""
+        return self.phases(name) if self.phases is not None else nullcontext()
+
+    def _loss(self, mb: MicroBatch, h: torch.Tensor, prox, ref, num_tokens: int, state: _StepState) -> torch.Tensor:
+        """The micro-batch's share of the loss from last-stage hidden states; its metric sums and θ
+        log-probs go to `state` on the device."""
+        c = self.config
+        logp, entropy = self._logprobs(self.model, h, mb, c.entropy_metric)
+        t = ppo_terms(logp, prox, mb.behav, mb.adv, c.clip_low, c.clip_high, c.behav_cap, c.decoupled,
+                      ref, c.kl_coef)
+        loss = t.loss.sum() / num_tokens
+        with torch.no_grad():  # everything stays on the device: one copy at the end of the step
+            ent = entropy.double().sum() if entropy is not None else loss.new_zeros((), dtype=torch.float64)
+            n_loss = loss.new_full((), float(mb.num_loss_tokens), dtype=torch.float64)  # a fill, not a copy
+            w = t.w.double()
+            state.sums[:len(SUMS)] += torch.stack([loss.double(), n_loss, *(x.double().sum() for x in (
+                t.clipped, t.capped, t.w, t.kl)), ent, (w * w).sum()])
+            state.sums[len(SUMS):] += log_w_counts(w)
+            for seq, lp in zip(mb.seqs, logp.detach().split(mb.completion_lens)):
+                state.logprobs[seq] = lp
+        return loss
 
     def _run_stage(self, model, mb: MicroBatch, x: torch.Tensor | None) -> torch.Tensor:
         """This stage's layers on a micro-batch (token ids on the first stage, else activations)."""

@@ -8,8 +8,12 @@ Random weights (a temporary HF checkpoint), equal-length synthetic trajectories,
 default (`--decoupled` adds the proximal forward pass, and its FLOPs). Model FLOPs per step:
 6 x (matmul parameters per token) x tokens for the decoder layers, 6 x V x H per completion
 token for the lm_head (logits are only computed where a completion token is predicted), and
-causal attention 3 x 2 x n^2 x heads x head_dim per layer for a sequence of n tokens. Prints:
-    MFU  <achieved TFLOP/s> / <peak TFLOP/s> = <ratio>   ...
+causal attention 3 x 2 x n^2 x heads x head_dim per layer for a sequence of n tokens. Prints, per config:
+    [plain] MFU  <achieved TFLOP/s> / <peak TFLOP/s> = <ratio>   ...
+    [plain] phases forward .. logprob .. backward .. proximal .. optimizer .. host ..
+(CUDA events on a GPU, perf_counter on the CPU; "host" is the wall time no phase covers; the
+log-prob phase is the lm_head + log-prob forward, its backward is in "backward").
+    python tools/bench/bench_train.py --configs plain,decoupled,decoupled+checkpointing   # one process
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ from hexrl.model.checkpoint import save_state_dict  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.model.decoder import Decoder  # noqa: E402
 from hexrl.train import TrainConfig, Trainer  # noqa: E402
+from hexrl.train.phases import PhaseTimer  # noqa: E402
 from hexrl.trajectory import Trajectory  # noqa: E402
 
 SHAPES = {
@@ -99,6 +104,40 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+CONFIGS = {"plain": {}, "decoupled": {"decoupled": True}, "checkpointing": {"checkpointing": True},
+           "decoupled+checkpointing": {"decoupled": True, "checkpointing": True}}
+
+
+def run_config(a, name: str, model_dir: Path, cfg: ModelConfig, device: torch.device, peak: float) -> None:
+    """Time `a.steps` steps of one config (after a warm-up step) and print MFU, memory and the phases."""
+    opts = {"decoupled": a.decoupled, "checkpointing": a.checkpointing} | CONFIGS[name]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer = Trainer(model_dir, {"dp": 1, "stages": [{"tp": 1, "layers": [0, cfg.num_hidden_layers]}]},
+                      TrainConfig(lr=1e-6, micro_batch_tokens=a.micro_batch_tokens, decoupled=opts["decoupled"],
+                                  activation_checkpointing=opts["checkpointing"], filter_equal_groups=False,
+                                  logprob_chunk_rows=a.chunk_rows), device=device)
+    batch = make_batch(cfg, a.seqs, a.prompt_len, a.completion_len)
+    trainer.step(batch)  # warm-up: kernels compiled, allocator filled
+    trainer.phases = PhaseTimer(device)
+    for _ in range(a.steps):
+        with trainer.phases.step():
+            trainer.step(batch)
+    phases = {k: v / a.steps for k, v in trainer.phases.read().items()}
+    seconds = sum(phases.values())  # the steps' wall time: the phases plus the uncovered "host" share
+    flops = step_flops(cfg, batch, opts["decoupled"])
+    tokens = sum(t.num_tokens - 1 for t in batch)
+    cuda = device.type == "cuda"
+    mem = f"  peak mem {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if cuda else ""
+    print(f"[{name}] {a.shape} on {torch.cuda.get_device_name(device) if cuda else 'cpu'}: {tokens} tokens/step, "
+          f"{seconds * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tokens/s, {cfg.num_params / 1e6:,.1f}M params{mem}")
+    print(f"[{name}] MFU  {flops / seconds / 1e12:.4g} TFLOP/s / {peak / 1e12:.4g} TFLOP/s measured matmul peak = "
+          f"{flops / seconds / peak:.1%}")
+    print(f"[{name}] phases " + "  ".join(f"{k} {v * 1e3:.1f} ms ({v / seconds:.0%})" for k, v in phases.items()))
+    del trainer
+
+
 def main() -> None:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -107,34 +146,23 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=256 if cuda else 16)
     p.add_argument("--completion-len", type=int, default=768 if cuda else 48)
     p.add_argument("--micro-batch-tokens", type=int, default=8192 if cuda else 256)
+    p.add_argument("--chunk-rows", type=int, default=1024, help="lm_head + log-prob rows at a time")
     p.add_argument("--steps", type=int, default=3 if cuda else 2)
     p.add_argument("--decoupled", action="store_true", help="decoupled PPO: adds the proximal forward pass")
     p.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    p.add_argument("--configs", default="plain",
+                   help=f"comma-separated, run one after another in this process: {', '.join(CONFIGS)}")
     a = p.parse_args()
+    names = a.configs.split(",")
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        p.error(f"--configs: unknown {', '.join(unknown)} (known: {', '.join(CONFIGS)})")
     device = torch.device("cuda" if cuda else "cpu")
     with tempfile.TemporaryDirectory() as tmp:
         cfg = write_random_checkpoint(a.shape, Path(tmp) / "model", device)
-        trainer = Trainer(Path(tmp) / "model", {"dp": 1, "stages": [{"tp": 1, "layers": [0, cfg.num_hidden_layers]}]},
-                          TrainConfig(lr=1e-6, micro_batch_tokens=a.micro_batch_tokens, decoupled=a.decoupled,
-                                      activation_checkpointing=a.checkpointing, filter_equal_groups=False),
-                          device=device)
-    batch = make_batch(cfg, a.seqs, a.prompt_len, a.completion_len)
-    peak = matmul_peak(device)
-    trainer.step(batch)  # warm-up: kernels compiled, allocator filled
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(a.steps):
-        trainer.step(batch)
-    sync(device)
-    seconds = (time.perf_counter() - t0) / a.steps
-    flops = step_flops(cfg, batch, a.decoupled)
-    tokens = sum(t.num_tokens - 1 for t in batch)
-    mem = f"  peak mem {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if cuda else ""
-    name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    print(f"{a.shape} on {name}: {tokens} tokens/step, {seconds * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tokens/s,"
-          f" {cfg.num_params / 1e6:,.1f}M params{mem}")
-    print(f"MFU  {flops / seconds / 1e12:.4g} TFLOP/s / {peak / 1e12:.4g} TFLOP/s measured matmul peak = "
-          f"{flops / seconds / peak:.1%}")
+        peak = matmul_peak(device)
+        for name in names:
+            run_config(a, name, Path(tmp) / "model", cfg, device, peak)
 
 
 if __name__ == "__main__":
