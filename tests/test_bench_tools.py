@@ -141,3 +141,14 @@ def test_gpu_check_script_is_valid_bash():
     for stage in ("pytest -m gpu", "bench_kernels.py", "compare_cost_model.py", "bench_sampling.py",
                   "bench_rollout.py"):
         assert stage in text
+
+
+def test_bench_fused_prints_split_and_fused_side_by_side(monkeypatch, capsys):
+    import bench_fused
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch sampling path, as bench_kernels above
+    assert bench_fused.main(["--batch", "2", "--context", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "split" in out and "fused, torch" in out
+    row = [line.split() for line in out.splitlines() if line.split()[:1] == ["2"]]
+    assert len(row) == 1 and len(row[0]) == 3 and all(float(ms) > 0 for ms in row[0][1:])

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a lent GPU should run, in one device call (issue 8):
 #   install the carried wheels -> versions -> bench_kernels (writes profiles/<gpu>.json)
-#   -> compare_cost_model -> pytest -m gpu -> bench_sampling -> bench_train (if present) -> bench_rollout.
+#   -> compare_cost_model -> pytest -m gpu -> bench_sampling -> bench_train (if present) -> bench_rollout -> bench_fused.
 # Here, once: `bash tools/prepare_device_wheels.sh` (fills .whl/). On the device:
 #   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # The device kills a command at 600 s, so every stage runs under its own cap and a global deadline
@@ -16,7 +16,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
 QUICK=${QUICK:-0}
-STAGES=${STAGES:-all}  # or a subset: "wheels versions kernels compare pytest sampling train rollout"
+STAGES=${STAGES:-all}  # or a subset: "wheels versions kernels compare pytest sampling train rollout fused"
 BUDGET_S=${BUDGET_S:-550}
 PY=${PYTHON:-python3}
 START=$(date +%s)
@@ -104,6 +104,8 @@ main() {
     stage bench_train 90 $PY tools/bench/bench_train.py "${train[@]}"
   fi
   want rollout && stage bench_rollout 300 $PY tools/bench/bench_rollout.py "${rollout[@]}"
+  # issue 34: split vs fused weights vs fused + FlashInfer kernels, per decode step (last: runs if time is left)
+  want fused && stage bench_fused 150 $PY tools/bench/bench_fused.py
 
   [[ -n $profile ]] && cp "$profile" "$OUT/"
   rm -f "$marker"
