@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory(prefix="hexrl-generate-") as scratch:
             path = model_dir(args.model, Path(scratch))
             tokenizer = load_tokenizer(path)
-            model = load_pretrained(path, dtype=dtype, device=args.device)
+            model = load_pretrained(path, dtype=dtype, device=args.device, fused=True)  # the engine's layout
         engine = Engine(model, EngineConfig(page_size=args.page_size, max_pages=args.max_pages), tokenizer=tokenizer)
         requests = [Request(i, tokenizer.encode(text), max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed + i)

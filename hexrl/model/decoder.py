@@ -209,6 +209,8 @@ class Decoder(nn.Module):
                 layer.self_attn.fuse()
                 layer.mlp.fuse()
             self.fused = True
+            if next(self.parameters()).is_cuda:
+                torch.cuda.empty_cache()  # the split tensors' blocks: a KV pool sized from free memory counts them
         return self
 
     def reset_rotary(self) -> None:

@@ -242,7 +242,7 @@ def run_rollout(ctx: RankContext) -> None:
     tp = TPGroup(ctx.replica_group, tp_rank, replica.tp) if replica.tp > 1 else None
     knobs = replica.knobs
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[knobs.dtype]
-    model = load_pretrained(job.model.path, dtype=dtype, tp=tp, device=ctx.device)
+    model = load_pretrained(job.model.path, dtype=dtype, tp=tp, device=ctx.device, fused=True)  # fused on the host
     tokenizer = load_tokenizer(job.model.path)
     check_kv_room(model, knobs, replica.id, ctx.device)
     config = EngineConfig(page_size=knobs.page_size, max_pages=knobs.kv_pages, max_batch_tokens=knobs.max_batch_tokens,
