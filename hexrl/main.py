@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from hexrl.runtime import affinity, dist_rules
 from hexrl.runtime.context import RankContext
+from hexrl.runtime.files import set_run_umask
 from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
 from hexrl.runtime.preflight import Inputs, check_inputs
 from hexrl.runtime.watchdog import Watchdog, describe_exception
@@ -83,11 +84,13 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     validated against this world before any collective; exits 2 with every problem."""
     try:
         plan = load_plan(path, world=(world, local_world))
-        inputs = check_inputs(plan.job, resume)
+        inputs = check_inputs(plan.job, resume, plan.trainer.to_dict())
         if problems := (address_problems(plan) + inputs.problems + affinity.core_problems(plan.job.cpu_affinity)):
             raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         refuse(rank, str(e))
+    for note in inputs.notes if rank == 0 else []:
+        print(f"hexrl.main: {note}", file=sys.stderr, flush=True)
     if steps is not None:
         plan.job.rl.steps = steps
     return plan, inputs
@@ -149,6 +152,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
     plan, inputs = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
+    set_run_umask(plan.job.share_run_dir)  # before this rank writes anything
     pinning = affinity.pin(plan.job.cpu_affinity, local_rank)  # before any thread or child process starts
     print(affinity.describe(rank, plan.ranks[rank].role, pinning), flush=True)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)

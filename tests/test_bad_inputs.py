@@ -2,6 +2,7 @@
 any rank starts: a binary job file, prompts the tokenizer cannot encode, empty or all-bad datasets,
 a corrupt checkpoint to resume from, a garbage tokenizer file."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -72,6 +73,11 @@ def test_a_run_with_a_bad_prompt_trains_on_the_others(tmp_path):
     assert "skipped 1 training prompts" in out
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and 5 not in {i for r in rows for i in r["problem_ids"]}
+    # issue 35, item 10: the run directory is private (0700, its files 0600) unless the job shares it
+    run = [tmp_path / "run", *(tmp_path / "run").rglob("*")]
+    modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in run}
+    assert modes["run"] == 0o700 and modes["run/metrics.jsonl"] == 0o600, modes
+    assert any("checkpoints" in p for p in modes) and set(modes.values()) <= {0o700, 0o600}, modes
 
 
 @pytest.mark.parametrize("records, why", [([], "is empty"), ([BAD, BAD | {"prompt": "ÄÖ"}], "none of its 2")])
@@ -131,3 +137,150 @@ def test_torn_shard_is_named_at_load_too(tmp_path):
     truncate(d / "model-s0-tp0.pt")
     with pytest.raises(ValueError, match="model-s0-tp0.pt: corrupt or truncated"):
         ckpt._torch_load(d / "model-s0-tp0.pt")
+
+
+# ----------------------------------------------------------------------------- issue 35 (reliability, round 3)
+
+
+def layout_files(layout: dict) -> list[str]:
+    """The files a checkpoint saved with `layout` holds (hexrl/train/checkpoint.py's module doc)."""
+    return [f for s, st in enumerate(layout["stages"]) for t in range(st["tp"])
+            for f in [f"model-s{s}-tp{t}.pt"] + [f"rng-s{s}-dp{d}-tp{t}.pt" for d in range(layout["dp"])]]
+
+
+def layout_checkpoint(root: Path, version: int, plan_trainer: dict, skip: tuple[str, ...] = ()) -> Path:
+    """A checkpoint step saved with the plan's trainer layout, every file present but `skip`."""
+    d = root / f"step{version:08d}"
+    d.mkdir(parents=True)
+    for name in layout_files(plan_trainer):
+        if name not in skip:
+            torch.save({"w": torch.zeros(3)}, d / name)
+    (d / "meta.json").write_text(json.dumps({"version": version, "layout": plan_trainer}))
+    (d / "extra.json").write_text(json.dumps({"step": version}))
+    (root / "latest").write_text(d.name)
+    return d
+
+
+@pytest.mark.parametrize("missing", ["model-s0-tp0.pt", "rng-s0-dp1-tp0.pt"])
+def test_an_incomplete_step_is_named_and_resume_falls_back(tmp_path, capsys, missing):
+    """Item 6: a step lacking a file its layout implies is not resumed from: preflight names the
+    file; given the root, the run resumes from the previous complete step and says so."""
+    plan = write_job(tmp_path, steps=1)
+    trainer = json.loads(plan.read_text())["trainer"]
+    assert layout_files(trainer) == ckpt.expected_files(trainer) == [
+        "model-s0-tp0.pt", "rng-s0-dp0-tp0.pt", "rng-s0-dp1-tp0.pt"]
+    root = tmp_path / "ck"
+    layout_checkpoint(root, 1, trainer)
+    step2 = layout_checkpoint(root, 2, trainer, skip=(missing,))
+    found = ckpt.problems(step2)  # the step named directly: refused, naming the file
+    assert len(found) == 1 and str(step2) in found[0] and missing in found[0], found
+    with pytest.raises(SystemExit) as e:
+        load_checked_plan(str(plan), 0, 3, 3, None, resume=str(step2))
+    assert e.value.code == 2 and missing in capsys.readouterr().err
+    assert ckpt.problems(root, trainer) == []  # the root: its newest complete step
+    load_checked_plan(str(plan), 0, 3, 3, None, resume=str(root))
+    err = capsys.readouterr().err
+    assert "step00000002 is incomplete" in err and missing in err and "resuming from step00000001" in err, err
+
+
+def test_resume_with_other_stages_is_refused_before_launch(tmp_path, capsys):
+    plan = write_job(tmp_path, steps=1)
+    trainer = json.loads(plan.read_text())["trainer"]
+    other = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}, {"tp": 1, "layers": [2, 4]}]}
+    layout_checkpoint(tmp_path / "ck", 1, other)
+    assert ckpt.problems(tmp_path / "ck") == []  # whole, for its own layout
+    found = ckpt.problems(tmp_path / "ck", trainer)
+    assert len(found) == 1 and "saved with stages" in found[0], found
+
+
+def damage_header(path: Path) -> None:
+    path.write_bytes((10 ** 15).to_bytes(8, "little") + path.read_bytes()[8:])
+
+
+@pytest.mark.parametrize("damage, why", [(truncate, "truncated"), (damage_header, "header length 1000000000000000"),
+                                         (lambda p: p.write_bytes(b"\x05"), "header length -1")])
+def test_a_broken_safetensors_file_is_refused_at_plan_time(tmp_path, damage, why):
+    """Item 7: each header and data extent is checked against the file size, naming the file."""
+    job = job_with_data(tmp_path, GOOD)
+    weights = tmp_path / "model" / "model.safetensors"
+    damage(weights)
+    res = plan_cli(job, tmp_path / "plan.json")
+    assert res.returncode == 2 and str(weights) in res.stderr and why in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "plan.json").exists()
+
+
+def safetensors_file(path: Path, header: dict, data: bytes) -> Path:
+    raw = json.dumps(header).encode()
+    path.write_bytes(len(raw).to_bytes(8, "little") + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("entry, why", [
+    ({"dtype": "F32", "shape": [3], "data_offsets": [0, 12]}, None),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}, "shape [4] needs 16"),
+    ({"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}, "ends at data byte 16, the file holds 12"),
+    ({"dtype": "F33", "shape": [3], "data_offsets": [0, 12]}, "malformed entry"),
+    ({"dtype": "F32", "shape": [-3], "data_offsets": [0, 12]}, "malformed entry"),
+])
+def test_safetensors_header_checks_name_the_tensor(tmp_path, entry, why):
+    from hexrl.model.safetensors_header import header_problems
+    f = safetensors_file(tmp_path / "w.safetensors", {"__metadata__": {"format": "pt"}, "w": entry}, bytes(12))
+    found = header_problems(f)
+    if why is None:
+        assert found == []
+    else:
+        assert len(found) == 1 and f"{f}: tensor 'w'" in found[0] and why in found[0], found
+
+
+def test_a_deeply_nested_job_file_is_named_not_a_traceback(tmp_path):
+    """Item 8."""
+    job = tmp_path / "job.json"
+    job.write_text("[" * 100000 + "]" * 100000)
+    res = plan_cli(job, tmp_path / "plan.json")
+    assert res.returncode == 2 and str(job) in res.stderr and "nested too deeply" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and "RecursionError" not in res.stderr
+
+
+def preset_job(tmp: Path, data: str) -> Path:
+    job = {"name": "t", "model": {"preset": "tiny"}, "data": {"path": data},
+           "rl": {"batch_size": 2, "group_size": 2, "max_new_tokens": 3, "steps": 2},
+           "cluster": {"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 3}]},
+           "layout": {"train_gpus": 2, "dp": 2}}
+    (tmp / "job.json").write_text(json.dumps(job))
+    return tmp / "job.json"
+
+
+def test_a_preset_job_with_an_empty_dataset_is_refused(tmp_path):
+    """Item 9: no tokenizer to encode prompts with, yet the dataset must hold problems."""
+    (tmp_path / "data.jsonl").write_text("")
+    res = plan_cli(preset_job(tmp_path, "data.jsonl"), tmp_path / "plan.json")
+    assert res.returncode == 2 and "data.path" in res.stderr and "data.jsonl" in res.stderr, res.stderr
+    (tmp_path / "data.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
+    assert plan_cli(preset_job(tmp_path, "data.jsonl"), tmp_path / "plan.json").returncode == 0
+
+
+def test_a_missing_dataset_is_a_loud_warning_at_plan_time(tmp_path):
+    """Item 9: the planner may run where the data is not (it is read at run time): it warns,
+    naming the file; the shipped paper configs say so too (data/deepscaler.jsonl is not shipped)."""
+    res = plan_cli(preset_job(tmp_path, "nowhere.jsonl"), tmp_path / "plan.json")
+    assert res.returncode == 0 and "WARNING" in res.stderr and str(tmp_path / "nowhere.jsonl") in res.stderr
+    paper = ROOT / "tools" / "configs" / "paper_1.5b_h800.json"
+    res = plan_cli(paper, tmp_path / "paper_plan.json")
+    assert res.returncode == 0 and "WARNING" in res.stderr and "deepscaler.jsonl" in res.stderr, res.stderr
+
+
+def test_run_umask_follows_share_run_dir(tmp_path):
+    """Item 10 (the run itself: test_a_run_with_a_bad_prompt_trains_on_the_others)."""
+    from hexrl.runtime.files import set_run_umask
+    old = os.umask(0o022)
+    try:
+        for share, dmode, fmode in ((False, 0o700, 0o600), (True, 0o755, 0o644)):
+            set_run_umask(share)
+            d = tmp_path / f"run-{share}"
+            d.mkdir()
+            (d / "metrics.jsonl").write_text("{}\n")
+            assert (d.stat().st_mode & 0o777, (d / "metrics.jsonl").stat().st_mode & 0o777) == (dmode, fmode)
+    finally:
+        os.umask(old)
+    assert load_job(json.loads(preset_job(tmp_path, "x.jsonl").read_text()) | {"share_run_dir": True},
+                    check_paths=False).share_run_dir

@@ -14,11 +14,10 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
-from pathlib import Path
 
 from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
-from hexrl.runtime.preflight import check_inputs
+from hexrl.runtime.preflight import plan_time_checks
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.schema.fields import plural
 
@@ -55,8 +54,9 @@ def plan_main(argv) -> int:
     args = ap.parse_args(argv)
     try:
         job = load_job(args.job, check_paths=False)
-        here = job.data.synthetic or (job.data.path and Path(job.data.path).is_file())
-        problems = check_inputs(job).problems if here else []  # tokenize every prompt where the data is
+        problems, warnings = plan_time_checks(job)  # every prompt tokenized where the data is
+        for warning in warnings:
+            print(warning, file=sys.stderr)
         if problems:
             raise ConfigError(problems, "invalid job")
         plan = plan_job(job, args.baseline or "two-phase", use_profiles=not args.no_profiles)

@@ -504,7 +504,7 @@ def _read_layout(r: Reader, d) -> dict | None:
 # ----------------------------------------------------------------------------- job
 
 _JOB_KEYS = {"name", "model", "data", "reward", "rl", "workload", "cluster", "prices", "budget",
-             "layout", "runtime", "out_dir", "extra", "cpu_affinity"}
+             "layout", "runtime", "out_dir", "extra", "cpu_affinity", "share_run_dir"}
 
 
 @dataclass
@@ -523,6 +523,7 @@ class Job:
     out_dir: str = "runs/hexrl"
     extra: dict = field(default_factory=dict)  # free-form, passed through untouched
     cpu_affinity: CpuAffinity | None = None  # cores per local rank (hexrl/schema/affinity.py); None: not pinned
+    share_run_dir: bool = False  # False: the run directory is 0700 and its files 0600 (umask 077)
 
     def price_per_hour(self) -> float:
         return sum(self.prices[n.gpu_type] * n.gpus for n in self.cluster.nodes)
@@ -543,6 +544,8 @@ class Job:
             d["extra"] = self.extra
         if self.cpu_affinity is not None:
             d["cpu_affinity"] = self.cpu_affinity.to_dict()
+        if self.share_run_dir:
+            d["share_run_dir"] = True
         return d
 
 
@@ -560,6 +563,8 @@ def read_source(path_or_dict, what: str) -> tuple[dict, Path]:
                           f"invalid {what}") from None
     except json.JSONDecodeError as e:
         raise ConfigError([f"{p}: not valid JSON: {e}"], f"invalid {what}") from None
+    except RecursionError:  # e.g. "[" * 100000: no job nests that deep
+        raise ConfigError([f"{p}: nested too deeply to be a {what} file"], f"invalid {what}") from None
     if not isinstance(d, dict):
         raise ConfigError([f"{p}: must hold a JSON object"], f"invalid {what}")
     return d, p.resolve().parent
@@ -589,10 +594,11 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
         r.bad("rl.max_new_tokens", f"prompt_len {workload.prompt_len} + max_new_tokens {rl.max_new_tokens} "
               f"exceeds the model's max_position_embeddings {model.config.max_position_embeddings}")
     affinity = read_affinity(r, d.get("cpu_affinity"), cluster.gpus_per_node)
+    share = r.boolean(d, "share_run_dir", "job", False)
     if r.problems:
         return None
     return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra,
-               affinity)
+               affinity, share)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:

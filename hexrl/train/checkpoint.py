@@ -227,16 +227,34 @@ def _torch_load(path: Path, **kw):
         raise CheckpointError(f"{path}: corrupt or truncated ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def problems(path: str | os.PathLike) -> list[str]:
-    """Why the checkpoint at `path` (a root or one checkpoint) cannot be resumed from; cheap (reads
-    the JSON files and each .pt file's zip directory, not the tensors), so it runs before launch."""
+def expected_files(layout) -> list[str]:
+    """The shard and RNG files of a checkpoint saved with `layout` (its meta.json's "layout");
+    ValueError when that is malformed."""
     try:
-        path = resolve(path)
+        dp, stages = int(layout["dp"]), [int(st["tp"]) for st in layout["stages"]]
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"layout {str(layout)[:200]} is malformed ({type(e).__name__}: {e})") from None
+    return [f for s, tp in enumerate(stages) for t in range(tp)
+            for f in [f"model-s{s}-tp{t}.pt"] + [f"rng-s{s}-dp{d}-tp{t}.pt" for d in range(dp)]]
+
+
+def incomplete(path: Path) -> list[str]:
+    """Why the checkpoint directory `path` is not whole: its JSON files, then every shard and RNG
+    file its saved layout implies, each present and with a readable zip directory (a torn file
+    loses it). Cheap: reads no tensor."""
+    try:
         meta, _ = _read_json_file(path / "meta.json"), _read_json_file(path / "extra.json")
-    except (FileNotFoundError, CheckpointError) as e:
+    except CheckpointError as e:
         return [str(e)]
     out = [f"{path / 'meta.json'}: corrupt, lacks {k!r}" for k in ("version", "layout") if k not in meta]
-    for f in sorted(path.glob("*.pt")):
+    try:
+        names = expected_files(meta.get("layout")) if not out else []
+    except ValueError as e:
+        return out + [f"{path / 'meta.json'}: {e}"]
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        out.append(f"{path}: incomplete, lacks {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
+    for f in sorted({path / n for n in names if n not in missing} | set(path.glob("*.pt"))):
         try:
             with zipfile.ZipFile(f) as z:  # torch.save writes a zip; a torn file loses its directory
                 z.infolist()
@@ -245,10 +263,47 @@ def problems(path: str | os.PathLike) -> list[str]:
     return out
 
 
+def resolve_complete(path: str | os.PathLike) -> tuple[Path, list[str]]:
+    """(the checkpoint directory to resume from, notes). A root's `latest` names it, unless that
+    step is incomplete: then the newest complete step in the root, with a note saying which was
+    passed over and why. A step directory named directly is used as it is; so is `latest`'s when
+    no step is complete (its problems are then the ones reported)."""
+    path = Path(path)
+    if not (path / LATEST).is_file():
+        return resolve(path), []
+    named = path / (path / LATEST).read_text().strip()
+    steps = sorted((p for p in path.glob("step*") if p.is_dir() and _version_key(p)[0] >= 0),
+                   key=_version_key, reverse=True)
+    notes = []
+    for step in [named] + [p for p in steps if p != named]:
+        why = incomplete(step) if step.is_dir() else [f"{step}: missing"]
+        if not why:
+            return step, notes
+        notes.append(f"{step.name} is incomplete ({'; '.join(why)[:300]})")
+    return resolve(path), []
+
+
+def problems(path: str | os.PathLike, layout: dict | None = None) -> list[str]:
+    """Why the checkpoint at `path` (a root or one checkpoint) cannot be resumed from, by a trainer
+    with `layout` (a TrainerLayout.to_dict(); None: any). Cheap (reads the JSON files and each .pt
+    file's zip directory, not the tensors), so it runs before launch on every rank."""
+    try:
+        path, _ = resolve_complete(path)
+    except FileNotFoundError as e:
+        return [str(e)]
+    out = incomplete(path)
+    if not out and layout is not None:
+        have = _read_json_file(path / "meta.json")["layout"]
+        if have.get("stages") != layout["stages"]:
+            out.append(f"{path}: saved with stages {have.get('stages')}, this plan's trainer has {layout['stages']}; "
+                       "resume needs the same stages (the DP degree may differ)")
+    return out
+
+
 def load(path: str | os.PathLike, grid: Grid) -> tuple[dict, dict | None, dict, dict]:
     """(shard of this (stage, tp) slot on the CPU, this rank's RNG state or None, meta, extra) of the
-    checkpoint at `path`."""
-    path = resolve(path)
+    checkpoint at `path` (a root: its newest complete step, see resolve_complete)."""
+    path, _ = resolve_complete(path)
     meta = _read_json_file(path / "meta.json")
     want, have = grid.layout.to_dict(), meta.get("layout")
     if not isinstance(have, dict) or want["stages"] != have.get("stages"):
