@@ -122,6 +122,102 @@ def test_requests_past_the_rope_table_are_refused(tmp_path):
     engine.add(Request("fits", [5] * 100, max_new_tokens=4096 - 100, temperature=0.0))
 
 
+class FakeFlashInfer:
+    """FlashInfer's five calls as documented (and as their kernels index), in torch, with the argument
+    checks their C++ side makes: exercises our call sites on CPU (in-place aliasing, argument order,
+    the one-page-per-token KV append), counting calls."""
+
+    def __init__(self):
+        self.calls = {}
+
+    def _count(self, name):
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def rmsnorm(self, x, w, eps):
+        self._count("rmsnorm")
+        assert x.dim() == 2 and x.is_contiguous()
+        return ref_rms_norm(x, w, eps).to(x.dtype)
+
+    def fused_add_rmsnorm(self, x, residual, w, eps):
+        self._count("fused_add_rmsnorm")
+        assert x.is_contiguous() and residual.is_contiguous() and x.data_ptr() != residual.data_ptr()
+        residual.add_(x)
+        x.copy_(ref_rms_norm(residual, w, eps))
+
+    def silu_and_mul(self, x):
+        self._count("silu_and_mul")
+        d = x.shape[-1] // 2
+        return F.silu(x[..., :d]) * x[..., d:]
+
+    def apply_rope_with_cos_sin_cache_inplace(self, positions, query, key, head_size, cache, is_neox=True):
+        self._count("rope")
+        assert is_neox and cache.dtype == torch.float32 and cache.is_contiguous() and positions.is_contiguous()
+        half = cache.shape[1] // 2
+        cos, sin = cache[positions, None, :half], cache[positions, None, half:]
+        for x in (query, key):
+            assert x.stride(-1) == 1
+            h = x.view(x.shape[0], -1, head_size)
+            x1, x2 = h[..., :half].clone(), h[..., half:].clone()
+            h[..., :half], h[..., half:] = x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    def append_paged_kv_cache(self, k, v, batch_indices, positions, cache, indices, indptr, last_page_len,
+                              kv_layout="NHD"):
+        self._count("append")
+        ints = (batch_indices, positions, indices, indptr, last_page_len)
+        assert kv_layout == "NHD" and all(t.dtype == torch.int32 and t.is_contiguous() for t in ints)
+        assert len(indptr) == len(last_page_len) + 1 and len(batch_indices) == len(positions) == k.shape[0]
+        page_size = cache.shape[2]
+        for i, (b, pos) in enumerate(zip(batch_indices.tolist(), positions.tolist())):
+            page = indices[indptr[b] + pos // page_size]  # the kernel: indptr[b] * page_size + pos, divmod
+            cache[page, 0, pos % page_size], cache[page, 1, pos % page_size] = k[i], v[i]
+
+
+@pytest.fixture
+def fake_flashinfer(monkeypatch):
+    fake = FakeFlashInfer()
+    monkeypatch.setattr(ops, "_flashinfer", lambda: fake)
+    monkeypatch.setattr(ops, "use_flashinfer", lambda x: ops.FLASHINFER and not torch.is_grad_enabled())
+    return fake
+
+
+def test_the_flashinfer_call_sites_against_a_fake_with_its_semantics(fake_flashinfer, tmp_path):
+    path = make_tiny_model(tmp_path / "m", tie=False)
+    model = load_pretrained(path, fused=True)
+    ids = torch.randint(3, 64, (2, 7), generator=G)
+    with torch.no_grad():
+        want = load_pretrained(path)(ids)
+        got = model(ids)
+    layers = model.cfg.num_hidden_layers
+    assert fake_flashinfer.calls == {"rmsnorm": 1, "fused_add_rmsnorm": 2 * layers, "rope": layers,
+                                     "silu_and_mul": layers}
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    cache = torch.zeros(6, 2, 4, 2, 8)
+    pages, offsets = torch.tensor([3, 0, 3, 5]), torch.tensor([1, 2, 3, 0])
+    k, v = rand(4, 2, 8), rand(4, 2, 8)
+    with torch.no_grad():
+        ops.append_kv(cache, k, v, ops.KVSlots.of(pages, offsets))
+    assert fake_flashinfer.calls["append"] == 1
+    want_cache = torch.zeros_like(cache)
+    ops.write_kv(want_cache, pages, offsets, k, v)
+    assert torch.equal(cache, want_cache)
+
+
+def test_greedy_engine_tokens_are_the_same_with_the_fake_kernels(fake_flashinfer, tmp_path):
+    path = make_tiny_model(tmp_path / "m", tie=False)
+    reqs = [Request(i, [5 + i] * (2 + 3 * i), max_new_tokens=6, temperature=0.0, ignore_eos=True) for i in range(3)]
+    outs, cfg = [], EngineConfig(page_size=4, max_pages=64)
+    for on in (True, False):
+        ops.FLASHINFER = on
+        try:
+            outs.append(Engine(load_pretrained(path), cfg, eos_ids=[]).generate(reqs))
+        finally:
+            ops.FLASHINFER = True
+    assert fake_flashinfer.calls["rope"] > 0
+    assert [o.token_ids for o in outs[0]] == [o.token_ids for o in outs[1]]
+    torch.testing.assert_close(torch.tensor([o.logprobs for o in outs[0]]), torch.tensor([o.logprobs for o in outs[1]]),
+                               atol=1e-4, rtol=0)
+
+
 # ----------------------------------------------------------------------------- GPU: FlashInfer vs torch
 
 DEV = torch.device("cuda")
