@@ -149,6 +149,34 @@ def test_training_flops_and_time_by_hand():
                                                                                  rel=1e-9)
 
 
+def test_a_tied_model_on_one_stage_holds_one_matrix_for_embedding_and_head():
+    """Qwen2.5-1.5B ties its embedding and output head: on one stage the decoder shares one matrix,
+    so the optimizer streams it once; split over two stages each end holds its own copy."""
+    tied = CostModel(fixed_job("H20", 256, 1000, model={"preset": "qwen2.5-1.5b"}), use_profiles=False)
+    tokens = 8 * 4 * (256 + 1000)
+    per_token = 28 * (2 * LAYER + ATTN * 1256 / 2) + 2 * HEAD  # the head still multiplies every token
+    flops = 4 * per_token * tokens
+    optimizer = 4 * 2 * 16 * (28 * LAYER + HEAD) / 4e12  # one vocab x hidden matrix, not two
+    s = tied.stage_coeffs("H20", 1, 1, 1, 0, 1, None, False)
+    assert s.per_layer * 28 + s.fixed == pytest.approx(flops / (148e12 * 0.23) + optimizer, rel=1e-9)
+    first = tied.stage_coeffs("H20", 1, 1, 2, 0, 1, 450.0, False)  # pp 2: the embedding here ...
+    last = tied.stage_coeffs("H20", 1, 1, 2, 1, 1, None, False)  # ... and the head here
+    untied = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
+    assert first.max_layers == untied.stage_coeffs("H20", 1, 1, 2, 0, 1, 450.0, False).max_layers
+    assert last.max_layers == untied.stage_coeffs("H20", 1, 1, 2, 1, 1, None, False).max_layers
+    assert s.max_layers > untied.stage_coeffs("H20", 1, 1, 1, 0, 1, None, False).max_layers
+
+
+def test_weight_sync_gathers_tp_shards_only_under_tp():
+    """A stage leader sends its stage's bytes over the slowest link to a rollout node; under TP it
+    first gathers the other ranks' shards over NVLink (H20: 450 GB/s); at TP 1 there is nothing to gather."""
+    cm = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
+    send = 3e9 / (450e9 * 0.8)  # same node: NVLink at NCCL's 80% efficiency
+    assert cm.sync_s([(0, 3e9, 1)], {0}) == pytest.approx(send, rel=1e-12)
+    assert cm.sync_s([(0, 3e9, 2)], {0}) == pytest.approx(send + 1.5e9 / 450e9, rel=1e-12)
+    assert cm.sync_s([(0, 3e9, 1), (0, 1e9, 4)], {0}) == pytest.approx(4e9 / 360e9 + 0.75e9 / 450e9, rel=1e-12)
+
+
 def test_kv_capacity_fits_memory():
     """The decode batch is the largest whose KV fits beside the weights: b sequences fit, b + 1 do not."""
     cm = CostModel(fixed_job("H800", 1024, 12000), use_profiles=False)

@@ -107,8 +107,8 @@ def candidate(cm: CostModel, per_node: tuple[int, ...], train: TrainPlan, roll: 
     layer_bytes = 2 * cm.layer_params
     stage_bytes = []
     for i, s in enumerate(train.stages):
-        edge = cm.head_params() * ((i == 0) + (i == train.pp - 1)) * 2
-        stage_bytes.append((s.slots[0][0], s.layers * layer_bytes + edge))
+        edge = cm.edge_params(i, train.pp) * 2
+        stage_bytes.append((s.slots[0][0], s.layers * layer_bytes + edge, s.tp))
     sync = cm.sync_s(stage_bytes, {r.node for r in roll.replicas})
     gen, reward, step = step_times(cm, train.time_s, sync, roll)
     return Candidate(per_node, train, roll, train.time_s, gen, reward, sync, step)

@@ -144,6 +144,13 @@ class CostModel:
     def head_params(self) -> int:
         return self.m.vocab_size * self.m.hidden_size
 
+    def edge_params(self, index: int, pp: int) -> int:
+        """Embedding and output-head parameters stage `index` of `pp` holds: a tied model on one
+        stage holds one matrix for both (hexrl/model/decoder.py shares it)."""
+        head = self.head_params() if index == pp - 1 else 0
+        tied_here = self.m.tie_word_embeddings and pp == 1
+        return head + (self.head_params() if index == 0 and not tied_here else 0)
+
     def matmul_params(self) -> int:
         """Parameters a token multiplies through: decoder layers and the output head (not the lookup)."""
         return self.m.num_hidden_layers * self.layer_params + self.head_params()
@@ -190,12 +197,9 @@ class CostModel:
         opt_per_param = 2 * 16 / tp / g.hbm_Bps  # read + write weights, grads, Adam state
         per_layer = bubble * (compute + tp_comm) + k * (dp_per_param + opt_per_param) * self.layer_params
         fixed = 0.0
-        edge_params = 0
         if index == pp - 1:  # output head (vocab-parallel) and its log-softmax
-            edge_params += self.head_params()
             fixed += bubble * passes * 2 * self.head_params() * tok / flops
-        if index == 0:
-            edge_params += self.head_params()  # input embedding
+        edge_params = self.edge_params(index, pp)
         fixed += k * (dp_per_param + opt_per_param) * edge_params
         if send_GBps is not None:  # activations forward, gradients back, per replica
             fixed += bubble * (2 + w.extra_fwd) * tok * h * 2 * dp / max(1, dp_nodes) / (send_GBps * 1e9)
@@ -491,18 +495,18 @@ class CostModel:
         return max(theta_s, (train_s + sync_s + wave_s) / (eta + 1) - sync_s)
 
     # ------------------------------------------------------------------ sync, reward
-    def sync_s(self, stage_bytes: list[tuple[int, float]], rollout_nodes: set[int]) -> float:
+    def sync_s(self, stage_bytes: list[tuple[int, float, int]], rollout_nodes: set[int]) -> float:
         """Weight broadcast: each stage's leader (on node n) sends its bytes to all rollout ranks.
 
-        stage_bytes: (leader node, bytes) per stage. A rollout rank joins the stages' broadcasts
+        stage_bytes: (leader node, bytes, tp) per stage. A rollout rank joins the stages' broadcasts
         one after the other (hexrl/rollout/worker.py), so the stages add up. NCCL's broadcast is a
         pipelined ring: each byte crosses the slowest link once, at NCCL_EFFICIENCY of its rate.
         """
         total = 0.0
-        for node, nbytes in stage_bytes:
+        for node, nbytes, tp in stage_bytes:
             bw = min(self.cluster.link_GBps(node, r) for r in rollout_nodes) * 1e9 * NCCL_EFFICIENCY
             t = self.cluster.nodes[node].gpu_type
-            gather = nbytes / (self.cluster.intra_GBps(t) * 1e9)  # TP shards to the leader
+            gather = (tp - 1) / tp * nbytes / (self.cluster.intra_GBps(t) * 1e9)  # the other TP shards to the leader
             total += nbytes / bw + gather
         return total
 

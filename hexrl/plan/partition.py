@@ -104,7 +104,7 @@ def bound_parts(ev: Evaluator, types: list[str], grid: np.ndarray) -> tuple[np.n
     train_rate = grid @ eff
     mem = grid @ np.array([cm.usable_bytes(t) for t in types])
     dec = (total - grid) @ np.array([cm.decode_rate_bound(t) for t in types])
-    params = cm.m.num_hidden_layers * cm.layer_params + 2 * cm.head_params()
+    params = cm.m.num_hidden_layers * cm.layer_params + cm.edge_params(0, 1)  # the fewest: one stage
     # optimizer: a stage of GPU type t spends >= 32 B / hbm per parameter it holds, per minibatch
     opt = cm.w.minibatches * 32 * params * np.where(grid > 0, eff / hbm, np.inf).min(1)
     # weight sync: the stages' leaders send one after another, none faster than the best link
