@@ -10,18 +10,21 @@ keeping its own output would hold sum(sizes) x V floats: ~1.3 GB at V = 152k wit
 size list), and all graphs share one memory pool, one float and one int FlashInfer workspace.
 Only one graph replays at a time, so sharing is safe.
 
-Greedy steps replay a second, small graph per size after the forward one: argmax and its log-prob
-into shared buffers (`run_greedy`), so an all-greedy decode step never launches the sampling kernel.
+A decode step replays three graphs of its size: the prologue (token ids = each slot's last sample,
+positions = context lengths - 1, from the step's one host-to-device copy of slots and lengths
+into `inputs`), the forward pass (into the logits buffer), and a sampling head: argmax for
+all-greedy steps, else the sampler without or with its top-k/top-p search (sampler.GREEDY /
+PLAIN / FILTERED), which also records each slot's new last token. Padding rows use the sampling
+parameters' scratch slot. `run(meta, ids)` replays the forward pass alone, from given ids.
 """
 from __future__ import annotations
 
 import torch
 
-from kernels.reference import greedy_torch
-
 from .attention import StepMeta, build_meta
 from .flashinfer_backend import GraphDecodeAttention
 from .pages import PagePool
+from .sampler import FILTERED, GREEDY, PLAIN, SlotParams
 
 
 def default_batch_sizes(max_running: int) -> list[int]:
@@ -65,8 +68,9 @@ class SharedGraphBuffers:
         self.ids = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.logits = torch.zeros(max_batch, vocab, dtype=torch.float32, device=device)
-        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # greedy head outputs
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # sampling head outputs
         self.logprobs = torch.zeros(max_batch, dtype=torch.float32, device=device)
+        self.inputs = torch.zeros(2 * max_batch, dtype=torch.int64, device=device)  # size bs: slots, then lengths
 
     def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.ids[:bs], self.positions[:bs], self.logits[:bs]
@@ -84,8 +88,8 @@ class DecodeGraphs:
     """Captured decode graphs for a whole model (TP = 1) over one page pool."""
 
     def __init__(self, model: torch.nn.Module, pool: PagePool, heads: tuple[int, int, int],
-                 workspace: torch.Tensor, int_workspace: torch.Tensor, batch_sizes: list[int]):
-        self.model, self.pool, self.heads = model, pool, heads
+                 workspace: torch.Tensor, int_workspace: torch.Tensor, batch_sizes: list[int], params: SlotParams):
+        self.model, self.pool, self.heads, self.params = model, pool, heads, params
         self.workspace, self.int_workspace = workspace, int_workspace
         self.batch_sizes = sorted(set(batch_sizes))
         vocab = model.lm_head.weight.shape[0]  # this rank's vocab slice
@@ -108,12 +112,23 @@ class DecodeGraphs:
         def forward() -> None:
             logits.copy_(self.model.logits(self.model.stage(ids, positions, attn), fp32=True))
 
-        def greedy() -> None:
-            tokens, logprobs = greedy_torch(logits)
-            self.buffers.tokens[:bs].copy_(tokens)
-            self.buffers.logprobs[:bs].copy_(logprobs)
+        rows, kv_lens = self.buffers.inputs[:bs], self.buffers.inputs[bs:2 * bs]
 
-        return self._record(forward), attn, self._record(greedy)
+        def prologue() -> None:
+            ids.copy_(self.params.last_token[rows])
+            positions.copy_(kv_lens - 1)
+
+        def head(mode: int):
+            def sample() -> None:
+                tokens, logprobs = self.params.sample(logits, rows, kv_lens, mode)
+                self.buffers.tokens[:bs].copy_(tokens)
+                self.buffers.logprobs[:bs].copy_(logprobs)
+            return sample
+
+        rows.fill_(self.params.pad_slot)  # warm-ups and capture sample into the scratch slot only
+        kv_lens.fill_(1)
+        heads = {mode: self._record(head(mode)) for mode in (GREEDY, PLAIN, FILTERED)}
+        return self._record(forward), attn, self._record(prologue), heads
 
     def _record(self, fn) -> torch.cuda.CUDAGraph:
         side = torch.cuda.Stream()
@@ -132,16 +147,18 @@ class DecodeGraphs:
         for a decode step of B sequences with token ids `ids` [B]."""
         b = len(ids)
         bs = pick_size(self.batch_sizes, b)
-        graph, attn, _ = self.graphs[bs]
+        graph, attn, _, _ = self.graphs[bs]
         self.buffers.load(ids, meta.positions, bs)
         attn.plan(meta)
         graph.replay()
         return self.buffers.logits[:b]
 
-    def run_greedy(self, meta: StepMeta, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """An all-greedy decode step: (tokens [B], logprobs [B]) from the forward graph, then the
-        argmax graph (views of shared buffers: read before the next replay)."""
-        b = len(ids)
-        self.run(meta, ids)
-        self.graphs[pick_size(self.batch_sizes, b)][2].replay()
+    def replay(self, meta: StepMeta, bs: int, b: int, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step of b <= bs sequences whose slots and lengths are already in `buffers.inputs`
+        (padded to bs): (tokens [b], logprobs [b]), views of shared buffers (copy before the next replay)."""
+        forward, attn, prologue, heads = self.graphs[bs]
+        attn.plan(meta)
+        prologue.replay()
+        forward.replay()
+        heads[mode].replay()
         return self.buffers.tokens[:b], self.buffers.logprobs[:b]

@@ -7,8 +7,15 @@
             ...
     engine.update_weights(state_dict, version=7)   # between steps; unfinished sequences recompute
 
-One step = schedule chunks (decodes, prefill chunks, admissions) -> one forward pass over their
-tokens -> lm_head on the last token of each sequence that samples -> sample -> append, finish.
+One step = the scheduler picks chunks (decodes, prefill chunks, admissions) -> the model runner
+(`model_runner.py`) copies their inputs over, runs the forward pass and samples -> the loop
+appends the tokens and finishes sequences. With `overlap` (the default), a decode step's tokens
+are read back during the next `step()` call, after that call has scheduled and launched its own
+step: the host schedules step n + 1 while the device runs step n. A token not yet read back is
+PENDING on the host and the slot's last sample on the device (the next decode reads it there). A
+sequence found finished when its tokens arrive has already been scheduled into the step in flight:
+that row is dropped. Sequences that reach max_new_tokens are released at launch (their length is
+known), so they never take such a row. Weight updates first wait for the step in flight.
 
 Tensor parallelism: build the Decoder with `tp=TPGroup(...)`. TP rank 0 (the leader) takes
 requests and calls `step()`/`update_weights()`/`shutdown()`; each call first broadcasts what
@@ -20,24 +27,20 @@ from __future__ import annotations
 
 import random
 import time
-import warnings
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
-import numpy as np
 import torch
 
 from hexrl.model.decoder import Decoder
 from hexrl.weights import load_state
 
-from .attention import StepMeta, step_meta
-from .cpu_linear import pack_linears
+from .model_runner import ModelRunner, Pending, StepInputs
 from .pages import PagePool, page_bytes
-from .sampler import SlotParams, is_greedy
-from .scheduler import Chunk, Scheduler
-from .sequence import Finished, Request, Sequence
-from .torch_paged import TorchPagedBackend
-from .tp import broadcast_from_leader, gather_vocab, min_across
+from .sampler import request_mode
+from .scheduler import Scheduler
+from .sequence import PENDING, Finished, Request, Sequence
+from .tp import broadcast_from_leader, min_across
 
 Weights = dict[str, torch.Tensor] | Callable[[Decoder], None]
 
@@ -56,6 +59,7 @@ class EngineConfig:
     attention: str = "auto"  # "auto" (FlashInfer when usable, else torch) | "torch" | "flashinfer"
     cuda_graphs: bool = True  # decode graphs; GPU + FlashInfer, TP = 1 only
     graph_batch_sizes: tuple[int, ...] | None = None  # None: 1, 2, 4, 8, 16, 32, multiples of 32, max_running
+    overlap: bool = True  # schedule decode step n + 1 before reading step n's tokens back
 
     def problems(self) -> list[str]:
         p = []
@@ -110,8 +114,10 @@ class Engine:
         self.eos_ids = self._eos_ids(eos_ids)
         self.stats = EngineStats()
         self._rng = random.Random(seed)
-        self._pending: list[Request] = []
+        self._pending: list[Request] = []  # added, not yet handed to the scheduler
         self._live: set = set()  # ids added and not yet finished
+        self._inflight: InFlight | None = None  # the launched step whose tokens are not read yet
+        self._ready: list[Finished] = []  # finished while waiting for a step in update_weights()
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         tp_size = self.tp.size if self.tp else 1
@@ -120,11 +126,24 @@ class Engine:
         self.pool = PagePool(range(*model.layer_range), self._num_pages(), self.config.page_size,
                              self.heads[1], cfg.head_dim, self.dtype, self.device)
         self.scheduler = Scheduler(self.pool, self.config.max_batch_tokens, self.config.max_running)
-        self.params = SlotParams(self.scheduler.max_running, self.device)
-        self._pinned_in = self._pinned_out = self._h2d_done = None
-        self.backend, self.graphs = self._make_backend()
-        # on CPU, linears run through oneDNN over prepacked weights, faster than F.linear's BLAS call
-        self.packed = pack_linears(model) if self.device.type == "cpu" else []
+        self.runner = ModelRunner(model, self.pool, self.scheduler.tables, self.scheduler.max_running, self.config,
+                                  self.tp, self.heads)
+
+    @property
+    def backend(self):
+        return self.runner.backend
+
+    @property
+    def graphs(self):
+        return self.runner.graphs
+
+    @property
+    def params(self):
+        return self.runner.params
+
+    @property
+    def packed(self):
+        return self.runner.packed
 
     # ------------------------------------------------------------------ setup
 
@@ -153,38 +172,6 @@ class Engine:
             raise MemoryError(f"no room for a single KV page ({per_page} bytes); lower the model size or "
                               "raise gpu_memory_fraction / max_pages")
         return n
-
-    def _make_backend(self):
-        """(attention backend, decode graphs or None). On CUDA a missing or broken FlashInfer is an
-        error for attention='flashinfer' and a loud warning naming the fallback for 'auto'."""
-        from .flashinfer_backend import FlashInferAttention, flashinfer_problem, float_workspace_bytes
-
-        kind, cuda = self.config.attention, self.device.type == "cuda"
-        problem = flashinfer_problem(self.device, self.dtype) if kind != "torch" else None
-        if kind == "flashinfer" and problem:
-            raise ValueError(f"attention='flashinfer' needs a CUDA model in fp16/bf16 and the flashinfer package: "
-                             f"{problem}")
-        if kind == "auto" and problem and cuda:
-            warnings.warn(f"FlashInfer unusable ({problem}): falling back to torch paged attention WITHOUT CUDA "
-                          "graphs, many times slower; set attention='torch' to silence this", RuntimeWarning,
-                          stacklevel=3)
-        if kind == "torch" or problem:
-            return TorchPagedBackend(self.pool), None
-        workspace = torch.zeros(float_workspace_bytes(*self.heads, self.scheduler.max_running), dtype=torch.uint8,
-                                device=self.device)
-        backend = FlashInferAttention(self.pool, *self.heads, workspace)
-        graphs = None
-        if self.config.cuda_graphs and self.tp is not None:
-            warnings.warn("CUDA graphs are off for TP > 1 (the all-reduce inside a captured graph is not yet "
-                          "covered by a GPU test): decode runs eagerly", RuntimeWarning, stacklevel=3)
-        elif self.config.cuda_graphs:
-            from .cuda_graph import DecodeGraphs, default_batch_sizes
-
-            sizes = self.config.graph_batch_sizes or default_batch_sizes(self.scheduler.max_running)
-            with torch.no_grad():
-                graphs = DecodeGraphs(self.model, self.pool, self.heads, workspace, backend.int_workspace,
-                                      list(sizes))
-        return backend, graphs
 
     # ------------------------------------------------------------------ public API
 
@@ -217,7 +204,7 @@ class Engine:
         self._pending.append(request)
 
     def has_work(self) -> bool:
-        return bool(self._pending) or self.scheduler.has_work()
+        return bool(self._pending or self._ready) or self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[Finished]:
         """Run one batched forward pass; return the requests that finished in it."""
@@ -248,12 +235,12 @@ class Engine:
         Under TP the leader calls this; followers receive it in follow()."""
         if self.tp and self.is_leader:
             broadcast_from_leader(("update", version), self.tp)
+        self._drain()  # the step in flight ran on the old weights: its tokens are theirs
         if callable(weights):
             weights(self.model)
         else:
             load_state(self.model, weights)
-        for linear in self.packed:
-            linear.drop()
+        self.runner.drop_packed()
         self.scheduler.drop_all_kv()
         self.version = version
         self.stats.interrupts += 1
@@ -283,26 +270,35 @@ class Engine:
 
     @torch.no_grad()
     def _step(self, new: list[Request]) -> list[Finished]:
+        """Schedule and launch a step, then read the previous one (overlap) or this one."""
         t0 = time.perf_counter()
         for r in new:
             self.scheduler.add(self._sequence(r))
-        decodes = self.scheduler.decode_only()
-        step = self._decode_inputs(decodes) if decodes is not None else self._schedule()
-        if step is None:
-            return []
-        tokens, logprobs = self._sample(step)
-        finished = self._append(step.sampling, tokens, logprobs)
-        s = self.stats
-        s.steps += 1
-        s.mixed_steps += decodes is None
-        s.preemptions = self.scheduler.preemptions
-        s.prefill_tokens += step.meta.num_tokens - len(step.sampling)
-        s.generated_tokens += len(step.sampling)
-        s.seconds += time.perf_counter() - t0
+        step = self._schedule()
+        launched = self._launch(step) if step is not None else None
+        finished, self._ready = self._ready, []
+        if self._inflight is not None:
+            finished += self._read(self._inflight)
+            self._inflight = None
+        if launched is not None:
+            if self.config.overlap and step.last is None:  # a decode step: read it during the next call
+                self._inflight = launched
+            else:
+                finished += self._read(launched)
+        self.stats.seconds += time.perf_counter() - t0
         return finished
 
-    def _schedule(self) -> "StepInputs | None":
-        """The general step: chunks of prefills, decodes and admissions."""
+    def _drain(self) -> None:
+        """Wait for the step in flight and record its tokens (before anything needs them on the host)."""
+        if self._inflight is not None:
+            self._ready += self._read(self._inflight)
+            self._inflight = None
+
+    def _schedule(self) -> StepInputs | None:
+        """This step's inputs: the decode-only fast path, or chunks of prefills, decodes and admissions."""
+        decodes = self.scheduler.decode_only()
+        if decodes is not None:
+            return self.runner.prepare_decode(decodes) if decodes else None
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.has_work():  # requests are checked to fit the pool, so the oldest can always run
@@ -310,123 +306,64 @@ class Engine:
             return None
         if self.scheduler.admitted:
             self.params.admit(self.scheduler.admitted)
-        step = self._inputs(chunks)
-        for c in chunks:  # sampling sequences are marked cached in _append
+        step = self.runner.prepare(chunks)
+        self.stats.mixed_steps += step.last is not None
+        for c in chunks:  # sampling sequences are marked cached at launch
             if c.start + c.n < len(c.seq.tokens):
                 c.seq.num_cached = c.start + c.n
         return step
 
+    def _decode_inputs(self, seqs: list[Sequence]) -> StepInputs:
+        """A decode step's inputs (the runner's; kept for tests that inspect them)."""
+        return self.runner.prepare_decode(seqs)
+
     def _sequence(self, r: Request) -> Sequence:
         stops = set(r.stop_ids) | (set() if r.ignore_eos else self.eos_ids)
         return Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids), stop_ids=frozenset(stops),
-                        max_tokens=len(r.prompt_ids) + r.max_new_tokens)
+                        max_tokens=len(r.prompt_ids) + r.max_new_tokens, mode=request_mode(r))
 
-    def _decode_inputs(self, seqs: list[Sequence]) -> "StepInputs | None":
-        """A decode step's inputs: slots and lengths in one host-to-device copy; the tokens are each
-        slot's last sample, already on the device; the page table is the scheduler's device table."""
-        if not seqs:
-            return None
-        b, kv_lens = len(seqs), [len(s.tokens) for s in seqs]
-        rows_d, kv_d = self._h2d([s.slot for s in seqs] + kv_lens).split([b, b])
-        meta = step_meta(self.pool.page_size, [1] * b, kv_lens, self.scheduler.tables.flush(), rows_d, kv_d - 1)
-        return StepInputs(meta, self.params.last_token[rows_d], seqs, rows_d, kv_d, None, all_greedy(seqs))
-
-    def _inputs(self, chunks: list[Chunk]) -> "StepInputs":
-        """Any step's inputs from its chunks (host lists -> one host-to-device copy)."""
-        if all(c.n == 1 and c.start + 1 == len(c.seq.tokens) for c in chunks):
-            return self._decode_inputs([c.seq for c in chunks])
-        b, ns = len(chunks), [c.n for c in chunks]
-        kv_lens = [c.start + c.n for c in chunks]
-        ids, positions = [], []
-        for c in chunks:
-            ids += c.seq.tokens[c.start:c.start + c.n]
-            positions += range(c.start, c.start + c.n)
-        picks = [i for i, c in enumerate(chunks) if c.start + c.n == len(c.seq.tokens)]
-        t = len(ids)
-        host = ids + positions + [c.seq.slot for c in chunks] + ns + kv_lens + picks
-        ids_d, pos_d, rows_d, ns_d, kv_d, picks_d = self._h2d(host).split([t, t, b, b, b, len(picks)])
-        token_rows = torch.repeat_interleave(rows_d, ns_d, output_size=t)
-        meta = step_meta(self.pool.page_size, ns, kv_lens, self.scheduler.tables.flush(), rows_d, pos_d, token_rows)
-        last = (torch.cumsum(ns_d, 0) - 1)[picks_d]  # each sampling chunk's last token
-        sampling = [chunks[i].seq for i in picks]
-        return StepInputs(meta, ids_d, sampling, rows_d[picks_d], kv_d[picks_d], last, all_greedy(sampling))
-
-    def _h2d(self, values: list[int]) -> torch.Tensor:
-        """One int64 host-to-device copy (through a reused pinned buffer on CUDA)."""
-        host = torch.from_numpy(np.array(values, dtype=np.int64))
-        if self.device.type != "cuda":
-            return host
-        if self._pinned_in is None or len(self._pinned_in) < len(values):
-            self._pinned_in = torch.empty(max(2 * len(values), 4096), dtype=torch.int64, pin_memory=True)
-        elif self._h2d_done is not None:
-            self._h2d_done.synchronize()  # the last copy out of the buffer has finished
-        buf = self._pinned_in[:len(values)]
-        buf.copy_(host)
-        out = buf.to(self.device, non_blocking=True)
-        self._h2d_done = torch.cuda.Event()
-        self._h2d_done.record()
-        return out
-
-    def _graphed(self, step: "StepInputs") -> bool:
-        return self.graphs is not None and step.last is None and len(step.sampling) <= self.graphs.max_batch
-
-    def _forward(self, step: "StepInputs") -> torch.Tensor:
-        """Logits [S, V] (full vocab, float32) of the last token of each sampling chunk."""
-        meta, n = step.meta, len(step.sampling)
-        if self._graphed(step):
-            logits = self.graphs.run(meta, step.ids)
-            self.stats.graph_steps += 1
-        else:
-            hidden = self.model.stage(step.ids, meta.positions, self.backend.begin(meta))
-            if not n:
-                return hidden.new_empty(0, 0)
-            logits = self.model.logits(hidden if step.last is None else hidden[step.last], fp32=True)
-        if self.tp:
-            logits = gather_vocab(logits, self.tp)
-        return logits
-
-    def _sample(self, step: "StepInputs") -> tuple[list[int], list[float]]:
-        """Forward, then the sampled tokens and their behaviour log-probs, read back in one copy.
-        An all-greedy step takes an argmax (inside the decode graph when replayed), never the sampler."""
-        if step.greedy and step.sampling and self._graphed(step):
-            tokens, logprobs = self.graphs.run_greedy(step.meta, step.ids)
-            self.stats.graph_steps += 1
-        else:
-            logits = self._forward(step)
-            if not step.sampling:
-                return [], []
-            tokens, logprobs = self.params.sample(logits, step.rows, step.kv_lens, step.greedy)
-        self.params.last_token[step.rows] = tokens  # the next decode step's input, without a host round trip
-        if self.device.type != "cuda":
-            return tokens.tolist(), logprobs.tolist()
-        packed = torch.stack([tokens.to(torch.int32), logprobs.view(torch.int32)])
-        if self._pinned_out is None or self._pinned_out.shape[1] < packed.shape[1]:
-            self._pinned_out = torch.empty(2, max(packed.shape[1], self.scheduler.max_running), dtype=torch.int32,
-                                           pin_memory=True)
-        out = self._pinned_out[:, :packed.shape[1]]
-        out.copy_(packed, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        host = out.numpy()
-        return host[0].tolist(), host[1].view(np.float32).tolist()
-
-    def _append(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float]) -> list[Finished]:
-        """Record the sampled tokens; finish the sequences that should stop (cheap test first)."""
-        done, version = [], self.version
-        for seq, token, lp in zip(seqs, tokens, logprobs):
+    def _launch(self, step: StepInputs) -> "InFlight":
+        """Run the step on the device; on the host, each sampling sequence gets a PENDING token. A
+        sequence that thereby reaches its length limit is released now: whatever it samples, it ends."""
+        pending = self.runner.launch(step)
+        s = self.stats
+        s.steps += 1
+        s.graph_steps += step.graph_size > 0
+        s.preemptions = self.scheduler.preemptions
+        s.prefill_tokens += step.meta.num_tokens - len(step.sampling)
+        index = []
+        for seq in step.sampling:
             seq.num_cached = len(seq.tokens)  # the sampled chunk ended at the last token
-            seq.tokens.append(token)
+            seq.tokens.append(PENDING)
+            index.append(len(seq.tokens) - 1)
+            if len(seq.tokens) >= seq.max_tokens:
+                self.scheduler.finish(seq)
+        return InFlight(pending, step.sampling, index, self.version)
+
+    def _read(self, step: "InFlight") -> list[Finished]:
+        """Record a launched step's tokens; finish the sequences that should stop (cheap test first).
+        Rows of sequences that finished in an earlier step (their token index is gone) are dropped."""
+        tokens, logprobs = step.pending.read() if step.pending is not None else ([], [])
+        done = []
+        for seq, i, token, lp in zip(step.seqs, step.index, tokens, logprobs):
+            if i >= len(seq.tokens):
+                continue
+            seq.tokens[i] = token
             seq.logprobs.append(lp)
-            seq.versions.append(version)
-            if token in seq.stop_ids or len(seq.tokens) >= seq.max_tokens or seq.req.stop_strings:
-                reason = self._stop_reason(seq, token)
+            seq.versions.append(step.version)
+            self.stats.generated_tokens += 1
+            if token in seq.stop_ids or i + 1 >= seq.max_tokens or seq.req.stop_strings:
+                reason = self._stop_reason(seq, token, i + 1)
                 if reason is not None:
+                    del seq.tokens[i + 1:]  # PENDING rows of a step launched after this one
                     self.scheduler.finish(seq)
                     self._live.discard(seq.req.id)
                     self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
                     done.append(seq.finish(reason))
         return done
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, end: int) -> str | None:
+        """Why `seq` stops at its token `end - 1` (`token`), or None."""
         req = seq.req
         if token in self.eos_ids and not req.ignore_eos:
             return "eos"
@@ -434,26 +371,19 @@ class Engine:
             return "stop"
         if req.stop_strings:
             window = max(len(s) for s in req.stop_strings) + 8  # tokens: enough to hold any stop string
-            tail = self.tokenizer.decode(seq.tokens[max(seq.num_prompt, len(seq.tokens) - window):])
+            tail = self.tokenizer.decode(seq.tokens[max(seq.num_prompt, end - window):end])
             if any(s in tail for s in req.stop_strings):
                 return "stop"
-        if len(seq.tokens) >= seq.max_tokens:
+        if end >= seq.max_tokens:
             return "length"
         return None
 
 
 @dataclass
-class StepInputs:
-    """One step's device inputs: tokens, attention metadata, and which rows sample."""
+class InFlight:
+    """A launched step: its tokens' way back, the sequences that sample, where each token goes."""
 
-    meta: StepMeta
-    ids: torch.Tensor  # [T] token ids
-    sampling: list[Sequence]  # the sequences that sample this step (their chunk ends at their last token)
-    rows: torch.Tensor  # [S] slot of each sampling chunk
-    kv_lens: torch.Tensor  # [S] tokens of each sampling sequence (its sampling offset + prompt)
-    last: torch.Tensor | None  # [S] token index of each sampling row; None: every token samples (decode)
-    greedy: bool = False  # every sampling sequence is greedy: an argmax, no sampling kernel
-
-
-def all_greedy(seqs: list[Sequence]) -> bool:
-    return all(is_greedy(s.req) for s in seqs)
+    pending: Pending | None
+    seqs: list[Sequence]
+    index: list[int]  # position of each sequence's PENDING token
+    version: int  # the weights that produce the tokens

@@ -3,6 +3,9 @@ sampling parameters it feeds it.
 
 On CPU tensors the kernel's own torch reference is called directly: same semantics and same
 draws, without the Triton interpreter, which exists to test the kernel and is slow per call.
+A step picks the cheapest sampler that serves all its rows: an argmax when every row is greedy
+(the sampling kernel never runs), the kernel without its top-k/top-p search launches when no row
+filters, else the full kernel.
 """
 from __future__ import annotations
 
@@ -11,16 +14,20 @@ import torch
 from kernels.reference import GREEDY_EPS, greedy_torch, sample_torch
 from kernels.sampling import sample
 
-from .sequence import Sequence
+from .sequence import PENDING, Request, Sequence
+
+GREEDY, PLAIN, FILTERED = 0, 1, 2  # sampling modes, cheapest first
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  seeds: torch.Tensor, offsets: torch.Tensor, check: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                  seeds: torch.Tensor, offsets: torch.Tensor, check: bool = False,
+                  filtered: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [B] int64, behaviour logprobs [B] float32); row r draws with (seeds[r], offsets[r]).
     check=False (the engine's hot path): requests were validated when added, and the value checks
-    would wait for the device."""
-    fn = sample if logits.is_cuda else sample_torch
-    return fn(logits, temperature, top_k, top_p, seeds, offsets, check=check)
+    would wait for the device. filtered=False: no row uses top-k/top-p (skips the kernel's search)."""
+    if logits.is_cuda:
+        return sample(logits, temperature, top_k, top_p, seeds, offsets, check=check, filtered=filtered)
+    return sample_torch(logits, temperature, top_k, top_p, seeds, offsets, check=check)
 
 
 def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -29,25 +36,42 @@ def greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return greedy_torch(logits)
 
 
-def is_greedy(req) -> bool:
+def is_greedy(req: Request) -> bool:
     """Whether a request decodes greedily (the sampler's own temperature cut-off)."""
     return req.temperature < GREEDY_EPS
 
 
+def request_mode(req: Request) -> int:
+    """GREEDY, PLAIN (temperature only) or FILTERED (top-k or top-p on)."""
+    if is_greedy(req):
+        return GREEDY
+    return FILTERED if req.top_k > 0 or req.top_p < 1.0 else PLAIN
+
+
+def sampling_mode(seqs: list[Sequence]) -> int:
+    """The cheapest sampling mode that serves every sequence of a step."""
+    return max((s.mode for s in seqs), default=GREEDY)
+
+
 class SlotParams:
     """Each slot's sampling parameters and last token as persistent device tensors, written once on
-    admission; `last_token` then follows every sample (a decode step's input never leaves the device)."""
+    admission; `last_token` then follows every sample (a decode step's input never leaves the device).
+    One extra slot, `pad_slot` (greedy, never admitted), serves the padding rows of graph batches."""
 
     def __init__(self, slots: int, device: torch.device):
-        self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
-        self.top_k = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
-        self.seed = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.num_prompt = torch.zeros(slots, dtype=torch.int64, device=device)
-        self.last_token = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.pad_slot = slots
+        n = slots + 1
+        self.temperature = torch.zeros(n, dtype=torch.float32, device=device)
+        self.top_k = torch.zeros(n, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(n, dtype=torch.float32, device=device)
+        self.seed = torch.zeros(n, dtype=torch.int64, device=device)
+        self.num_prompt = torch.zeros(n, dtype=torch.int64, device=device)
+        self.last_token = torch.zeros(n, dtype=torch.int64, device=device)
 
     def admit(self, seqs: list[Sequence]) -> None:
         """Write the parameters of newly admitted sequences into their slots (one copy per column)."""
+        if any(s.tokens[-1] == PENDING for s in seqs):
+            raise RuntimeError("admitting a sequence whose last token was not read back yet (a bug)")
         rows = torch.tensor([s.slot for s in seqs]).to(self.seed.device, non_blocking=True)
         reqs = [s.req for s in seqs]
         for t, values in ((self.temperature, [r.temperature for r in reqs]), (self.top_k, [r.top_k for r in reqs]),
@@ -56,10 +80,14 @@ class SlotParams:
                           (self.last_token, [s.tokens[-1] for s in seqs])):
             t[rows] = torch.tensor(values, dtype=t.dtype).to(t.device, non_blocking=True)
 
-    def sample(self, logits: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, greedy: bool = False):
-        """Sample one token per logits row; row i belongs to slot rows[i] and has kv_lens[i] tokens.
-        greedy=True (every row is greedy): an argmax, never the sampling kernel."""
-        if greedy:
-            return greedy_tokens(logits)
-        return sample_tokens(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows], self.seed[rows],
-                             kv_lens - self.num_prompt[rows])
+    def sample(self, logits: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, mode: int = FILTERED):
+        """Sample one token per logits row (row i belongs to slot rows[i] and has kv_lens[i] tokens),
+        and make it the slot's last token. Plain tensor ops and Triton kernels only: CUDA-graph safe."""
+        if mode == GREEDY:
+            tokens, logprobs = greedy_tokens(logits)
+        else:
+            tokens, logprobs = sample_tokens(logits, self.temperature[rows], self.top_k[rows], self.top_p[rows],
+                                             self.seed[rows], kv_lens - self.num_prompt[rows],
+                                             filtered=mode == FILTERED)
+        self.last_token[rows] = tokens  # the next decode step's input, without a host round trip
+        return tokens, logprobs

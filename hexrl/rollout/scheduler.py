@@ -140,7 +140,15 @@ class Scheduler:
         self.preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
-        del self.running[seq]
+        """Release a finished sequence's pages and slot, wherever it is (running, or waiting after a
+        preemption while its last token was in flight); a second call does nothing."""
+        if seq.done:
+            return
+        seq.done = True
+        if seq in self.running:
+            del self.running[seq]
+        else:  # rare: preempted while its last token was in flight
+            self.waiting.remove(seq)
         self._drop_kv(seq)
 
     def drop_all_kv(self) -> None:

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+PENDING = -1  # a sampled token id still on its way back from the device (overlapped steps)
+
 
 @dataclass
 class Request:
@@ -75,6 +77,8 @@ class Sequence:
     slot: int = -1  # row in the engine's per-slot tables while running, else -1
     stop_ids: frozenset = frozenset()  # token ids that end it (EOS unless ignored, and req.stop_ids)
     max_tokens: int = 0  # prompt + max_new_tokens
+    mode: int = 0  # sampler.GREEDY / PLAIN / FILTERED
+    done: bool = False  # finished: pages and slot released (rows of it in a step in flight are dropped)
 
     @property
     def num_prompt(self) -> int:

@@ -1,7 +1,14 @@
-"""The rollout engine's host time per decode step, with a model whose forward costs nothing.
+"""The rollout engine's host time per decode step, with a model whose forward costs nothing, for
+the engine loop without overlap (old: read step n's tokens, then schedule n + 1) and with it (new:
+schedule and launch n + 1, then read n), side by side.
 
     python tools/bench/bench_host_overhead.py                 # batch 256, ~512-token contexts
     python tools/bench/bench_host_overhead.py --batch 64 --context 2048 --repeats 7
+    python tools/bench/bench_host_overhead.py --model CKPT --batch 64   # a real model on the GPU
+
+With --model (CUDA): wall ms per decode step, host ms (wall minus the time blocked waiting for
+sampled tokens) and the blocked ms, old and new side by side. With overlap the wall approaches
+max(host, GPU) instead of their sum.
 
 What a step costs the host besides the GPU work: scheduling, page-table updates, the step's
 input tensors, sampling parameters, reading back tokens and log-probs, stop checks. The model
@@ -30,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 import hexrl.rollout.sampler as sampler  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
+from hexrl.rollout.model_runner import Pending  # noqa: E402
 from kernels.reference import sample_args  # noqa: E402
 
 VOCAB = 32
@@ -59,7 +67,7 @@ class NullModel(nn.Module):
         return self._logits[:len(hidden)]
 
 
-def null_sampler(logits, temperature, top_k, top_p, seeds, offsets, check=False):
+def null_sampler(logits, temperature, top_k, top_p, seeds, offsets, check=False, filtered=None):
     """The GPU sampler's host side (argument checks without a sync), then a kernel that costs nothing."""
     sample_args(logits, temperature, top_k, top_p, seeds, offsets, check)
     return logits.new_full((len(logits),), 5, dtype=torch.int64), logits.new_zeros(len(logits))
@@ -72,37 +80,88 @@ class NullAttention:
         return self
 
 
-def make_engine(batch: int, context: int, steps: int, page_size: int) -> Engine:
+def make_engine(batch: int, context: int, steps: int, page_size: int, overlap: bool, model=None) -> Engine:
+    """A prefilled engine: `batch` sampled (T = 1) sequences, all decoding. model=None: the NullModel
+    and a no-op attention backend on CPU; else that model (CUDA: FlashInfer and graphs of size batch)."""
     # early sequences decode while later ones prefill (up to batch*context/max_batch_tokens steps):
     # leave them room so that all `batch` are still running through the timed steps
     margin = steps + 16 + 2 * (-(-batch * context // max(8192, batch)))
     pages = batch * (-(-(context + margin) // page_size) + 1)
-    cfg = EngineConfig(page_size=page_size, max_pages=pages, max_running=batch, max_batch_tokens=max(8192, batch))
-    engine = Engine(NullModel(batch), cfg, eos_ids=[])
-    engine.backend = NullAttention()
+    cfg = EngineConfig(page_size=page_size, max_pages=pages, max_running=batch, max_batch_tokens=max(8192, batch),
+                       overlap=overlap, graph_batch_sizes=(batch,))
+    engine = Engine(model or NullModel(batch), cfg, eos_ids=[])
+    if model is None:
+        engine.runner.backend = NullAttention()
+    vocab = engine.model.cfg.vocab_size
     g = torch.Generator().manual_seed(0)
     for i in range(batch):
-        prompt = torch.randint(6, VOCAB, (context,), generator=g).tolist()
-        engine.add(Request(i, prompt, max_new_tokens=margin, temperature=0.0, ignore_eos=True))
+        prompt = torch.randint(6, vocab, (context,), generator=g).tolist()
+        engine.add(Request(i, prompt, max_new_tokens=margin, temperature=1.0, seed=i, ignore_eos=True))
     while engine.scheduler.waiting or engine._pending or \
             any(s.num_uncached > 1 for s in engine.scheduler.running):  # prefill (not timed)
         engine.step()
     return engine
 
 
-def time_decode(batch: int, context: int, steps: int, page_size: int, torch_sampler: bool) -> tuple[float, float]:
-    """(CPU seconds, wall seconds) per decode step, means over `steps` steps of a prefilled batch."""
-    sampler.sample_tokens = real_sampler if torch_sampler else null_sampler
-    engine = make_engine(batch, context, steps, page_size)
-    assert len(engine.scheduler.running) == batch
+def time_steps(engine: Engine, steps: int) -> tuple[float, float, float]:
+    """(CPU seconds, wall seconds, seconds blocked waiting for sampled tokens) per decode step."""
+    blocked, read = [0.0], Pending.read
+
+    def timed_read(self):
+        t = time.perf_counter()
+        out = read(self)
+        blocked[0] += time.perf_counter() - t
+        return out
+
     for _ in range(5):  # warm-up
         engine.step()
-    c0, t0 = time.thread_time(), time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    cpu, wall = (time.thread_time() - c0) / steps, (time.perf_counter() - t0) / steps
-    assert len(engine.scheduler.running) == batch and engine.stats.generated_tokens >= batch * steps
-    return cpu, wall
+    Pending.read = timed_read
+    try:
+        c0, t0 = time.thread_time(), time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
+    finally:
+        Pending.read = read
+    assert engine.stats.generated_tokens >= len(engine.scheduler.running) * steps
+    return cpu / steps, wall / steps, blocked[0] / steps
+
+
+def time_decode(batch: int, context: int, steps: int, page_size: int, torch_sampler: bool,
+                overlap: bool = True, model=None) -> tuple[float, float, float]:
+    """time_steps over a prefilled batch (CPU: with the torch sampler or the GPU sampler's host side)."""
+    sampler.sample_tokens = real_sampler if torch_sampler or model is not None else null_sampler
+    try:
+        engine = make_engine(batch, context, steps, page_size, overlap, model)
+        assert len(engine.scheduler.running) == batch
+        return time_steps(engine, steps)
+    finally:
+        sampler.sample_tokens = real_sampler
+
+
+def show(times: list[tuple], i: int) -> str:
+    ms = [t[i] * 1e3 for t in times]
+    return f"{statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f})"
+
+
+def main_gpu(args) -> None:
+    """Old (no overlap) and new (overlap) engine loops over a real model on the GPU, side by side."""
+    from hexrl.model.checkpoint import load_pretrained
+
+    model = load_pretrained(args.model, dtype=torch.bfloat16, device="cuda")
+    runs = {False: [], True: []}
+    for _ in range(args.repeats):
+        for overlap in runs:
+            runs[overlap].append(time_decode(args.batch, args.context, args.steps, args.page_size, True, overlap,
+                                             model))
+    print(f"{torch.cuda.get_device_name()}, {args.model}, batch {args.batch}, contexts ~{args.context} tokens, "
+          f"{args.steps} steps x {args.repeats} repeats, T = 1; medians (min-max), ms per decode step")
+    for overlap, name in ((False, "old loop (no overlap)"), (True, "new loop (overlap)")):
+        t = runs[overlap]
+        host = [(w - b,) for _, w, b in t]
+        print(f"  {name:<22} wall {show(t, 1)}  host {show(host, 0)}  blocked {show(t, 2)}")
+    print("  host = wall - blocked (host work per step); without overlap GPU ms ~ blocked + the host work queued "
+          "after the launch, with overlap the wall tends to max(host, GPU) instead of their sum")
 
 
 def main() -> None:
@@ -112,24 +171,28 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per repeat")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--model", help="a checkpoint directory: time the real model on the GPU instead")
     args = p.parse_args()
+    if args.model:
+        return main_gpu(args)
     torch.set_num_threads(1)
-    runs = {False: [], True: []}
-    for _ in range(args.repeats):  # interleaved, so load changes hit both alike
-        for torch_sampler in runs:
-            runs[torch_sampler].append(time_decode(args.batch, args.context, args.steps, args.page_size, torch_sampler))
-
-    def show(times: list[tuple[float, float]], i: int) -> str:
-        ms = [t[i] * 1e3 for t in times]
-        return f"{statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f})"
-
+    variants = {"torch": (True, True), "old": (False, False), "new": (False, True)}  # (torch sampler, overlap)
+    runs = {k: [] for k in variants}
+    for _ in range(args.repeats):  # interleaved, so load changes hit all alike
+        for name, (torch_sampler, overlap) in variants.items():
+            runs[name].append(time_decode(args.batch, args.context, args.steps, args.page_size, torch_sampler,
+                                          overlap))
     print(f"batch {args.batch}, contexts {args.context}-{args.context + args.steps + 5} tokens, page size "
-          f"{args.page_size}, {args.steps} steps x {args.repeats} repeats; medians (min-max); CPU time of this "
-          f"thread, and wall time (which also counts waiting for a core on a loaded machine)")
-    print(f"  with the CPU torch sampler's arithmetic (B x {VOCAB} logits): CPU {show(runs[True], 0)} ms, "
-          f"wall {show(runs[True], 1)} ms")
-    print(f"  wall ms per decode step: {show(runs[False], 1)}")
-    print(f"host ms per decode step: {show(runs[False], 0)}")
+          f"{args.page_size}, {args.steps} steps x {args.repeats} repeats, T = 1; medians (min-max); CPU time of "
+          f"this thread, and wall time (which also counts waiting for a core on a loaded machine)")
+    print(f"  with the CPU torch sampler's arithmetic (B x {VOCAB} logits): CPU {show(runs['torch'], 0)} ms, "
+          f"wall {show(runs['torch'], 1)} ms")
+    print(f"  old loop (no overlap): CPU {show(runs['old'], 0)} ms, wall {show(runs['old'], 1)} ms")
+    print(f"  new loop (overlap):    CPU {show(runs['new'], 0)} ms, wall {show(runs['new'], 1)} ms "
+          "(on CPU nothing runs in parallel: overlap shows on a GPU, --model)")
+    print(f"  wall ms per decode step: {show(runs['new'], 1)}")
+    print(f"host ms per decode step: {show(runs['new'], 0)}")
+
 
 if __name__ == "__main__":
     main()
