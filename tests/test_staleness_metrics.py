@@ -3,6 +3,7 @@ the trained tokens' staleness histogram (by hand; it adds up to the trained toke
 importance weights' spread and the cap's share (a float64 forward per sequence), the policy
 change between versions (float64 KL of two separately loaded models; 0 for the same weights),
 and the share of groups filtered for equal rewards (a replay buffer's own counts)."""
+import json
 import random
 import sys
 from pathlib import Path
@@ -165,3 +166,39 @@ def test_policy_kl_probe_is_a_job_field(tmp_path):
     assert load_job({**job, "rl": {}}, check_paths=False).rl.policy_kl_probe == 0
     with pytest.raises(ValueError, match="policy_kl_probe"):
         load_job({**job, "rl": {"policy_kl_probe": -1}}, check_paths=False)
+
+
+def fake_run(root: Path, name: str, accs: list[float], lags: list[dict], wall_per_step: float) -> Path:
+    """A finished run directory as the study reads it: metrics.jsonl (one line per step) and eval.jsonl
+    (every 2 steps)."""
+    run = root / name
+    run.mkdir(parents=True)
+    rows = [{"step": i + 1, "wall_s": wall_per_step * (i + 1), "trajectories_trained": 10 * (i + 1),
+             "trajectories_accepted": 10 * (i + 1), "filtered_reasons": {"equal_rewards": 30 * (i + 1)},
+             "wait_s": 0.5 * wall_per_step, "train_s": 0.1, "token_staleness_hist": h, "policy_kl": 1e-3,
+             "w_std": 0.1, "w_p05": 0.9, "w_p95": 1.1, "capped_frac": 0.0, "clip_frac": 0.01, "grad_norm": 1.0,
+             "equal_reward_share": 0.75} for i, h in enumerate(lags)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    evals = [{"step": 2 * k, "heldout_accuracy": a, "wall_s": wall_per_step * 2 * k} for k, a in enumerate(accs)]
+    (run / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    return run
+
+
+def test_staleness_study_aggregates_lags_gaps_and_the_targets(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
+    import staleness_study as st
+
+    sync = st.run_stats(fake_run(tmp_path, "s", [0.4, 0.7, 0.85, 0.9], [{"0": 10}] * 6, 2.0))
+    stale = st.run_stats(fake_run(tmp_path, "a", [0.4, 0.6, 0.81, 0.89], [{"3": 6, "4": 2}, {"0": 2, "1": 6}] * 3,
+                                  1.0))
+    assert stale["mean_lag"] == pytest.approx((3 * 18 + 4 * 6 + 6 * 3) / 48)  # tokens, not steps, are averaged
+    assert stale["lag3"] == pytest.approx(18 / 48) and stale["lag2"] == 0
+    assert stale["average"] == pytest.approx((0.6 + 0.81 + 0.89) / 3)  # the evaluations after step 0
+    assert sync["wall_target"] == 8.0 and stale["wall_target"] == 4.0  # the first evaluation at >= 0.8
+    assert sync["equal_share"] == pytest.approx(0.75)
+    rows = {r["name"]: r for r in (st.aggregate(st.name_of(1e-4, "0", True), [sync]),
+                                   st.aggregate(st.name_of(1e-4, "4", True), [stale]))}
+    text = "\n".join(st.targets(rows, [1e-4]))
+    assert "gap +1.0 points (within 2)" in text  # 0.90 - 0.89 at the last step
+    assert "gap +5.0 points (NOT within 2)" in text  # 0.817 - 0.767 on average
+    assert "4 vs 8, 0.50x (meets <= 0.7x)" in text

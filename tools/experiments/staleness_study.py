@@ -93,6 +93,7 @@ def run_stats(run: Path) -> dict:
            "wall_s": wall, "wall_target": hit and hit["wall_s"], "step_target": hit and hit["step"],
            "traj_per_s": last["trajectories_trained"] / wall,
            "trainer_wait": sum(m["wait_s"] for m in metrics) / wall,
+           "train_s": statistics.fmean(m["train_s"] for m in metrics),  # the same work per step: the machine's speed
            "mean_lag": sum(k * n for k, n in lags.items()) / total,
            **{f"lag{k}": lags.get(k, 0) / total for k in range(LAGS)},
            f"lag{LAGS}+": sum(n for k, n in lags.items() if k >= LAGS) / total,
@@ -110,7 +111,7 @@ def run_stats(run: Path) -> dict:
 
 # ----------------------------------------------------------------------------- aggregate and report
 
-KEYS = ("final", "average", "wall_s", "wall_target", "step_target", "traj_per_s", "trainer_wait", "mean_lag",
+KEYS = ("final", "average", "wall_s", "wall_target", "step_target", "traj_per_s", "trainer_wait", "train_s", "mean_lag",
         *(f"lag{k}" for k in range(LAGS)), f"lag{LAGS}+", "equal_share", "policy_kl", "w_std", "w_p05", "w_p95",
         "capped_frac", "clip_frac", "grad_norm")
 
@@ -163,11 +164,11 @@ def targets(rows: dict[str, dict], lrs: list[float]) -> list[str]:
 def tables(rows: list[dict]) -> str:
     n = rows[0]["seeds"]
     lines = [f"| config | seeds | held-out, last step | held-out, mean over the run | step / wall s to {TARGET:.0%} "
-             "| trained traj/s | trainer wait |", "|---|---|---|---|---|---|---|"]
+             "| trained traj/s | trainer wait | training s / step |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['seeds']} | {fmt(r['final'])} | {fmt(r['average'])} | "
                      f"{fmt(r['step_target'], '.0f', n)} / {fmt(r['wall_target'], '.0f', n)} | "
-                     f"{fmt(r['traj_per_s'], '.0f')} | {fmt(r['trainer_wait'], '.2f')} |")
+                     f"{fmt(r['traj_per_s'], '.0f')} | {fmt(r['trainer_wait'], '.2f')} | {fmt(r['train_s'], '.2f')} |")
     lag_head = " | ".join(f"lag {k}" for k in range(LAGS)) + f" | lag {LAGS}+"
     lines += ["", "Per-step staleness metrics, mean over the run (then over seeds): the trained tokens' lag "
               "(versions behind the trainer) and its shares, KL(pi_v || pi_v+1) on the probe set, the importance "
@@ -256,6 +257,7 @@ def main(argv=None) -> None:
     p.add_argument("--probe", type=int, default=32, help="held-out problems in the policy-KL probe (0 = off)")
     p.add_argument("--shared-cores", action="store_true", help="learning_run's old unpinned layout")
     p.add_argument("--smoke", action="store_true", help="8 steps, batch 16, one seed: checks the pipeline only")
+    p.add_argument("--report", action="store_true", help="tables from the finished runs only; start none")
     p.add_argument("--docs", type=Path, help="copy staleness.md / .png here as staleness-study.md / .png")
     a = p.parse_args(argv)
     configs = parse_configs(a.configs, p)
@@ -273,9 +275,13 @@ def main(argv=None) -> None:
             args.lr = x
             job = lr.job_for(a.out, ws, f"{name}-s{seed}", lr.ETAS[eta], decoupled, args, seed)
             job["rl"]["policy_kl_probe"] = a.probe
+            if a.report and not (Path(job["out_dir"]) / "final" / "config.json").exists():
+                continue  # --report: finished runs only
             lr.run_config(a.out, job, TARGET)
             runs.setdefault(name, []).append(Path(job["out_dir"]))
             stats.setdefault(name, []).append(run_stats(runs[name][-1]))
+    if not stats:
+        sys.exit("staleness_study: no finished run to report")
     rows = [aggregate(name, s) for name, s in stats.items()]
     by = {r["name"]: r for r in rows}
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
