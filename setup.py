@@ -5,6 +5,7 @@ setup(
     version="0.1.0",
     description="Asynchronous GRPO trainer for language models on heterogeneous GPU clusters",
     packages=find_packages(include=["hexrl", "hexrl.*", "kernels", "kernels.*"]),
+    package_data={"hexrl": ["profiles/*.json"]},  # measured GPU profiles the planner reads (hexrl/gpus.py)
     python_requires=">=3.10",
     # torch is deliberately unpinned-from-above: CI installs the local CPU build first.
     install_requires=[

@@ -5,7 +5,8 @@ one-direction NVLink/PCIe bandwidth per GPU) plus a default rental price. H800 a
 follow the AReaL-Hex paper (§3, §4.4): H800 756 TFLOP/s, 2 TB/s HBM (the paper's figure;
 the SXM datasheet says 3.35 TB/s), 200 GB/s NVLink, $5.28/h; H20 148 TFLOP/s, 4 TB/s,
 450 GB/s NVLink, $1.85/h. The efficiency factors are what a good stack reaches in
-practice; `tools/bench/bench_kernels.py` measures them and writes `profiles/<gpu>.json`.
+practice; `tools/bench/bench_kernels.py` measures them and writes `profiles/<gpu>.json`; the
+project's measured profiles ship in hexrl/profiles/ (H100: 2026-11-26, torch 2.11, see its versions).
 """
 
 import json
@@ -95,18 +96,32 @@ def canonical_name(name: str) -> str | None:
     return ALIASES.get(low)
 
 
+# Profiles measured for this project (tools/bench/bench_kernels.py on a lent GPU), shipped as package data
+SHIPPED_PROFILES = Path(__file__).parent / "profiles"
+
+
 def profile_dir() -> Path:
-    """Where measured profiles live: $HEXRL_PROFILES, else ./profiles."""
+    """Where new measurements go and are looked up first: $HEXRL_PROFILES, else ./profiles."""
     return Path(os.environ.get("HEXRL_PROFILES", "profiles"))
 
 
+def profile_path(name: str, directory: Path | None = None) -> Path | None:
+    """The profile for GPU type `name`: in `directory` if given; else $HEXRL_PROFILES only, when set;
+    else ./profiles (a fresh local measurement), then the shipped hexrl/profiles. None if none."""
+    if directory is not None or "HEXRL_PROFILES" in os.environ:
+        dirs = [directory or profile_dir()]
+    else:
+        dirs = [profile_dir(), SHIPPED_PROFILES]
+    return next((d / f"{name}.json" for d in dirs if (d / f"{name}.json").is_file()), None)
+
+
 def read_profile(name: str, directory: Path | None = None) -> dict:
-    """Catalogue fields measured for this GPU type (profiles/<name>.json), or {} if none.
+    """Catalogue fields measured for this GPU type (see `profile_path`), or {} if none.
 
     Keys that are not catalogue fields (e.g. raw benchmark tables) are ignored.
     """
-    path = (directory or profile_dir()) / f"{name}.json"
-    if not path.is_file():
+    path = profile_path(name, directory)
+    if path is None:
         return {}
     with open(path) as f:
         data = json.load(f)
