@@ -142,6 +142,19 @@ def test_gpu_check_script_is_valid_bash():
     for stage in ("pytest -m gpu", "bench_kernels.py", "compare_cost_model.py", "bench_sampling.py",
                   "bench_rollout.py"):
         assert stage in text
+    assert "BUDGET_S=${BUDGET_S:-300}" in text  # one short GPU slot: at most 300 s start to end
+    assert "--hf-runs 1x128,64x256" in text  # HF generate only on short runs (its 1024-token runs took 186 s)
+
+
+def test_bench_rollout_hf_runs_are_parsed_and_bad_ones_named():
+    import argparse
+
+    import bench_rollout
+
+    p = argparse.ArgumentParser()
+    assert bench_rollout.parse_runs(p, "1x128,64x256") == [(1, 128), (64, 256)]
+    with pytest.raises(SystemExit):
+        bench_rollout.parse_runs(p, "1x128,64by256")
 
 
 def test_bench_fused_prints_split_and_fused_side_by_side(monkeypatch, capsys):

@@ -169,6 +169,9 @@ def main() -> None:
     p.add_argument("--attention", choices=["auto", "torch", "flashinfer"], default="auto")
     p.add_argument("--no-graphs", action="store_true")
     p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--hf-runs", default=None, help="BxL,...: run HF generate only at these batch x output "
+                   "lengths (ours too, side by side), e.g. 1x128,64x256; the --batch rows then skip HF "
+                   "(HF is ~10x slower: its 1,024-token runs took 186 s of gpu_check on an H100)")
     args = p.parse_args()
     device = torch.device("cuda" if cuda else "cpu")
     batches = args.batch or ([1, 256] if cuda else [1, 8])
@@ -180,12 +183,25 @@ def main() -> None:
     head = f"{'batch':>6} {'prompt':>6} {'output':>6} {'tok/s':>10} {'decode tok/s':>13} {'roofline':>10} " \
            f"{'of roof':>8} {'HF tok/s':>10} {'x HF':>6}"
     print(head)
-    for b in batches:
-        ours, decode = bench_ours(model, b, args.prompt_len, args.output_len, args)
-        roof = roofline(cfg, dtype, b, args.prompt_len, args.output_len, bw)
-        hf = float("nan") if args.no_hf else bench_hf(model, b, args.prompt_len, args.output_len)
-        print(f"{b:>6} {args.prompt_len:>6} {args.output_len:>6} {ours:>10.1f} {decode:>13.1f} {roof:>10.1f} "
-              f"{decode / roof:>8.1%} {hf:>10.1f} {ours / hf:>6.2f}")
+    hf_runs = parse_runs(p, args.hf_runs) if args.hf_runs else []
+    rows = [(b, args.output_len, not (args.no_hf or hf_runs)) for b in batches] + [(b, n, True) for b, n in hf_runs]
+    for b, olen, with_hf in rows:
+        ours, decode = bench_ours(model, b, args.prompt_len, olen, args)
+        roof = roofline(cfg, dtype, b, args.prompt_len, olen, bw)
+        hf = bench_hf(model, b, args.prompt_len, olen) if with_hf else float("nan")
+        print(f"{b:>6} {args.prompt_len:>6} {olen:>6} {ours:>10.1f} {decode:>13.1f} {roof:>10.1f} "
+              f"{decode / roof:>8.1%} {hf:>10.1f} {ours / hf:>6.2f}", flush=True)
+
+
+def parse_runs(p: argparse.ArgumentParser, text: str) -> list[tuple[int, int]]:
+    """"1x128,64x256" -> [(1, 128), (64, 256)]; a parser error names the bad item."""
+    runs = []
+    for item in text.split(","):
+        b, _, n = item.partition("x")
+        if not (b.isdigit() and n.isdigit() and int(b) > 0 and int(n) > 0):
+            p.error(f"--hf-runs: {item!r} is not BATCHxLENGTH (positive integers)")
+        runs.append((int(b), int(n)))
+    return runs
 
 
 if __name__ == "__main__":
