@@ -174,3 +174,17 @@ def test_gpu_graph_sampling_heads_and_overlap_equal_the_eager_loop(tmp_path):
         for a, b in zip(outs["graph"], outs["eager"]):
             assert a.token_ids == b.token_ids, name
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-3, rtol=0)
+
+
+def test_host_overhead_bench_runs_a_model_with_and_without_overlap(monkeypatch, capsys):
+    """The device stage of gpu_check (--model) as a CPU smoke run: both loops, side by side."""
+    import sys
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+    import bench_host_overhead
+
+    bench_host_overhead.main(["--model", "tiny", "--batch", "2", "--context", "8", "--steps", "3", "--repeats", "1"])
+    out = capsys.readouterr().out
+    assert "old loop (no overlap)" in out and "new loop (overlap)" in out and "host" in out
+    assert sys.modules["hexrl.rollout.sampler"].sample_tokens is bench_host_overhead.real_sampler

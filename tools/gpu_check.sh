@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything a lent GPU should run, in one device call (issue 8):
 #   install the carried wheels -> versions -> bench_kernels (writes profiles/<gpu>.json)
-#   -> compare_cost_model -> pytest -m gpu -> bench_sampling -> bench_train (if present) -> bench_rollout -> bench_fused.
+#   -> compare_cost_model -> pytest -m gpu -> bench_sampling -> bench_train (if present) -> bench_rollout -> bench_fused -> bench_host_overhead.
 # Here, once: `bash tools/prepare_device_wheels.sh` (fills .whl/). On the device:
 #   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)
 # Every stage runs under its own cap and a global deadline (BUDGET_S, default 300 s, so one short
@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
 QUICK=${QUICK:-0}
-STAGES=${STAGES:-all}  # or a subset: "wheels versions kernels compare pytest sampling train rollout fused"
+STAGES=${STAGES:-all}  # or a subset: "wheels versions kernels compare pytest sampling train rollout fused overlap"
 BUDGET_S=${BUDGET_S:-300}
 PY=${PYTHON:-python3}
 START=$(date +%s)
@@ -112,6 +112,9 @@ main() {
   want rollout && stage bench_rollout 90 $PY tools/bench/bench_rollout.py "${rollout[@]}"
   # issue 34: split vs fused weights vs fused + FlashInfer kernels, per decode step (last: runs if time is left)
   want fused && stage bench_fused 150 $PY tools/bench/bench_fused.py
+  # issue 34: engine loop without / with host-GPU overlap, host vs wall ms per decode step (1.5B, random weights)
+  want overlap && stage bench_host_overhead 120 $PY tools/bench/bench_host_overhead.py --model qwen2.5-1.5b \
+    --batch 64 --context 1024 --steps 40 --repeats 2
 
   [[ -n $profile ]] && cp "$profile" "$OUT/"
   rm -f "$marker"

@@ -4,7 +4,7 @@ schedule and launch n + 1, then read n), side by side.
 
     python tools/bench/bench_host_overhead.py                 # batch 256, ~512-token contexts
     python tools/bench/bench_host_overhead.py --batch 64 --context 2048 --repeats 7
-    python tools/bench/bench_host_overhead.py --model CKPT --batch 64   # a real model on the GPU
+    python tools/bench/bench_host_overhead.py --model qwen2.5-1.5b --batch 64   # a real model on the GPU
 
 With --model (CUDA): wall ms per decode step, host ms (wall minus the time blocked waiting for
 sampled tokens) and the blocked ms, old and new side by side. With overlap the wall approaches
@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_rollout's model shapes
 
 import hexrl.rollout.sampler as sampler  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
@@ -144,17 +145,25 @@ def show(times: list[tuple], i: int) -> str:
     return f"{statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f})"
 
 
-def main_gpu(args) -> None:
-    """Old (no overlap) and new (overlap) engine loops over a real model on the GPU, side by side."""
+def main_model(args) -> None:
+    """Old (no overlap) and new (overlap) engine loops over a real model (on the GPU), side by side."""
+    from bench_rollout import SHAPES, model_config, random_model
+
     from hexrl.model.checkpoint import load_pretrained
 
-    model = load_pretrained(args.model, dtype=torch.bfloat16, device="cuda")
+    cuda = torch.cuda.is_available()  # CPU: a smoke run of the same code (fp32, torch attention)
+    dev, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    if args.model in SHAPES:  # random weights of a named shape (bench_rollout's)
+        model = random_model(model_config(args.model), dtype, dev)
+    else:
+        model = load_pretrained(args.model, dtype=dtype, device=dev)
     runs = {False: [], True: []}
     for _ in range(args.repeats):
         for overlap in runs:
             runs[overlap].append(time_decode(args.batch, args.context, args.steps, args.page_size, True, overlap,
                                              model))
-    print(f"{torch.cuda.get_device_name()}, {args.model}, batch {args.batch}, contexts ~{args.context} tokens, "
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"{device}, {args.model}, batch {args.batch}, contexts ~{args.context} tokens, "
           f"{args.steps} steps x {args.repeats} repeats, T = 1; medians (min-max), ms per decode step")
     for overlap, name in ((False, "old loop (no overlap)"), (True, "new loop (overlap)")):
         t = runs[overlap]
@@ -164,17 +173,18 @@ def main_gpu(args) -> None:
           "after the launch, with overlap the wall tends to max(host, GPU) instead of their sum")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--context", type=int, default=512, help="prompt tokens per sequence")
     p.add_argument("--steps", type=int, default=64, help="decode steps timed per repeat")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--model", help="a checkpoint directory: time the real model on the GPU instead")
-    args = p.parse_args()
+    p.add_argument("--model", help="a checkpoint directory or a bench_rollout shape (qwen2.5-1.5b): time that "
+                                    "model on the GPU instead")
+    args = p.parse_args(argv)
     if args.model:
-        return main_gpu(args)
+        return main_model(args)
     torch.set_num_threads(1)
     variants = {"torch": (True, True), "old": (False, False), "new": (False, True)}  # (torch sampler, overlap)
     runs = {k: [] for k in variants}
