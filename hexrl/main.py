@@ -15,13 +15,14 @@ import argparse
 import os
 import sys
 import traceback
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from hexrl.runtime import affinity, dist_rules
+from hexrl.runtime import affinity, dist_rules, effective
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import set_run_umask
 from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
@@ -32,23 +33,52 @@ from hexrl.schema import ConfigError, Plan, load_plan
 COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # long steps are fine; dead peers are the watchdog's job
 
 
-def build_groups(plan: Plan) -> tuple[list, dict]:
+@dataclass
+class Groups:
+    """Every process group of the job, as each rank creates them (in the same order)."""
+
+    sync: list  # per pipeline stage: (src rank, weight-sync group)
+    replica: dict  # replica id -> its TP group (TP > 1 only)
+    described: list[tuple[str, list[int], object]]  # (name, ranks, group) of every group, for effective_config
+    sync_ipc: bool  # the sync groups' members share a GPU: weights go by CUDA IPC (hexrl/weights.py)
+
+
+def build_groups(plan: Plan, device_type: str = "cpu", grid_groups: list | None = None) -> Groups:
     """Weight-sync groups (stage source + every rollout rank) and rollout replica TP groups.
 
     Every rank calls new_group for every group in the same order (torch requires it); only
     members get a communicator. The first use of each is a collective of all its members (a
-    broadcast; the engine's page-count agreement), never p2p (rules: hexrl/runtime/dist_rules.py).
+    broadcast; the engine's page-count agreement), never p2p. A group whose members share a GPU
+    is gloo (rule 5; rules: hexrl/runtime/dist_rules.py).
     """
+    devices = {x.rank: (x.node, x.device_index) for x in plan.ranks}
+
+    def make(ranks: list[int]):
+        return dist.new_group(ranks, backend=dist_rules.group_backend([devices[r] for r in ranks]))
+
     rollout = plan.rollout_ranks()
-    sync = []
+    described = [("world", list(range(plan.world_size)), dist.group.WORLD), *(grid_groups or [])]
+    sync, shared = [], False
     for stage in range(plan.trainer.pp):
         src = plan.trainer.rank(stage, 0, 0)
-        sync.append((src, dist.new_group(sorted([src, *rollout]))))
+        ranks = sorted([src, *rollout])
+        sync.append((src, make(ranks)))
+        described.append((f"weight_sync/stage{stage}", ranks, sync[-1][1]))
+        shared = shared or dist_rules.group_backend([devices[r] for r in ranks]) is not None
     replica_groups = {}
     for rep in plan.replicas:
         if rep.tp > 1:
-            replica_groups[rep.id] = dist.new_group(sorted(rep.ranks))
-    return sync, replica_groups
+            replica_groups[rep.id] = make(sorted(rep.ranks))
+            described.append((f"replica{rep.id}/tp", sorted(rep.ranks), replica_groups[rep.id]))
+    return Groups(sync, replica_groups, described, shared and device_type == "cuda")
+
+
+def publish_groups(ctx_store, rank: int, groups: Groups) -> None:
+    """Each group's lowest rank records the backend torch gave it (effective_config.json)."""
+    for name, ranks, g in groups.described:
+        if ranks and ranks[0] == rank:
+            weights = ("cuda-ipc" if groups.sync_ipc else "broadcast") if name.startswith("weight_sync") else None
+            effective.publish_group(ctx_store, name, ranks, dist.get_backend(g), weights)
 
 
 def parse_args(argv=None):
@@ -103,19 +133,32 @@ def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
                      f"--resume {run_dir / 'checkpoints'}, or pass another --run-dir")
 
 
-def init_distributed(rank: int, world: int, local_rank: int) -> torch.device:
+def init_distributed(rank: int, world: int, plan: Plan) -> torch.device:
     """The process group, and this rank's compute device declared to hexrl.runtime.dist_rules (whose strict
     mode, under HEXRL_STRICT_COLLECTIVES=1, checks every collective against the NCCL rules)."""
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        # NCCL for CUDA tensors (every collective of the run); gloo only for the teardown barrier
-        dist.init_process_group("cpu:gloo,cuda:nccl", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
-        device = torch.device("cuda", local_rank)
+        index = plan.ranks[rank].device_index
+        torch.cuda.set_device(index)
+        limit_memory(plan, rank, index)
+        devices = [(x.node, x.device_index) for x in plan.ranks]
+        # NCCL for CUDA tensors (every collective of the run); gloo only for the teardown barrier,
+        # and for all of a world whose ranks share a GPU (rule 5 of dist_rules)
+        backend = dist_rules.group_backend(devices) or "cpu:gloo,cuda:nccl"
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        device = torch.device("cuda", index)
     else:
         dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
         device = torch.device("cpu")
     dist_rules.maybe_install(device)
     return device
+
+
+def limit_memory(plan: Plan, rank: int, index: int) -> None:
+    """On a shared GPU each role's allocator may use only its planned share of the device."""
+    col = plan.job.colocate
+    if col is not None:
+        share = col.train_fraction if plan.ranks[rank].role == "train" else col.rollout_fraction
+        torch.cuda.set_per_process_memory_fraction(share, index)
 
 
 def same_plan_problems(store, rank: int, digest: str, describe: dict[int, str]) -> list[str]:
@@ -156,7 +199,7 @@ def main(argv=None) -> None:
     pinning = affinity.pin(plan.job.cpu_affinity, local_rank)  # before any thread or child process starts
     print(affinity.describe(rank, plan.ranks[rank].role, pinning), flush=True)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
-    device = init_distributed(rank, world, local_rank)
+    device = init_distributed(rank, world, plan)
     store = dist.distributed_c10d._get_default_store()  # the job-wide store torchrun set up
     describe = {r.rank: f"{r.role} on {node_label(plan, r.node)}, local rank {r.local_rank}" for r in plan.ranks}
     nodes = {r.rank: node_label(plan, r.node) for r in plan.ranks}
@@ -166,13 +209,17 @@ def main(argv=None) -> None:
     try:
         from hexrl.train.grid import build_grid
 
-        grid = build_grid(plan.trainer, tied_embeddings=plan.job.model.config.tie_word_embeddings)
-        sync, replica_groups = build_groups(plan)
+        grid_groups: list = []
+        grid = build_grid(plan.trainer, tied_embeddings=plan.job.model.config.tie_word_embeddings,
+                          created=grid_groups)
+        groups = build_groups(plan, device.type, grid_groups)
+        publish_groups(store, rank, groups)
         info = plan.ranks[rank]
         run_dir = Path(args.run_dir or plan.job.out_dir)
         ctx = RankContext(plan, rank, local_rank, device, run_dir, Path(args.resume) if args.resume else None,
-                          store, plan.trainer, sync, replica_groups.get(info.replica) if role == "rollout" else None,
-                          watchdog, inputs)
+                          store, plan.trainer, groups.sync,
+                          groups.replica.get(info.replica) if role == "rollout" else None,
+                          watchdog, inputs, groups.sync_ipc, [name for name, _, _ in groups.described])
         if role == "train":
             from hexrl.train.worker import run_trainer
 

@@ -6,6 +6,11 @@ the tensor list (names, shapes, order) from the model config and the stage's lay
 nothing but raw numbers crosses the wire. Device to device, one bucket at a time: the sender
 gathers a bucket's tensors on its GPU, the receivers copy each bucket into their weights in
 place as it arrives; no whole-stage copy on either side and nothing through host memory.
+
+Where the sender and the receivers share a GPU (colocated, hexrl/schema/colocate.py) NCCL cannot
+connect them: the sync group is gloo and carries only host messages, and the weights go through
+CUDA IPC instead (`IpcSender`, `receive_stage_ipc`): the trainer keeps one export buffer of the
+stage's weights, the rollout maps it once and copies out of it, both on the device.
 """
 from __future__ import annotations
 
@@ -79,6 +84,65 @@ def receive_stage(specs: list[TensorSpec], src: int, group, dtype: torch.dtype, 
         flat = torch.empty(sum(sizes), dtype=dtype, device=device)
         dist.broadcast(flat, src=src, group=group)
         consume({specs[i].name: part.view(specs[i].shape) for i, part in zip(idx, torch.split(flat, sizes))})
+
+
+class IpcSender:
+    """One stage's export buffer, shared with the colocated rollout ranks through CUDA IPC."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+        self.handle = b""
+
+    def send(self, full: Callable[[str], torch.Tensor | None], specs: list[TensorSpec], src: int, group,
+             dtype: torch.dtype, device: torch.device) -> None:
+        """Fill the buffer (every TP rank calls `full`, as in send_stage), then hand the receivers
+        its handle over the gloo group and wait until they have copied it out."""
+        from hexrl.comm.cuda_ipc import export_handle
+        from hexrl.comm.store import broadcast_bytes
+        from hexrl.runtime.dist_rules import host_collective
+
+        sizes = [_numel(s.shape) for s in specs]
+        if self.buffer is None and dist.get_rank() == src:
+            self.buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
+            self.handle = export_handle(self.buffer)
+        at = 0
+        for spec, n in zip(specs, sizes):
+            part = full(spec.name)
+            if dist.get_rank() == src:
+                self.buffer[at:at + n].copy_(part.detach().reshape(-1))
+            at += n
+        if dist.get_rank() != src:
+            return
+        torch.cuda.synchronize(device)  # the copies are done before any receiver reads
+        with host_collective():
+            broadcast_bytes(self.handle, src, group)
+            dist.all_reduce(torch.zeros(1), group=group)  # every receiver is done reading
+
+
+def receive_stage_ipc(specs: list[TensorSpec], src: int, group, dtype: torch.dtype, device: torch.device,
+                      consume: Callable[[dict[str, torch.Tensor]], None], mapped: dict[bytes, torch.Tensor]) -> None:
+    """Receiver side of IpcSender: map the buffer (once: `mapped` keeps it), hand `consume` its
+    buckets as views, and tell the sender when the copies are done."""
+    from hexrl.comm.cuda_ipc import import_handle
+    from hexrl.comm.store import broadcast_bytes
+    from hexrl.runtime.dist_rules import host_collective
+
+    with host_collective():
+        handle = broadcast_bytes(None, src, group)
+    if handle not in mapped:
+        mapped[handle] = import_handle(handle)
+    flat, elem = mapped[handle], torch.empty((), dtype=dtype).element_size()
+    if flat.dtype != dtype or flat.numel() != sum(_numel(s.shape) for s in specs) or flat.device != device:
+        raise RuntimeError(f"weight sync: the mapped buffer is {flat.numel()} x {flat.dtype} on {flat.device}, "
+                           f"expected the stage's {sum(_numel(s.shape) for s in specs)} x {dtype} on {device}")
+    starts = [0]
+    for s in specs:
+        starts.append(starts[-1] + _numel(s.shape))
+    for idx in _buckets(specs, elem):
+        consume({specs[i].name: flat[starts[i]:starts[i + 1]].view(specs[i].shape) for i in idx})
+    torch.cuda.synchronize(device)  # done reading before the sender may write again
+    with host_collective():
+        dist.all_reduce(torch.zeros(1), group=group)
 
 
 def shard_for(module: torch.nn.Module, name: str, full: torch.Tensor, tp: TPGroup | None) -> torch.Tensor:

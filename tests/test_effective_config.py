@@ -87,7 +87,18 @@ def expected(plan: dict) -> dict:
                                               "grad_reduce_dtype")}
     train.update({k: plan["rl"][k] for k in ("lr", "grad_clip", "warmup_steps", "weight_decay", "ppo_minibatches")})
     keys = ("id", "max_running", "max_batch_tokens", "kv_pages", "page_size", "dtype")
-    return {"train": train, "rollout": {"replicas": [{k: r[k] for k in keys} for r in plan["rollout"]["replicas"]]}}
+    return {"train": train, "rollout": {"replicas": [{k: r[k] for k in keys} for r in plan["rollout"]["replicas"]]},
+            "groups": expected_groups(plan)}
+
+
+def expected_groups(plan: dict) -> list[dict]:
+    """Every process group of a data-parallel trainer plan on CPU, in creation order: all gloo."""
+    train = [r["rank"] for r in plan["ranks"] if r["role"] == "train"]
+    roll = [r["rank"] for r in plan["ranks"] if r["role"] == "rollout"]
+    gloo = [{"name": "world", "ranks": sorted(train + roll)}, {"name": f"trainer{train}", "ranks": train},
+            {"name": f"dp{train}", "ranks": train},
+            {"name": "weight_sync/stage0", "ranks": sorted([train[0], *roll]), "weights": "broadcast"}]
+    return [{**g, "backend": "gloo"} for g in gloo]
 
 
 @pytest.mark.parametrize("which", ["cpu demo", "activation checkpointing"])

@@ -21,6 +21,8 @@ class Candidate:
     C_reward: float  # the step's last group, scored after its decode ends
     C_sync: float  # weight update
     step_s: float
+    stretch: float = 1.0  # colocated: both roles' slowdown on the shared GPU (hexrl/plan/colocate.py)
+    device_busy: float | None = None  # colocated: the share of its time the replica's kernels hold the GPU
 
     @property
     def C_I(self) -> float:

@@ -119,6 +119,8 @@ class CostModel:
         self._decode_cache: dict = {}
         self._stage_cache: dict = {}
         self._wave_cache: dict = {}
+        # colocated (hexrl/plan/colocate.py): the bytes each role may use on the shared GPU
+        self.role_bytes: dict[str, float] = {}
         knobs = job.runtime.get("trainer", {})
         # the trainer all-reduces its float32 gradient buckets (plan.trainer.grad_reduce_dtype)
         self.grad_reduce_bytes = 4.0 if knobs.get("grad_reduce_dtype", "float32") == "float32" else 2.0
@@ -137,9 +139,15 @@ class CostModel:
             t *= 2
         return out
 
-    def usable_bytes(self, gpu_type: str) -> float:
-        g = self.gpus[gpu_type]
-        return g.hbm_bytes * g.mem_util - min(WORKSPACE_BYTES, 0.1 * g.hbm_bytes)
+    def usable_bytes(self, gpu_type: str, role: str | None = None) -> float:
+        """Bytes one process may fill on a GPU of this type; a role's share where the roles share it."""
+        if role in self.role_bytes:
+            return self.role_bytes[role]
+        return self.gpus[gpu_type].hbm_bytes * self.gpus[gpu_type].mem_util - self.workspace_bytes(gpu_type)
+
+    def workspace_bytes(self, gpu_type: str) -> float:
+        """One process's allocator slack, kernel scratch and CUDA context."""
+        return min(WORKSPACE_BYTES, 0.1 * self.gpus[gpu_type].hbm_bytes)
 
     def head_params(self) -> int:
         return self.m.vocab_size * self.m.hidden_size
@@ -225,7 +233,7 @@ class CostModel:
         fixed = edge_params * bpp / tp + act_fixed
         if index == pp - 1:
             fixed += tokens * m.vocab_size / tp * 4  # fp32 logits of one micro-batch
-        room = self.usable_bytes(gpu_type) - fixed
+        room = self.usable_bytes(gpu_type, "train") - fixed
         per_layer = self.layer_params * bpp / tp + act_per_layer
         return max(0, int(room // per_layer))
 
@@ -252,7 +260,7 @@ class CostModel:
     def max_decode_batch(self, gpu_type: str, tp: int) -> int:
         """Sequences of average length that fit in KV memory; 0 if not even one longest sequence fits."""
         weights = 2 * self.m.num_params / tp
-        room = self.usable_bytes(gpu_type) - weights
+        room = self.usable_bytes(gpu_type, "rollout") - weights
         kv = self.kv_bytes_per_token(tp)
         if room < kv * self.w.max_seq:
             return 0

@@ -34,6 +34,10 @@ def fixed_candidate(cm: CostModel, layout: dict) -> Candidate:
 
 def plan_candidate(cm: CostModel, plan: Plan) -> Candidate:
     """The candidate a finished plan describes, to cost (or simulate) exactly this placement."""
+    if plan.job.colocate is not None:
+        from hexrl.plan.colocate import plan_candidate as colocated  # it builds on this module
+
+        return colocated(cm, plan)
     t, p = plan.trainer, []
     chunks = [(st.gpu_type, st.tp, [divmod(r, cm.gpn) for r in t.stage_ranks(s)]) for s, st in enumerate(t.stages)]
     tplan = _train_plan(cm, chunks, t.dp, [b - a for a, b in (st.layers for st in t.stages)], p)

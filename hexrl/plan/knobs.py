@@ -31,7 +31,7 @@ def replica_knobs(cm: CostModel, gpu_type: str, tp: int, batch: int) -> RolloutK
     dtype = over.get("dtype", default_dtype([gpu_type]))
     elem = 4 if dtype == "float32" else 2
     page_bytes = cm.kv_bytes_per_token(tp) * elem / 2 * page_size  # the cost model counts 2-byte KV
-    room = cm.usable_bytes(gpu_type) - elem * cm.m.num_params / tp
+    room = cm.usable_bytes(gpu_type, "rollout") - elem * cm.m.num_params / tp
     per_seq = math.ceil(cm.w.max_seq / page_size)
     pages = max(per_seq, min(int(room // page_bytes), running * per_seq))
     batch_tokens = over.get("max_batch_tokens", max(ENGINE_BATCH_TOKENS, running))

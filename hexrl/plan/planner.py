@@ -4,6 +4,7 @@ or fills in a user-fixed layout) and writes ranks, trainer grid, replicas and pr
 from hexrl.plan import baselines, partition
 from hexrl.plan.budget import affordable_subsets
 from hexrl.plan.candidate import Candidate, Evaluator
+from hexrl.plan.colocate import plan_colocated
 from hexrl.plan.cost import CostModel
 from hexrl.plan.fixed import fixed_candidate
 from hexrl.plan.knobs import replica_knobs, train_knobs
@@ -57,8 +58,14 @@ def search(cm: CostModel, method: str = "two-phase") -> tuple[Candidate, dict]:
 def plan_job(job: Job, method: str = "two-phase", use_profiles: bool = True) -> Plan:
     """Plan a job: a fixed layout if the job has one, else the search `method`.
 
-    Over budget, the best affordable subset of whole nodes is planned (see budget.py).
+    Over budget, the best affordable subset of whole nodes is planned (see budget.py). A job with
+    `colocate` puts both roles on its one GPU (hexrl/plan/colocate.py).
     """
+    if job.colocate is not None:
+        if job.budget is not None and job.price_per_hour() > job.budget + 1e-9:
+            raise ConfigError([f"budget: the one GPU costs ${job.price_per_hour():.2f}/h, over the budget "
+                               f"${job.budget:.2f}/h; raise the budget"], "infeasible job")
+        return plan_colocated(job, use_profiles)
     if job.budget is not None and job.price_per_hour() > job.budget + 1e-9:
         return _plan_within_budget(job, method, use_profiles)
     return _plan(job, method, use_profiles)
@@ -124,6 +131,20 @@ def materialize(cm: CostModel, cand: Candidate, info: dict) -> Plan:
     ranks = [roles[k] for k in sorted(roles)]
     trainer = TrainerLayout(cand.train.dp, stages)
     return Plan(cm.job, ranks, trainer, replicas, predictions(cm, cand, info), train_knobs(cm, cand.train))
+
+
+def colocated_plan(cm: CostModel, cand: Candidate, job: Job) -> Plan:
+    """Rank 0 trains, rank 1 runs the one replica, both on device 0 of the one node; `job`
+    carries the memory split (its colocate section filled in)."""
+    t, r = job.cluster.nodes[0].gpu_type, cand.rollout.replicas[0]
+    ranks = [RankInfo(0, 0, 0, t, "train", dp=0, pp=0, tp=0, device=0),
+             RankInfo(1, 0, 1, t, "rollout", tp=0, replica=0, device=0)]
+    trainer = TrainerLayout(1, [Stage(t, 1, (0, cm.m.num_hidden_layers))])
+    replicas = [Replica(0, t, 1, [1], 1.0, replica_knobs(cm, t, 1, r.batch))]
+    pred = predictions(cm, cand, {"method": "colocated"})
+    pred["colocate"] = {**job.colocate.to_dict(), "stretch": round(cand.stretch, 4),
+                        "rollout_device_busy": round(cand.device_busy, 4)}
+    return Plan(job, ranks, trainer, replicas, pred, train_knobs(cm, cand.train))
 
 
 def _fix_shares(replicas: list[Replica]) -> None:

@@ -38,8 +38,10 @@ from hexrl.trajectory import Trajectory
 class Replica:
     """One rollout replica: running sequences as arrays, a queue, and the decode step in flight."""
 
-    def __init__(self, idx: int, gpu_type: str, tp: int, max_batch: int, share: float, cm: CostModel):
+    def __init__(self, idx: int, gpu_type: str, tp: int, max_batch: int, share: float, cm: CostModel,
+                 stretch: float = 1.0):
         self.idx, self.gpu_type, self.tp, self.max_batch, self.share, self.cm = idx, gpu_type, tp, max_batch, share, cm
+        self.stretch = stretch  # > 1 where it shares its GPU with the trainer (hexrl/plan/colocate.py)
         self.host_s = cm.gpus[gpu_type].host_s_per_sample  # leader's host work per finished sample
         self.rem = np.zeros(0, dtype=np.int64)  # tokens still to generate
         self.context = np.zeros(0, dtype=np.int64)  # prompt + generated so far
@@ -56,8 +58,12 @@ class Replica:
 
     def coeffs(self, b: int) -> tuple[float, float]:
         if b not in self._coeffs:
-            self._coeffs[b] = self.cm.decode_coeffs(self.gpu_type, self.tp, b)
+            a, c = self.cm.decode_coeffs(self.gpu_type, self.tp, b)
+            self._coeffs[b] = (a * self.stretch, c * self.stretch)
         return self._coeffs[b]
+
+    def prefill_s(self, tokens: float, context: float) -> float:
+        return self.cm.prefill_s(self.gpu_type, self.tp, tokens, context) * self.stretch
 
     @staticmethod
     def elapsed(j, a, c, s0, b):
@@ -96,7 +102,7 @@ class Simulation:
         self.reward_s = cm.group_reward_s()
         self.replicas = {}
         for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
-            self.replicas[r.id] = Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm)
+            self.replicas[r.id] = Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm, self.cand.stretch)
         controller = plan.ranks[plan.trainer.rank(0, 0, 0)]  # the trainer slot that hosts the controller
         self.control_s = cm.gpus[controller.gpu_type].control_s_per_sample
         self.control_debt = 0.0  # controller seconds taken from the training step in flight
@@ -181,7 +187,7 @@ class Simulation:
         new = [r.queue.popleft() for _ in range(min(room, len(r.queue)))]
         pre = 0.0
         if new:
-            pre = self.cm.prefill_s(r.gpu_type, r.tp, len(new) * self.prompt, self.prompt / 2)
+            pre = r.prefill_s(len(new) * self.prompt, self.prompt / 2)
             r.rem = np.concatenate([r.rem, [n for _, n in new]])
             r.context = np.concatenate([r.context, np.full(len(new), self.prompt)])
             r.ver = np.concatenate([r.ver, np.full(len(new), self.live)])
@@ -270,7 +276,7 @@ class Simulation:
                 s = self.trained - traj.oldest_version
                 self.staleness[s] = self.staleness.get(s, 0) + 1
                 self.violations += self.eta is not None and s > self.eta
-        dur = self.cand.C_T * tokens / self.cm.w.tokens
+        dur = self.cand.C_T * self.cand.stretch * tokens / self.cm.w.tokens
         self.training = True
         self.train_time += dur
         self.step_tokens.append(tokens)
@@ -307,7 +313,7 @@ class Simulation:
             resume = t
             if len(r.rem):  # KV recompute of every running sequence with the new weights
                 context = float(r.context.sum())
-                rec = self.cm.prefill_s(r.gpu_type, r.tp, context, context / len(r.rem) / 2)
+                rec = r.prefill_s(context, context / len(r.rem) / 2)
                 r.busy += rec
                 self.mark(f"R{r.idx}", "recompute", t, t + rec)
                 resume = t + rec

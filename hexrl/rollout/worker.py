@@ -26,7 +26,7 @@ from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import write_json_atomic
 from hexrl.runtime.watchdog import describe_exception
 from hexrl.trajectory import Trajectory
-from hexrl.weights import TensorSpec, load_into, receive_stage
+from hexrl.weights import TensorSpec, load_into, receive_stage, receive_stage_ipc
 
 from .engine import Engine, EngineStats
 from .sequence import Finished, Request
@@ -64,12 +64,19 @@ class PendingGroup:
     outputs: dict[int, Finished] = field(default_factory=dict)
 
 
-def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device):
-    """`on_update(version)` for the engine: join each stage's broadcast and load what arrives."""
+def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device, ipc: bool = False):
+    """`on_update(version)` for the engine: join each stage's broadcast and load what arrives (or,
+    on a GPU shared with the trainer, copy out of its export buffer through CUDA IPC)."""
+    mapped: dict[bytes, torch.Tensor] = {}  # the trainer's buffers, mapped once
+
     def receive(version: int):
         def load(model):
             for s in sync:
-                receive_stage(s.specs, s.src, s.group, dtype, device, lambda part: load_into(model, part))
+                if ipc:
+                    receive_stage_ipc(s.specs, s.src, s.group, dtype, device, lambda part: load_into(model, part),
+                                      mapped)
+                else:
+                    receive_stage(s.specs, s.src, s.group, dtype, device, lambda part: load_into(model, part))
         return load
     return receive
 
@@ -251,10 +258,10 @@ def run_rollout(ctx: RankContext) -> None:
     if tp_rank == 0:
         effective.publish(ctx, f"replica/{replica.id}", effective.rollout_values(engine))
     elif ctx.rank == 0:
-        effective.write(ctx.store, [r.id for r in plan.replicas], ctx.run_dir)
+        effective.write_for(ctx)
     sync = [SyncGroup(src, group, stage_specs(model.cfg, tuple(st.layers)))
             for (src, group), st in zip(ctx.sync_groups, plan.trainer.stages)]
-    receive = weight_receiver(sync, dtype, ctx.device)
+    receive = weight_receiver(sync, dtype, ctx.device, ctx.sync_ipc)
     if tp_rank != 0:
         engine.follow(on_update=receive)
         return

@@ -4,7 +4,7 @@ Everywhere in hexrl, `ctx` names one of these (and nothing else).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,6 +32,8 @@ class RankContext:
     replica_group: dist.ProcessGroup | None  # this rollout rank's TP group (None for TP 1 or trainer ranks)
     watchdog: Watchdog
     inputs: Inputs  # the checked, tokenized prompts (tokenized once, by the checks)
+    sync_ipc: bool = False  # the weight sync groups share this GPU: weights go by CUDA IPC (hexrl/weights.py)
+    groups: list[str] = field(default_factory=list)  # every group's name, in creation order (effective_config)
 
     @property
     def info(self) -> RankInfo:

@@ -13,6 +13,10 @@ gloo forgives what NCCL does not, so CPU runs alone cannot show these bugs:
      collective first (`warm_up`).
   4. No object collectives (broadcast_object_list, ...): they pickle, and unpickling network
      data runs code. Bytes travel as uint8 tensors (hexrl.comm.store.broadcast_bytes, msgpack inside).
+  5. A group whose members share a GPU (the colocated mode, hexrl/schema/colocate.py) cannot use
+     NCCL, which refuses two ranks on one device: it is a gloo group (`group_backend`) and carries
+     host tensors only, inside `host_collective()`. Device data between such ranks goes through
+     CUDA IPC (hexrl/comm/cuda_ipc.py), never through the group.
 
 HEXRL_STRICT_COLLECTIVES=1 (the tests set it) wraps torch.distributed's collectives and p2p
 calls so that breaking rule 1, 2 or 4 raises at the call, and rule 3 is checked at a group's
@@ -70,6 +74,12 @@ def host_collective():
         yield
     finally:
         _State.host_ok -= 1
+
+
+def group_backend(devices: list[tuple[int, int]]) -> str | None:
+    """The backend of a group whose members compute on these (node, device) pairs (rule 5): gloo
+    where two share a device, else None (the job's default: NCCL for CUDA tensors)."""
+    return "gloo" if len(set(devices)) < len(devices) else None
 
 
 def warm_up(groups, device: torch.device) -> None:

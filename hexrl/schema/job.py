@@ -12,6 +12,7 @@ from pathlib import Path
 from hexrl.gpus import CATALOGUE, canonical_name
 from hexrl.model.config import ModelConfig
 from hexrl.schema.affinity import CpuAffinity, read_affinity
+from hexrl.schema.colocate import Colocate, cluster_problems, read_colocate
 from hexrl.schema.fields import ConfigError, Reader, resolve
 from hexrl.schema.knobs import read_overrides
 
@@ -504,7 +505,8 @@ def _read_layout(r: Reader, d) -> dict | None:
 # ----------------------------------------------------------------------------- job
 
 _JOB_KEYS = {"name", "model", "data", "reward", "rl", "workload", "cluster", "prices", "budget",
-             "layout", "runtime", "out_dir", "extra", "cpu_affinity", "share_run_dir"}
+             "layout", "runtime", "out_dir", "extra", "cpu_affinity", "share_run_dir",
+             "colocate"}
 
 
 @dataclass
@@ -524,6 +526,12 @@ class Job:
     extra: dict = field(default_factory=dict)  # free-form, passed through untouched
     cpu_affinity: CpuAffinity | None = None  # cores per local rank (hexrl/schema/affinity.py); None: not pinned
     share_run_dir: bool = False  # False: the run directory is 0700 and its files 0600 (umask 077)
+    colocate: Colocate | None = None  # trainer and rollout share the one GPU (hexrl/schema/colocate.py)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Processes torchrun starts per node: one per GPU, two on a shared GPU."""
+        return self.cluster.gpus_per_node * (2 if self.colocate is not None else 1)
 
     def price_per_hour(self) -> float:
         return sum(self.prices[n.gpu_type] * n.gpus for n in self.cluster.nodes)
@@ -546,6 +554,8 @@ class Job:
             d["cpu_affinity"] = self.cpu_affinity.to_dict()
         if self.share_run_dir:
             d["share_run_dir"] = True
+        if self.colocate is not None:
+            d["colocate"] = self.colocate.to_dict()
         return d
 
 
@@ -593,12 +603,15 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     if model and model.config.max_position_embeddings < workload.prompt_len + rl.max_new_tokens:
         r.bad("rl.max_new_tokens", f"prompt_len {workload.prompt_len} + max_new_tokens {rl.max_new_tokens} "
               f"exceeds the model's max_position_embeddings {model.config.max_position_embeddings}")
-    affinity = read_affinity(r, d.get("cpu_affinity"), cluster.gpus_per_node)
+    colocate = read_colocate(r, d.get("colocate"))
+    if colocate is not None and cluster.nodes:
+        r.problems += cluster_problems(colocate, cluster.nodes)
+    affinity = read_affinity(r, d.get("cpu_affinity"), cluster.gpus_per_node * (2 if colocate is not None else 1))
     share = r.boolean(d, "share_run_dir", "job", False)
     if r.problems:
         return None
     return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra,
-               affinity, share)
+               affinity, share, colocate)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:

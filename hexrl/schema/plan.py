@@ -8,9 +8,10 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hexrl.gpus import canonical_name
+from hexrl.gpus import CATALOGUE, canonical_name
+from hexrl.schema.colocate import FRACTIONS, RANKS_PER_DEVICE, fraction_problems
 from hexrl.schema.fields import ConfigError, Reader, plural, short
-from hexrl.schema.job import ClusterSpec, Job, known_types, parse_job, read_source
+from hexrl.schema.job import Job, known_types, parse_job, read_source
 from hexrl.schema.knobs import ROLLOUT_KEYS, TRAIN_KEYS, RolloutKnobs, TrainKnobs, read_rollout_knobs, read_train_knobs
 from hexrl.schema.layout import Stage, TrainerLayout
 
@@ -31,11 +32,18 @@ class RankInfo:
     pp: int | None = None
     tp: int | None = None
     replica: int | None = None
+    device: int | None = None  # the node's GPU this rank computes on; None: its local_rank (one GPU each)
+
+    @property
+    def device_index(self) -> int:
+        return self.local_rank if self.device is None else self.device
 
     def to_dict(self) -> dict:
         keys = ("dp", "pp", "tp") if self.role == "train" else ("replica", "tp")
         d = {k: getattr(self, k) for k in ("rank", "node", "local_rank", "gpu_type", "role")}
         d.update({k: getattr(self, k) for k in keys})
+        if self.device is not None:
+            d["device"] = self.device
         return d
 
 
@@ -81,6 +89,18 @@ class Plan:
     def gpus_per_node(self) -> int:
         return self.job.cluster.gpus_per_node
 
+    @property
+    def ranks_per_node(self) -> int:
+        """torchrun's --nproc_per_node: GPUs per node, or both roles' ranks on a shared GPU."""
+        return self.job.ranks_per_node
+
+    def device_ranks(self) -> dict[tuple[int, int], list[int]]:
+        """(node, device) -> the global ranks computing on it (two where the roles share a GPU)."""
+        out: dict[tuple[int, int], list[int]] = {}
+        for x in self.ranks:
+            out.setdefault((x.node, x.device_index), []).append(x.rank)
+        return out
+
     def train_ranks(self) -> list[int]:
         return [x.rank for x in self.ranks if x.role == "train"]
 
@@ -106,11 +126,11 @@ def _read_ranks(r: Reader, raw) -> list[RankInfo]:
     out, seen = [], {}
     for i, x in enumerate(raw):
         w = f"ranks[{i}]"
-        x = r.section(x, w, {"rank", "node", "local_rank", "gpu_type", "role", "dp", "pp", "tp", "replica"})
+        x = r.section(x, w, {"rank", "node", "local_rank", "gpu_type", "role", "dp", "pp", "tp", "replica", "device"})
         if not x:
             continue
         ints = {k: r.num(x, k, w, None, integer=True, lo=0, required=k in ("rank", "node", "local_rank", "tp"))
-                for k in ("rank", "node", "local_rank", "dp", "pp", "tp", "replica")}
+                for k in ("rank", "node", "local_rank", "dp", "pp", "tp", "replica", "device")}
         if ints["rank"] in seen:
             r.bad(f"{w}.rank", f"rank {ints['rank']} listed twice (also ranks[{seen[ints['rank']]}])")
             continue
@@ -131,7 +151,7 @@ def _read_ranks(r: Reader, raw) -> list[RankInfo]:
             continue
         out.append(RankInfo(ints["rank"], ints["node"], ints["local_rank"], gt, role,
                             ints["dp"] if role == "train" else None, ints["pp"] if role == "train" else None,
-                            ints["tp"], ints["replica"] if role == "rollout" else None))
+                            ints["tp"], ints["replica"] if role == "rollout" else None, ints["device"]))
     return out
 
 
@@ -195,6 +215,7 @@ def check_plan(plan: Plan) -> list[str]:
     _check_rank_table(plan, p)
     _check_trainer(plan, p, plan.job.model.config.num_hidden_layers)
     _check_replicas(plan, p)
+    p += shared_device_problems(plan)
     if not plan.train_ranks():
         p.append("ranks: no rank has role 'train'")
     if not plan.rollout_ranks():
@@ -203,23 +224,73 @@ def check_plan(plan: Plan) -> list[str]:
 
 
 def _check_rank_table(plan: Plan, p: list[str]):
-    c = plan.job.cluster
-    n = c.world_size
+    c, per = plan.job.cluster, plan.ranks_per_node
+    n = per * len(c.nodes)
+    what = f"{n} ranks: {len(c.nodes)} node(s) x {per}" if per != c.gpus_per_node else f"cluster has {n} GPUs"
     seen: dict[int, int] = {}  # duplicates were reported while reading the ranks
     for i, x in enumerate(plan.ranks):
         seen[x.rank] = i
         if not 0 <= x.rank < n:
-            p.append(f"ranks[{i}].rank: {x.rank} outside 0..{n - 1} (cluster has {n} GPUs)")
+            p.append(f"ranks[{i}].rank: {x.rank} outside 0..{n - 1} ({what})")
             continue
-        node, local = divmod(x.rank, c.gpus_per_node)
+        node, local = divmod(x.rank, per)
         if (x.node, x.local_rank) != (node, local):
             p.append(f"ranks[{i}]: rank {x.rank} must be node {node} local_rank {local} "
-                     f"(rank = node * {c.gpus_per_node} + local_rank), got node {x.node} local_rank {x.local_rank}")
+                     f"(rank = node * {per} + local_rank), got node {x.node} local_rank {x.local_rank}")
         elif x.gpu_type != c.nodes[node].gpu_type:
             p.append(f"ranks[{i}].gpu_type: {x.gpu_type} but node {c.nodes[node].name} has {c.nodes[node].gpu_type}")
+        elif not 0 <= x.device_index < c.gpus_per_node:
+            p.append(f"ranks[{i}].device: {x.device_index} but node {c.nodes[node].name} has GPUs "
+                     f"0..{c.gpus_per_node - 1}")
     missing = sorted(set(range(n)) - set(seen))
     if missing:
-        p.append(f"ranks: missing global ranks {short(missing)} (cluster has {n} GPUs)")
+        p.append(f"ranks: missing global ranks {short(missing)} ({what})")
+
+
+def shared_device_problems(plan: Plan) -> list[str]:
+    """Ranks that share a GPU: only under `colocate`, at most one trainer rank and one rollout
+    replica of TP 1 per device, and their memory fractions fitting the device."""
+    p, col = [], plan.job.colocate
+    index = {x.rank: i for i, x in enumerate(plan.ranks)}
+    for (node, dev), ranks in sorted(plan.device_ranks().items()):
+        if len(ranks) < 2:
+            continue
+        where = f"ranks[{index[ranks[-1]]}].device"
+        nodes = plan.job.cluster.nodes
+        here = f"device {dev} of node {nodes[node].name if node < len(nodes) else node}"
+        if col is None:
+            p.append(f"{where}: ranks {ranks} share {here}; ranks share a GPU only under the job's colocate "
+                     "section (one rank per GPU otherwise)")
+        elif len(ranks) > RANKS_PER_DEVICE:
+            p.append(f"{where}: {len(ranks)} ranks {ranks} on {here}, more than a shared device holds "
+                     f"({RANKS_PER_DEVICE}: one trainer rank and one rollout replica)")
+        elif sorted(plan.ranks[index[r]].role for r in ranks) != ["rollout", "train"]:
+            p.append(f"{where}: ranks {ranks} on {here} must be one trainer rank and one rollout rank")
+    if col is not None:
+        p += [f"colocate.{k}: missing; plan the job (python -m hexrl.plan) to fill it in"
+              for k in FRACTIONS if getattr(col, k) is None]
+        p += fraction_problems(col)
+        p += [f"rollout.replicas[{i}].tp: {r.tp} on a shared GPU; a colocated replica has TP 1"
+              for i, r in enumerate(plan.replicas) if r.tp != 1]
+        if col.kv_fraction is not None:
+            p += _kv_pool_problems(plan, col.kv_fraction)
+    return p
+
+
+def _kv_pool_problems(plan: Plan, kv_fraction: float) -> list[str]:
+    """A colocated replica's KV pool (kv_pages) must fit in kv_fraction of its device."""
+    cfg, p = plan.job.model.config, []
+    for i, r in enumerate(plan.replicas):
+        if r.knobs.kv_pages is None or r.gpu_type not in CATALOGUE:
+            continue
+        elem = 4 if r.knobs.dtype == "float32" else 2
+        page = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * r.knobs.page_size * elem
+        room = kv_fraction * CATALOGUE[r.gpu_type].hbm_bytes
+        if r.knobs.kv_pages * page > room:
+            p.append(f"rollout.replicas[{i}].kv_pages: {r.knobs.kv_pages} pages take "
+                     f"{r.knobs.kv_pages * page / 1e9:.3g} GB, more than colocate.kv_fraction {kv_fraction:g} of "
+                     f"the {r.gpu_type}'s memory ({room / 1e9:.3g} GB)")
+    return p
 
 
 def _check_trainer(plan: Plan, p: list[str], L: int):
@@ -299,7 +370,7 @@ def load_plan(path_or_dict, check_paths: bool = True, world: tuple[int, int] | N
     n_ranks = len(d["ranks"]) if isinstance(d.get("ranks"), list) else 0
     problems = list(r.problems)
     if world is not None and job is not None:
-        problems += _world_problems(n_ranks, job.cluster, *world)
+        problems += _world_problems(n_ranks, job, *world)
     if job is not None and trainer is not None:  # also with bad rank entries: report the rest too
         plan = Plan(job, ranks, trainer, replicas, predicted, train_knobs)
         problems += check_plan(plan)
@@ -308,20 +379,21 @@ def load_plan(path_or_dict, check_paths: bool = True, world: tuple[int, int] | N
     return plan
 
 
-def _world_problems(n_ranks: int, c: ClusterSpec, world_size: int, local_world_size: int) -> list[str]:
-    p = []
+def _world_problems(n_ranks: int, job: Job, world_size: int, local_world_size: int) -> list[str]:
+    p, c, per = [], job.cluster, job.ranks_per_node
+    runs = f"{c.gpus_per_node} GPUs" if per == c.gpus_per_node else f"{per} ranks on {c.gpus_per_node} shared GPU"
     if world_size != n_ranks:
         p.append(f"WORLD_SIZE={world_size} but the plan has {n_ranks} ranks "
-                 f"({plural(len(c.nodes), 'node')} x {c.gpus_per_node}); launch with "
-                 f"torchrun --nnodes {len(c.nodes)} --nproc_per_node {c.gpus_per_node}")
-    if local_world_size != c.gpus_per_node:
-        p.append(f"LOCAL_WORLD_SIZE={local_world_size} but every plan node has {c.gpus_per_node} GPUs; "
-                 f"launch with --nproc_per_node {c.gpus_per_node}")
+                 f"({plural(len(c.nodes), 'node')} x {per}); launch with "
+                 f"torchrun --nnodes {len(c.nodes)} --nproc_per_node {per}")
+    if local_world_size != per:
+        p.append(f"LOCAL_WORLD_SIZE={local_world_size} but every plan node runs {runs}; "
+                 f"launch with --nproc_per_node {per}")
     return p
 
 
 def validate_plan_against_world(plan: Plan, world_size: int, local_world_size: int) -> None:
     """Check the plan fits the torchrun world this process lives in; ConfigError lists every problem."""
-    p = check_plan(plan) + _world_problems(plan.world_size, plan.job.cluster, world_size, local_world_size)
+    p = check_plan(plan) + _world_problems(plan.world_size, plan.job, world_size, local_world_size)
     if p:
         raise ConfigError(p, "plan does not match this torchrun world")

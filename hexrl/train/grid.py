@@ -79,12 +79,14 @@ class Grid:
         return self.layout.grad_targets(*self.coord)
 
 
-def build_grid(layout: TrainerLayout, rank: int | None = None, tied_embeddings: bool = False) -> Grid | None:
+def build_grid(layout: TrainerLayout, rank: int | None = None, tied_embeddings: bool = False,
+               created: list | None = None) -> Grid | None:
     """Create every process group of the layout and return this rank's Grid (None if not in it).
 
     Collective: `dist.new_group` must be called by every process of the default group in the
     same order, so every process of the job (trainer or not) calls this with the same layout.
-    Without an initialised process group the layout must be a single slot.
+    Without an initialised process group the layout must be a single slot. `created`, if given,
+    receives (name, ranks, group) of every group made (on every process), for effective_config.json.
     """
     if not dist.is_initialized():
         if layout.world_size != 1:
@@ -95,6 +97,8 @@ def build_grid(layout: TrainerLayout, rank: int | None = None, tied_embeddings: 
 
     def make(name, ranks):
         g = dist.new_group(sorted(ranks)) if len(ranks) > 1 else None  # every process calls new_group
+        if g is not None and created is not None:
+            created.append((f"{name}{sorted(ranks)}", sorted(ranks), g))
         if rank in ranks:
             groups[name] = g
 

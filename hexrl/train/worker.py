@@ -28,7 +28,7 @@ from hexrl.runtime.context import RankContext
 from hexrl.runtime.nodes import bind_host
 from hexrl.schema.knobs import TrainKnobs
 from hexrl.trajectory import Trajectory
-from hexrl.weights import send_stage, stage_specs
+from hexrl.weights import IpcSender, send_stage, stage_specs
 
 from .checkpoint import full_param, shard_dims
 from .export import write_model_files
@@ -119,8 +119,15 @@ def sync_weights(ctx: RankContext, trainer: Trainer, dtype: torch.dtype) -> floa
         t = full_param(params[name], dims[name], g, dtype)
         return t if ctx.rank == src else None
 
-    send_stage(full, stage_specs(trainer.model_cfg, g.layers), src, group, dtype)
+    specs = stage_specs(trainer.model_cfg, g.layers)
+    if ctx.sync_ipc:  # the rollout shares this GPU: it maps our export buffer (hexrl/weights.py)
+        _IPC.setdefault(g.stage, IpcSender()).send(full, specs, src, group, dtype, ctx.device)
+    else:
+        send_stage(full, specs, src, group, dtype)
     return time.perf_counter() - t0
+
+
+_IPC: dict[int, IpcSender] = {}  # per pipeline stage, kept for the run: the rollout maps it once
 
 
 def run_trainer(ctx: RankContext, grid) -> None:
@@ -132,7 +139,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
     if ctx.rank == ctx.controller_rank:
         effective.publish(ctx, "train", effective.train_values(trainer))
     elif ctx.rank == 0:
-        effective.write(ctx.store, [r.id for r in ctx.plan.replicas], ctx.run_dir)
+        effective.write_for(ctx)
     is_controller = ctx.rank == ctx.controller_rank
     if is_controller:  # so that a checkpoint is a model directory's worth: `hexrl.generate RUN_DIR`
         write_model_files(ctx.run_dir / "checkpoints", job.model.path)
