@@ -188,3 +188,42 @@ def test_host_overhead_bench_runs_a_model_with_and_without_overlap(monkeypatch, 
     out = capsys.readouterr().out
     assert "old loop (no overlap)" in out and "new loop (overlap)" in out and "host" in out
     assert sys.modules["hexrl.rollout.sampler"].sample_tokens is bench_host_overhead.real_sampler
+
+
+def test_pending_packs_tokens_and_logprobs_into_one_copy(monkeypatch):
+    """The CUDA read-back path on CPU tensors: tokens and float32 log-probs travel as one int32 block."""
+    class Event:  # stands in for torch.cuda.Event
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    tokens, logprobs = torch.tensor([7, 0, 255]), torch.tensor([-0.5, -1e-7, -30.25])
+    out = Pending(tokens, logprobs, torch.full((2 * 8,), -9, dtype=torch.int32)).read()
+    assert out == (tokens.tolist(), logprobs.tolist())
+
+
+def test_a_graph_decode_step_pads_its_one_copy_to_the_graph_size(ckpts):
+    """Slots and lengths go over padded to the graph's size (padding: the scratch slot, length 1);
+    the step's rows and lengths are the real ones. A fake graph set on CPU checks the layout."""
+    from types import SimpleNamespace
+
+    engine = Engine(load_pretrained(ckpts[0]), EngineConfig(page_size=4, max_pages=32, max_running=8), eos_ids=[])
+    for i, p in enumerate(prompts([3, 6, 5])):
+        engine.add(Request(i, p, max_new_tokens=8, temperature=0.0, ignore_eos=True))
+    engine.step()
+    seqs = engine.scheduler.decode_only()
+    sent = []
+    real_h2d = engine.runner._h2d
+    engine.runner._h2d = lambda values, into=None: sent.append((list(values), into)) or real_h2d(values)
+    engine.runner.graphs = SimpleNamespace(max_batch=8, batch_sizes=[1, 2, 4, 8],
+                                           buffers=SimpleNamespace(inputs=torch.zeros(16, dtype=torch.int64)))
+    step = engine.runner.prepare_decode(seqs)
+    slots, lens = [s.slot for s in seqs], [len(s.tokens) for s in seqs]
+    pad = engine.params.pad_slot
+    assert step.graph_size == 4 and sent[0][0] == slots + [pad] + lens + [1]
+    assert sent[0][1] is engine.runner.graphs.buffers.inputs
+    assert step.rows.tolist() == slots and step.kv_lens.tolist() == lens
+    assert step.meta.positions.tolist() == [n - 1 for n in lens] and step.ids is None  # ids: the graph's prologue

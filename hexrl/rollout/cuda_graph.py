@@ -153,11 +153,15 @@ class DecodeGraphs:
         graph.replay()
         return self.buffers.logits[:b]
 
-    def replay(self, meta: StepMeta, bs: int, b: int, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """A decode step of b <= bs sequences whose slots and lengths are already in `buffers.inputs`
-        (padded to bs): (tokens [b], logprobs [b]), views of shared buffers (copy before the next replay)."""
-        forward, attn, prologue, heads = self.graphs[bs]
-        attn.plan(meta)
+    def plan(self, meta: StepMeta, bs: int) -> None:
+        """Plan the attention of size bs's graph for this decode step (before `replay`)."""
+        self.graphs[bs][1].plan(meta)
+
+    def replay(self, bs: int, b: int, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A planned decode step of b <= bs sequences whose slots and lengths are already in
+        `buffers.inputs` (padded to bs): (tokens [b], logprobs [b]), views of shared buffers (copy
+        before the next replay)."""
+        forward, _, prologue, heads = self.graphs[bs]
         prologue.replay()
         forward.replay()
         heads[mode].replay()

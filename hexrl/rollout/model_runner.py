@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -50,9 +51,10 @@ class Pending:
     def __init__(self, tokens: torch.Tensor, logprobs: torch.Tensor, pinned: torch.Tensor | None):
         self.n, self._tokens, self._logprobs = len(tokens), tokens, logprobs
         self._pinned, self._event = pinned, None
-        if pinned is not None:  # CUDA: one async copy of both, then an event to wait on
+        if pinned is not None:  # CUDA: one async copy of both into a contiguous pinned slice, then an event
             packed = torch.stack([tokens.to(torch.int32), logprobs.view(torch.int32)])
-            pinned[:, :self.n].copy_(packed, non_blocking=True)
+            self._pinned = pinned = pinned[:2 * self.n].view(2, self.n)
+            pinned.copy_(packed, non_blocking=True)
             self._event = torch.cuda.Event()
             self._event.record()
 
@@ -61,7 +63,7 @@ class Pending:
         if self._pinned is None:
             return self._tokens.tolist(), self._logprobs.tolist()
         self._event.synchronize()
-        host = self._pinned[:, :self.n].numpy()
+        host = self._pinned.numpy()
         return host[0].tolist(), host[1].view(np.float32).tolist()
 
 
@@ -76,7 +78,7 @@ class ModelRunner:
         self.device, self.dtype = param.device, param.dtype
         self.max_running = max_running
         self.params = SlotParams(max_running, self.device)  # one more slot: the padding rows' scratch slot
-        self._pinned_in = self._h2d_done = None
+        self._pinned_in = self._h2d_done = self._plan_done = None
         self._pinned_out: list[torch.Tensor] = []  # two buffers: one step's copy in flight while one is read
         self._out_turn = 0
         self.backend, self.graphs = self._make_backend()
@@ -190,7 +192,8 @@ class ModelRunner:
         """Enqueue the step's forward pass and sampling; the sampled tokens (also written to each
         slot's last token on the device) come back through the returned `Pending`."""
         if step.graph_size:
-            tokens, logprobs = self.graphs.replay(step.meta, step.graph_size, len(step.sampling), step.mode)
+            self._plan(lambda: self.graphs.plan(step.meta, step.graph_size))
+            tokens, logprobs = self.graphs.replay(step.graph_size, len(step.sampling), step.mode)
         else:
             logits = self._forward(step)
             if not step.sampling:
@@ -202,17 +205,28 @@ class ModelRunner:
         """Logits [S, V] (full vocab, float32) of the last token of each sampling chunk."""
         meta = step.meta
         ids = step.ids if step.ids is not None else self.params.last_token[step.rows]
-        hidden = self.model.stage(ids, meta.positions, self.backend.begin(meta))
+        hidden = self.model.stage(ids, meta.positions, self._plan(lambda: self.backend.begin(meta)))
         if not step.sampling:
             return hidden.new_empty(0, 0)
         logits = self.model.logits(hidden if step.last is None else hidden[step.last], fp32=True)
         return gather_vocab(logits, self.tp) if self.tp else logits
 
+    def _plan(self, plan: Callable):
+        """Run an attention plan. FlashInfer writes its plan into a pinned host buffer and copies it
+        over asynchronously: with overlap, wait until the last plan's copy has left that buffer."""
+        if self._plan_done is not None:
+            self._plan_done.synchronize()
+        out = plan()
+        if self.device.type == "cuda":
+            self._plan_done = torch.cuda.Event()
+            self._plan_done.record()
+        return out
+
     def _out_buffer(self) -> torch.Tensor:
-        """Alternate between two pinned [2, max_running] int32 buffers: with overlap, step n + 1's copy
+        """Alternate between two pinned [2 x max_running] int32 buffers: with overlap, step n + 1's copy
         is enqueued before step n's is read."""
         if not self._pinned_out:
-            self._pinned_out = [torch.empty(2, self.max_running, dtype=torch.int32, pin_memory=True)
+            self._pinned_out = [torch.empty(2 * self.max_running, dtype=torch.int32, pin_memory=True)
                                 for _ in range(2)]
         self._out_turn ^= 1
         return self._pinned_out[self._out_turn]
