@@ -20,25 +20,33 @@ CPU_MAX_BLOCK = 1024  # tests lower it to exercise several blocks per row
 
 
 @triton.jit
-def _logprob_fwd_kernel(x_ptr, stride, tgt_ptr, out_ptr, lse_ptr, N, V, temp,
-                        ROWS: tl.constexpr, BLOCK: tl.constexpr):
+def _logprob_fwd_kernel(x_ptr, stride, tgt_ptr, out_ptr, lse_ptr, ent_ptr, N, V, temp,
+                        ROWS: tl.constexpr, BLOCK: tl.constexpr, ENTROPY: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < N
     row_ptr = x_ptr + rows.to(tl.int64)[:, None] * stride
     m = tl.full([ROWS], -3.0e38, dtype=tl.float32)  # finite so all -inf blocks give 0, not nan
     z = tl.zeros([ROWS], dtype=tl.float32)
+    a = tl.zeros([ROWS], dtype=tl.float32)  # sum of e^(s - m) * (s - m), rescaled as m grows (entropy)
     for start in range(0, V, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < V)[None, :]
         s = tl.load(row_ptr + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32) / temp
         m_new = tl.maximum(m, tl.max(s, 1))
-        z = z * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
+        scale = tl.exp(m - m_new)
+        e = tl.exp(s - m_new[:, None])
+        if ENTROPY:  # e^(s-m) (s-m) summed; masked entries (s = -inf, e = 0) count 0, not 0 * -inf
+            a = scale * (a + (m - m_new) * z) + tl.sum(e * tl.where(mask, s - m_new[:, None], 0.0), 1)
+        z = z * scale + tl.sum(e, 1)
         m = m_new
-    lse = m + tl.log(tl.where(rmask, z, 1.0))  # padding rows: avoid log(0)
+    z = tl.where(rmask, z, 1.0)  # padding rows: avoid log(0)
+    lse = m + tl.log(z)
     tgt = tl.load(tgt_ptr + rows, mask=rmask, other=0)
     s_t = tl.load(x_ptr + rows.to(tl.int64) * stride + tgt, mask=rmask, other=0.0).to(tl.float32) / temp
     tl.store(out_ptr + rows, s_t - lse, mask=rmask)
     tl.store(lse_ptr + rows, lse, mask=rmask)
+    if ENTROPY:  # -sum p log p = log z - sum e^(s-m) (s-m) / z
+        tl.store(ent_ptr + rows, tl.log(z) - a / z, mask=rmask)
 
 
 @triton.jit
@@ -68,20 +76,21 @@ def _launch_shape(n: int, vocab: int, on_gpu: bool) -> tuple[int, int]:
     return rows, block
 
 
-def _fwd_triton(x: torch.Tensor, targets: torch.Tensor, temperature: float):
+def _fwd_triton(x: torch.Tensor, targets: torch.Tensor, temperature: float, entropy: bool = False):
     n, vocab = x.shape
     out = torch.empty(n, dtype=torch.float32, device=x.device)
     lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    ent = torch.empty(n, dtype=torch.float32, device=x.device) if entropy else None
     if n:
         rows, block = _launch_shape(n, vocab, x.is_cuda)
-        _logprob_fwd_kernel[(triton.cdiv(n, rows),)](x, x.stride(0), targets, out, lse, n, vocab, temperature,
-                                                     ROWS=rows, BLOCK=block)
-    return out, lse
+        _logprob_fwd_kernel[(triton.cdiv(n, rows),)](x, x.stride(0), targets, out, lse, ent if entropy else out, n,
+                                                     vocab, temperature, ROWS=rows, BLOCK=block, ENTROPY=entropy)
+    return (out, lse, ent) if entropy else (out, lse)
 
 
-def _bwd_triton(x, targets, lse, grad, temperature: float) -> torch.Tensor:
+def _bwd_triton(x, targets, lse, grad, temperature: float, dtype: torch.dtype | None = None) -> torch.Tensor:
     n, vocab = x.shape
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    dx = torch.empty(x.shape, dtype=dtype or x.dtype, device=x.device)
     if n:
         rows, block = _launch_shape(n, vocab, x.is_cuda)
         g = grad.to(torch.float32).contiguous()
@@ -156,3 +165,20 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     else:
         out = token_logprobs_torch(x, tgt, float(temperature))
     return out.reshape(lead)
+
+
+def logprob_entropy_stats(z: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                          entropy: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """One Triton pass over float32 logits z [N, V]: (log-prob of `targets`, log-sum-exp, entropy or
+    None) of softmax(z / T), all float32 [N]. No autograd: `logprob_grad_logits` is the backward."""
+    if not (z.dim() == 2 and z.dtype == torch.float32 and z.stride(-1) == 1 and use_triton(z)):
+        raise ValueError("logprob_entropy_stats: float32 [N, V] row-contiguous logits on a Triton device expected")
+    out = _fwd_triton(z, targets.to(torch.int64).contiguous(), float(temperature), entropy)
+    return out if entropy else (*out, None)
+
+
+def logprob_grad_logits(z: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+                        temperature: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """grad * (onehot(target) - softmax(z / T)) / T from the forward's log-sum-exp, written directly
+    in `dtype` (default z's: e.g. bf16 to feed the lm_head's backward GEMMs)."""
+    return _bwd_triton(z, targets.to(torch.int64).contiguous(), lse, grad, float(temperature), dtype)

@@ -7,12 +7,14 @@ import torch.distributed as dist
 from dist_utils import run_world
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import kernels.logprob as logprob_kernels
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from hexrl.model.fp32_linear import fp32_linear
 from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import make_tiny_model, tiny_config
 from hexrl.train import TrainConfig, Trainer
+from hexrl.train import linear_logprobs as linear_logprobs_mod
 from hexrl.train.linear_logprobs import linear_logprobs
 from hexrl.train.packing import plan_step
 from hexrl.train.vocab_parallel import vocab_parallel_logprobs
@@ -66,8 +68,14 @@ def _unchunked(hidden, weight, targets, temperature):
     return vocab_parallel_logprobs(fp32_linear(hidden, weight), targets, None, temperature)
 
 
+@pytest.mark.parametrize("path", ["triton", "torch"])
 @pytest.mark.parametrize("chunk_rows", [1, 4, 7, 100])
-def test_linear_logprobs_equal_the_unchunked_path(chunk_rows):
+def test_linear_logprobs_equal_the_unchunked_path(chunk_rows, path, monkeypatch):
+    if path == "torch":  # the vocab-parallel helpers with no group, as on a CPU without the interpreter
+        monkeypatch.setattr(linear_logprobs_mod, "use_triton", None)
+    else:  # the Triton kernels (interpreted on CPU), several vocabulary blocks per row, the last partial
+        assert linear_logprobs_mod.use_triton(torch.zeros(1)), "tests/conftest.py sets TRITON_INTERPRET=1"
+        monkeypatch.setattr(logprob_kernels, "CPU_MAX_BLOCK", 16)
     g = torch.Generator().manual_seed(3)
     n, h, v = 13, 8, 40
     hidden = torch.randn(n, h, generator=g, requires_grad=True)

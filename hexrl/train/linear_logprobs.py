@@ -7,7 +7,9 @@ recomputes each chunk's logits from the saved hidden states and weight, turns th
 grad * (onehot - softmax) / T, and feeds both GEMMs (weights' dtype, fp32 accumulation, as
 `hexrl.model.fp32_linear`). Under TP each chunk's row max, sum-exp and target logit are
 all-reduced across the group (`softmax_stats`), and the hidden-state gradient is all-reduced by
-`copy_to_tp`, as for the column-parallel lm_head.
+`copy_to_tp`, as for the column-parallel lm_head. At TP = 1 on a GPU (and on CPU under
+TRITON_INTERPRET=1) `kernels.logprob` does each chunk in one Triton pass each way: log-prob,
+log-sum-exp and entropy online, and the logits' gradient written straight in the weights' dtype.
 """
 from __future__ import annotations
 
@@ -18,12 +20,35 @@ from hexrl.model.parallel import TPGroup, copy_to_tp
 
 from .vocab_parallel import softmax_grad_, softmax_stats
 
+try:  # one Triton pass per chunk each way at TP = 1 (the kernels package is optional on odd installs)
+    from kernels.logprob import logprob_entropy_stats, logprob_grad_logits
+    from kernels.reference import use_triton
+except ImportError:
+    use_triton = None
+
 CHUNK_ROWS = 1024
 
 
-def _chunk_logits(h: torch.Tensor, weight: torch.Tensor, temperature: float) -> torch.Tensor:
+def _fused(z: torch.Tensor, group) -> bool:
+    """The Triton kernels take float32 logits of the whole vocabulary (TP = 1) on a Triton device."""
+    return group is None and use_triton is not None and z.dtype == torch.float32 and use_triton(z)
+
+
+def _chunk_stats(h, weight, targets, temperature: float, group, entropy: bool):
+    """(logp, lse, entropy or None) of one chunk of rows."""
     z = mm_fp32(h, weight.t())
-    return z.div_(temperature) if temperature != 1.0 else z
+    if _fused(z, group):
+        return logprob_entropy_stats(z, targets, temperature, entropy)
+    return softmax_stats(z.div_(temperature) if temperature != 1.0 else z, targets, group, entropy)[:3]
+
+
+def _chunk_grad_logits(h, weight, targets, lse, grad, temperature: float, group) -> torch.Tensor:
+    """d(sum grad * logp) / d logits of one chunk, recomputed from h, in the weights' dtype."""
+    z = mm_fp32(h, weight.t())
+    if _fused(z, group):
+        return logprob_grad_logits(z, targets, lse, grad, temperature, weight.dtype)
+    probs = (z.div_(temperature) if temperature != 1.0 else z).sub_(lse[:, None]).exp_()
+    return softmax_grad_(probs, targets, grad, temperature, group).to(weight.dtype)
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -35,8 +60,7 @@ class _LinearLogprobs(torch.autograd.Function):
         ent = hidden.new_empty(n, dtype=dtype) if entropy else None
         for s in range(0, n, chunk_rows):
             rows = slice(s, s + chunk_rows)
-            z = _chunk_logits(hidden[rows], weight, temperature)
-            lp, lse[rows], e, _ = softmax_stats(z, targets[rows], group, entropy)
+            lp, lse[rows], e = _chunk_stats(hidden[rows], weight, targets[rows], temperature, group, entropy)
             logp[rows] = lp
             if entropy:
                 ent[rows] = e
@@ -54,8 +78,7 @@ class _LinearLogprobs(torch.autograd.Function):
         for s in range(0, hidden.shape[0], state.chunk_rows):
             rows = slice(s, s + state.chunk_rows)
             h = hidden[rows]
-            probs = _chunk_logits(h, weight, state.temperature).sub_(lse[rows, None]).exp_()
-            dz = softmax_grad_(probs, targets[rows], grad[rows], state.temperature, state.group).to(weight.dtype)
+            dz = _chunk_grad_logits(h, weight, targets[rows], lse[rows], grad[rows], state.temperature, state.group)
             grad_h[rows] = mm_fp32(dz, weight)
             part = mm_fp32(dz.t(), h)
             grad_w = part if grad_w is None else grad_w.add_(part)
