@@ -6,6 +6,13 @@ and the whole sampler can sit in a CUDA graph:
 
   stats    grid (row blocks, chunks): per chunk of CHUNK logits, max and sum-exp of x/T, min/max
            order-preserving key, and the chunk's argmax of x/T (+ Gumbel noise on plain rows);
+  cands    (filtering calls only) the stats pass also keeps, per chunk, the indices of its logits
+           within BAND of the running max of x/T (up to CAND per chunk; the largest value it had
+           to drop is recorded). One program per row then gathers them: every logit within BAND
+           of the row max is there unless a chunk dropped one, so if the row's top-k count and
+           top-p mass are reached inside the band (the usual case: LLM logits are peaked), the
+           thresholds, the kept set's mass and the Gumbel-max winner come from these few
+           candidates alone (`_cand_kernel`). Other rows fall back to the rounds below;
   rounds   2 x ROUNDS launches, same grid, only when some row filters: the NC-ary threshold search
            of `sampling.search_threshold` (top-k, then top-p on the top-k mass), one round per
            launch. Each program first narrows [lo, hi) itself from the previous round's per-chunk
@@ -15,7 +22,9 @@ and the whole sampler can sit in a CUDA graph:
   kept     same grid: the final narrowing, then each chunk's Gumbel-max over {key >= threshold};
   finish   one program per row block: combines the chunks' max, sum-exp and winners into the
            token and its log-prob (under the tempered, filtered, renormalised distribution).
-Plain and greedy batches run stats + finish only (two launches).
+Plain and greedy batches run stats + finish only (two launches). In a filtering call the rounds
+and the kept pass skip the rows the candidates served (programs whose rows are all served do no
+work), so a peaked batch reads its logits once.
 """
 
 import torch
@@ -23,12 +32,15 @@ import triton
 import triton.language as tl
 
 from kernels.reference import GREEDY_EPS, sample_args
-from kernels.sampling import _INT_MAX, _INT_MIN, float_key, gumbel_block
+from kernels.sampling import _INT_MAX, _INT_MIN, float_key, gumbel_block, search_threshold
 
 NC = 16  # candidate thresholds per round: 4 bits of the key per round
 ROUNDS = 8  # 32 bits / 4 bits per round: every search has converged after this many narrowings
 GPU_CHUNK, GPU_BLOCK, GPU_SEARCH_BLOCK = 2048, 1024, 256  # 75 programs per row at V = 151,936
 CPU_CHUNK = 1024  # tests lower it to exercise several chunks per row
+BAND = 12.0  # candidates: logits within this many units of x/T below the max (e^-12 ~ 6e-6 of its weight)
+GPU_CAND, CPU_CAND = 128, 64  # candidates kept per chunk (tests lower CPU_CAND to force the fallback)
+GPU_CAND_BLOCK = 512  # candidates per tile in the candidate program (8 warps, as the row kernel)
 
 
 @triton.jit
@@ -66,6 +78,21 @@ def _row_winner(pbest_ptr, ptok_ptr, rows, rmask, NB, NBP: tl.constexpr):
     best = tl.load(pbest_ptr + idx, mask=mask, other=-float("inf"))
     _, bi = tl.max(best, 1, return_indices=True, return_indices_tie_break_left=True)
     return tl.load(ptok_ptr + rows * NBP + bi, mask=rmask, other=0)
+
+
+@triton.jit
+def _gumbel_at(seed, off, stream, idx):
+    """[ROWS, N] Gumbel noise at vocabulary indices idx (the values `gumbel_block` gives those columns)."""
+    zero = tl.zeros(idx.shape, dtype=tl.uint32)
+    c0 = zero + (idx // 4).to(tl.uint32)
+    c1 = zero + (off & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c2 = zero + (stream & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    c3 = zero + ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None]
+    r0, r1, r2, r3 = tl.philox(seed[:, None], c0, c1, c2, c3)
+    q = idx % 4  # column 4n + q takes output q of counter n
+    r = tl.where(q == 0, r0, tl.where(q == 1, r1, tl.where(q == 2, r2, r3)))
+    u = ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)
+    return -tl.log(-tl.log(u))
 
 
 @triton.jit
@@ -123,9 +150,9 @@ def _store_state(st_ptr, buf, B, rows, rmask, lo, hi, mbh, mass_lo, zk):
 
 @triton.jit
 def _stats_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, stream_ptr,
-                  pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, pbest_ptr, ptok_ptr, B, V,
+                  pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, pbest_ptr, ptok_ptr, cidx_ptr, cn_ptr, cdrop_ptr, B, V,
                   GREEDY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
-                  NBP: tl.constexpr):
+                  NBP: tl.constexpr, CAND: tl.constexpr, BAND: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
     chunk = tl.program_id(1)
@@ -142,6 +169,8 @@ def _stats_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr
     best = tl.full([ROWS], -float("inf"), dtype=tl.float32)
     tok = tl.zeros([ROWS], dtype=tl.int32)
     any_noise = tl.sum(noisy.to(tl.int32), 0) > 0
+    count = tl.zeros([ROWS], dtype=tl.int32)  # candidates seen (CAND > 0)
+    drop = tl.full([ROWS], -float("inf"), dtype=tl.float32)  # the largest x/T of those not kept
     for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = rmask[:, None] & (cols < V)[None, :]
@@ -150,6 +179,14 @@ def _stats_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr
         m_new = tl.maximum(m, tl.max(s, 1))
         z = z * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         m = m_new
+        if CAND > 0:  # in-order compaction of the logits within BAND of the running max
+            band = mask & (s >= m_new[:, None] - BAND)
+            pos = count[:, None] + tl.cumsum(band.to(tl.int32), 1) - 1
+            keep = band & (pos < CAND)
+            tl.store(cidx_ptr + (rows[:, None] * NBP + chunk) * CAND + pos, cols[None, :] + tl.zeros_like(pos),
+                     mask=keep)
+            drop = tl.maximum(drop, tl.max(tl.where(band & (pos >= CAND), s, -float("inf")), 1))
+            count += tl.sum(band.to(tl.int32), 1)
         key = float_key(x)
         kmin = tl.minimum(kmin, tl.min(tl.where(mask, key, _INT_MAX), 1))
         kmax = tl.maximum(kmax, tl.max(tl.where(mask, key, _INT_MIN), 1))
@@ -168,11 +205,83 @@ def _stats_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr
     tl.store(pkmax_ptr + out, kmax, mask=rmask)
     tl.store(pbest_ptr + out, best, mask=rmask)
     tl.store(ptok_ptr + out, tok, mask=rmask)
+    if CAND > 0:
+        tl.store(cn_ptr + out, tl.minimum(count, CAND), mask=rmask)
+        tl.store(cdrop_ptr + out, drop, mask=rmask)
+
+
+@triton.jit
+def _cand_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, stream_ptr,
+                 pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, cidx_ptr, cn_ptr, cdrop_ptr, dense_ptr,
+                 fast_ptr, ftok_ptr, fz_ptr, B, V, NB,
+                 GREEDY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr,
+                 CAND: tl.constexpr, BAND: tl.constexpr, NC: tl.constexpr):
+    """Top-k / top-p of the rows whose kept set lies within the candidates (fast[row] = 1: token
+    ftok, kept mass fz), the others left to the rounds (fast[row] = 0)."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < B
+    t_eff, top_k, top_p, use_k, use_p, _ = _row_params(rows, rmask, temp_ptr, topk_ptr, topp_ptr, V, GREEDY)
+    filt = use_k | use_p
+    m, z, kmin, kmax = _row_stats(pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, rows, rmask, NB, NBP)
+    c = tl.arange(0, NBP)
+    cmask = rmask[:, None] & (c < NB)[None, :]
+    drop = tl.max(tl.load(cdrop_ptr + rows[:, None] * NBP + c[None, :], mask=cmask, other=-float("inf")), 1)
+    SLOTS = NB * CAND  # chunk-major: slot c * CAND + i is chunk c's i-th candidate
+    dense = dense_ptr + rows.to(tl.int64)[:, None] * SLOTS
+    # gather the candidates within BAND of the row max into a dense row (others -inf); count, mass, min key
+    n_band = tl.zeros([ROWS], dtype=tl.int32)
+    mass = tl.zeros([ROWS], dtype=tl.float32)
+    lo = tl.full([ROWS], _INT_MAX, dtype=tl.int32)
+    for start in range(0, SLOTS, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        n_c = tl.load(cn_ptr + rows[:, None] * NBP + j[None, :] // CAND, mask=rmask[:, None] & (j < SLOTS)[None, :],
+                      other=0)
+        valid = rmask[:, None] & (j < SLOTS)[None, :] & (j[None, :] % CAND < n_c) & filt[:, None]
+        idx = tl.load(cidx_ptr + rows[:, None] * (NBP * CAND) + j[None, :], mask=valid, other=0)
+        x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride + idx, mask=valid, other=-float("inf")).to(tl.float32)
+        band = valid & (x / t_eff[:, None] >= m[:, None] - BAND)
+        x = tl.where(band, x, -float("inf"))
+        tl.store(dense + j[None, :], x, mask=rmask[:, None] & (j < SLOTS)[None, :])
+        n_band += tl.sum(band.to(tl.int32), 1)
+        mass += tl.sum(tl.where(band, tl.exp(x / t_eff[:, None] - m[:, None]), 0.0), 1)
+        lo = tl.minimum(lo, tl.min(tl.where(band, float_key(x), _INT_MAX), 1))
+    complete = drop < m - BAND  # every logit within BAND of the max is a candidate
+    ok_k = (use_k == 0) | (n_band >= top_k)
+    zero_f = tl.zeros([ROWS], dtype=tl.float32)
+    fast = filt & complete & ok_k & (n_band > 0)
+    tau, zk = search_threshold(dense, rmask, SLOTS, t_eff, m, lo, kmax + 1, kmax, mass, top_k, zero_f,
+                               use_k & fast, ROWS, BLOCK, NC)
+    zk = tl.where(use_k, zk, z)  # top-p's total: the top-k mass, or the whole row's
+    tau = tl.where(use_k, tau, lo)
+    mass_p = tl.where(use_k, zk, mass)  # the band's mass (inside top-k when on)
+    fast = fast & ((use_p == 0) | (mass_p >= top_p * zk))
+    tau, zp = search_threshold(dense, rmask, SLOTS, t_eff, m, tau, kmax + 1, kmax, mass_p,
+                               tl.full([ROWS], 1, dtype=tl.int32), top_p * zk, use_p & fast, ROWS, BLOCK, NC)
+    zp = tl.where(use_p, zp, zk)
+    # Gumbel-max over the kept candidates {key >= tau}, in vocabulary order (ties: lowest index)
+    seed = tl.load(seed_ptr + rows, mask=rmask, other=0)
+    off = tl.load(off_ptr + rows, mask=rmask, other=0)
+    stream = tl.load(stream_ptr + rows, mask=rmask, other=0)
+    best = tl.full([ROWS], -float("inf"), dtype=tl.float32)
+    tok = tl.zeros([ROWS], dtype=tl.int32)
+    for start in range(0, SLOTS, BLOCK):
+        j = start + tl.arange(0, BLOCK)
+        x = tl.load(dense + j[None, :], mask=rmask[:, None] & (j < SLOTS)[None, :], other=-float("inf"))
+        kept = fast[:, None] & (x > -float("inf")) & (float_key(x) >= tau[:, None])
+        idx = tl.load(cidx_ptr + rows[:, None] * (NBP * CAND) + j[None, :], mask=kept, other=0)
+        score = tl.where(kept, x / t_eff[:, None] + _gumbel_at(seed, off, stream, idx), -float("inf"))
+        bs, bi = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
+        win = bs > best
+        best = tl.where(win, bs, best)
+        tok = tl.where(win, tl.sum(tl.where(tl.arange(0, BLOCK)[None, :] == bi[:, None], idx, 0), 1), tok)
+    tl.store(fast_ptr + rows, fast.to(tl.int32), mask=rmask)
+    tl.store(ftok_ptr + rows, tok, mask=rmask)
+    tl.store(fz_ptr + rows, zp, mask=rmask)
 
 
 @triton.jit
 def _round_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr,
-                  st_ptr, part_ptr, B, V, NB, it,
+                  st_ptr, part_ptr, fast_ptr, B, V, NB, it,
                   PHASE: tl.constexpr, FIRST: tl.constexpr, GREEDY: tl.constexpr, ROWS: tl.constexpr,
                   BLOCK: tl.constexpr, CHUNK: tl.constexpr, NBP: tl.constexpr, NC: tl.constexpr):
     """Search round `it`: narrow by round it - 1 (or start a phase), then count this chunk."""
@@ -180,6 +289,9 @@ def _round_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, p
     rmask = rows < B
     chunk = tl.program_id(1)
     t_eff, top_k, top_p, use_k, use_p, _ = _row_params(rows, rmask, temp_ptr, topk_ptr, topp_ptr, V, GREEDY)
+    slow = tl.load(fast_ptr + rows, mask=rmask, other=1) == 0  # rows the candidates did not serve
+    use_k = use_k & slow
+    use_p = use_p & slow
     m, z, kmin, kmax = _row_stats(pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, rows, rmask, NB, NBP)
     zero_f = tl.zeros([ROWS], dtype=tl.float32)
     if FIRST and PHASE == 0:  # top-k starts from the whole key range
@@ -235,7 +347,7 @@ def _round_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, p
 
 @triton.jit
 def _kept_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, stream_ptr,
-                 st_ptr, part_ptr, kbest_ptr, ktok_ptr, B, V, NB, it,
+                 st_ptr, part_ptr, fast_ptr, kbest_ptr, ktok_ptr, B, V, NB, it,
                  GREEDY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
                  NBP: tl.constexpr, NC: tl.constexpr):
     """The last narrowing (state saved for `finish`), then this chunk's Gumbel-max over the kept set."""
@@ -243,6 +355,9 @@ def _kept_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr,
     rmask = rows < B
     chunk = tl.program_id(1)
     t_eff, _, top_p, use_k, use_p, _ = _row_params(rows, rmask, temp_ptr, topk_ptr, topp_ptr, V, GREEDY)
+    slow = tl.load(fast_ptr + rows, mask=rmask, other=1) == 0
+    use_k = use_k & slow
+    use_p = use_p & slow
     filt = use_k | use_p
     prev_zk = tl.load(st_ptr + ((it + 1) % 2) * 5 * B + 4 * B + rows, mask=rmask, other=0)
     tau, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask,
@@ -274,7 +389,8 @@ def _kept_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr,
 
 @triton.jit
 def _finish_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr,
-                   pbest_ptr, ptok_ptr, st_ptr, kbest_ptr, ktok_ptr, tok_ptr, lp_ptr, B, V, NB, it,
+                   pbest_ptr, ptok_ptr, st_ptr, kbest_ptr, ktok_ptr, fast_ptr, ftok_ptr, fz_ptr, tok_ptr, lp_ptr,
+                   B, V, NB, it,
                    FILTERED: tl.constexpr, GREEDY: tl.constexpr, ROWS: tl.constexpr, NBP: tl.constexpr):
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
@@ -286,6 +402,9 @@ def _finish_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, 
         kept_z = tl.load(st_ptr + (it % 2) * 5 * B + 3 * B + rows, mask=rmask, other=0).to(tl.float32, bitcast=True)
         tok = tl.where(filt, _row_winner(kbest_ptr, ktok_ptr, rows, rmask, NB, NBP), tok)
         z = tl.where(filt, kept_z, z)
+        fast = filt & (tl.load(fast_ptr + rows, mask=rmask, other=0) != 0)
+        tok = tl.where(fast, tl.load(ftok_ptr + rows, mask=rmask, other=0), tok)
+        z = tl.where(fast, tl.load(fz_ptr + rows, mask=rmask, other=1.0), z)
     x_tok = tl.load(x_ptr + rows.to(tl.int64) * stride + tok, mask=rmask, other=0.0).to(tl.float32)
     tl.store(tok_ptr + rows, tok.to(tl.int64), mask=rmask)
     z = tl.where(rmask, z, 1.0)  # padding rows: avoid log(0)
@@ -316,6 +435,12 @@ def sample_split(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, chec
     """Split-vocabulary Triton sampler: (tokens [B] int64, logprobs [B] float32), the semantics and
     draws of `reference.sample_torch`. filtered=False promises no row uses top-k/top-p (the caller
     knows; the search launches are skipped); None decides from the arguments."""
+    return sample_split_rows(logits, temperature, top_k, top_p, seed, offset, check, filtered)[:2]
+
+
+def sample_split_rows(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, check: bool = True,
+                      filtered: bool | None = None):
+    """`sample_split`, plus [B] int32: 1 where the candidates alone served a filtering row (tests)."""
     if filtered is None:
         filtered = needs_filter(top_k, top_p, logits.shape[-1] if torch.is_tensor(logits) else 0)
     temp, k, p, seeds, offsets, streams = sample_args(logits, temperature, top_k, top_p, seed, offset, check)
@@ -326,29 +451,45 @@ def sample_split(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, chec
     tokens = torch.empty(n, dtype=torch.int64, device=dev)
     logprobs = torch.empty(n, dtype=torch.float32, device=dev)
     if n == 0:
-        return tokens, logprobs
+        return tokens, logprobs, torch.zeros(0, dtype=torch.int32, device=dev)
     rows, chunk, block, sblock = _launch_shape(n, vocab, logits.is_cuda)
+    cand = (GPU_CAND if logits.is_cuda else CPU_CAND) if filtered else 0
     nb = triton.cdiv(vocab, chunk)
     nbp = triton.next_power_of_2(nb)
     grid = (triton.cdiv(n, rows), nb)
-    pm, pz, pbest, kbest = torch.empty(4, n, nbp, dtype=torch.float32, device=dev)
-    pkmin, pkmax, ptok, ktok = torch.empty(4, n, nbp, dtype=torch.int32, device=dev)
+    pm, pz, pbest, kbest, cdrop = torch.empty(5, n, nbp, dtype=torch.float32, device=dev)
+    pkmin, pkmax, ptok, ktok, cn = torch.empty(5, n, nbp, dtype=torch.int32, device=dev)
+    cidx = torch.empty(n, nbp, max(cand, 1), dtype=torch.int32, device=dev)
     warps = 4 if logits.is_cuda else 1
     common = dict(GREEDY=GREEDY_EPS, ROWS=rows, NBP=nbp)
     _stats_kernel[grid](logits, logits.stride(0), temp, k, p, seeds, offsets, streams, pm, pz, pkmin, pkmax,
-                        pbest, ptok, n, vocab, BLOCK=block, CHUNK=chunk, num_warps=warps, **common)
+                        pbest, ptok, cidx, cn, cdrop, n, vocab, BLOCK=block, CHUNK=chunk, CAND=cand, BAND=BAND,
+                        num_warps=warps, **common)
     last = 2 * ROUNDS
-    state = part = None
+    state = fast = pm  # placeholders (unused) when nothing filters
     if filtered:
+        fast = torch.empty(n, dtype=torch.int32, device=dev)
+        ftok = torch.empty(n, dtype=torch.int32, device=dev)
+        fz = torch.empty(n, dtype=torch.float32, device=dev)
+        dense = torch.empty(n, nb * cand, dtype=torch.float32, device=dev)
+        cap = GPU_CAND_BLOCK if logits.is_cuda else max(16, (1 << 18) // (rows * NC))  # interpreter: bounded tiles
+        cblock = min(cap, triton.next_power_of_2(nb * cand))
+        _cand_kernel[(grid[0],)](logits, logits.stride(0), temp, k, p, seeds, offsets, streams, pm, pz, pkmin,
+                                 pkmax, cidx, cn, cdrop, dense, fast, ftok, fz, n, vocab, nb, BLOCK=cblock,
+                                 CAND=cand, BAND=BAND, NC=NC, num_warps=8 if logits.is_cuda else 1, **common)
         state = torch.empty(2, 5, n, dtype=torch.int32, device=dev)  # lo, hi, mbh, mass_lo, zk; double-buffered
-        part = torch.empty(2, 4, n, nbp, NC, dtype=torch.int32, device=dev)  # cnt, mass, minge, maxlt per chunk
+        # cnt, mass, minge, maxlt per chunk; programs with no live row leave theirs unwritten (never read as
+        # live): zeros in the interpreter only, to keep numpy quiet about garbage floats
+        part = (torch.empty if logits.is_cuda else torch.zeros)(2, 4, n, nbp, NC, dtype=torch.int32, device=dev)
         for it in range(last):
-            _round_kernel[grid](logits, logits.stride(0), temp, k, p, pm, pz, pkmin, pkmax, state, part, n, vocab,
-                                nb, it, PHASE=it // ROUNDS, FIRST=it % ROUNDS == 0, BLOCK=sblock, CHUNK=chunk,
-                                NC=NC, num_warps=warps, **common)
-        _kept_kernel[grid](logits, logits.stride(0), temp, k, p, seeds, offsets, streams, state, part, kbest, ktok,
-                           n, vocab, nb, last, BLOCK=block, CHUNK=chunk, NC=NC, num_warps=warps, **common)
+            _round_kernel[grid](logits, logits.stride(0), temp, k, p, pm, pz, pkmin, pkmax, state, part, fast, n,
+                                vocab, nb, it, PHASE=it // ROUNDS, FIRST=it % ROUNDS == 0, BLOCK=sblock,
+                                CHUNK=chunk, NC=NC, num_warps=warps, **common)
+        _kept_kernel[grid](logits, logits.stride(0), temp, k, p, seeds, offsets, streams, state, part, fast, kbest,
+                           ktok, n, vocab, nb, last, BLOCK=block, CHUNK=chunk, NC=NC, num_warps=warps, **common)
+    else:
+        ftok = fz = pm
     _finish_kernel[(grid[0],)](logits, logits.stride(0), temp, k, p, pm, pz, pkmin, pkmax, pbest, ptok,
-                               state if filtered else pm, kbest, ktok, tokens, logprobs, n, vocab, nb, last,
+                               state, kbest, ktok, fast, ftok, fz, tokens, logprobs, n, vocab, nb, last,
                                FILTERED=bool(filtered), num_warps=warps, **common)
-    return tokens, logprobs
+    return tokens, logprobs, fast if filtered else torch.zeros(n, dtype=torch.int32, device=dev)

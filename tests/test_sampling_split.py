@@ -7,7 +7,7 @@ from test_kernels import chi2_critical, chi2_statistic, kept_by_hand, row_logits
 import kernels.sampling_split as split
 from kernels import sample_torch, sampling_probs
 from kernels.sampling import sample_triton
-from kernels.sampling_split import sample_split
+from kernels.sampling_split import sample_split, sample_split_rows
 
 
 @pytest.fixture
@@ -94,6 +94,34 @@ def test_greedy_rows_are_the_argmax(small_chunks):
     assert torch.equal(tokens, logits.argmax(dim=-1))
     want = torch.log_softmax(logits.double(), dim=-1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logprobs.double(), want, atol=1e-5, rtol=0)
+
+
+def test_candidates_serve_peaked_rows_and_the_rest_fall_back(monkeypatch, small_chunks):
+    """Rows whose kept set lies within BAND of the max (peaked, as LLM logits) are served by the
+    per-chunk candidates alone; flat rows overflow the candidate slots and take the full search.
+    Both give the reference's tokens exactly."""
+    monkeypatch.setattr(split, "CPU_CAND", 8)  # 8 slots per 64-logit chunk
+    g = torch.Generator().manual_seed(5)
+    n, vocab = 16, 200
+    logits = torch.randn(n, vocab, generator=g) * 3  # flat: most logits within BAND of the max
+    peaked = torch.arange(n) % 2 == 0
+    top = torch.randint(0, vocab, (n, 6), generator=g)
+    logits[peaked] = torch.randn(int(peaked.sum()), vocab, generator=g) - 30.0
+    logits[peaked] = logits[peaked].scatter(1, top[peaked], torch.rand(int(peaked.sum()), 6, generator=g) * 4)
+    temp = torch.full((n,), 0.9)
+    top_k = torch.where(torch.arange(n) % 4 < 2, 3, 0)
+    top_p = torch.where(torch.arange(n) % 4 < 2, 1.0, 0.8)
+    seeds = torch.arange(n) * 13 + 1
+    tokens, logprobs, fast = sample_split_rows(logits, temp, top_k, top_p, seeds, 4)
+    assert fast.bool().tolist() == peaked.tolist()
+    ref_tokens, ref_logprobs = sample_torch(logits, temp, top_k, top_p, seeds, 4)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=0)
+    # the candidates' own Gumbel draw: same tokens over many seeds of one peaked row
+    row = logits[0].expand(512, vocab)
+    toks, _, fast = sample_split_rows(row, 0.9, 3, 1.0, torch.arange(512), 2)
+    assert bool(fast.all()) and torch.equal(toks, sample_torch(row, 0.9, 3, 1.0, torch.arange(512), 2)[0])
+    assert len(set(toks.tolist())) == 3
 
 
 @pytest.mark.gpu

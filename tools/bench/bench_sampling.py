@@ -4,8 +4,9 @@ For each batch size, prints side by side, measured in the same run: the one-prog
 sampling kernel (`sampling.sample_triton`, the old one), the split-vocabulary kernel that `sample`
 now runs (`sampling_split.sample_split`) with its achieved logits bandwidth (one read of [B, V]
 over the time) and its ratio to a measured device copy bandwidth, the greedy argmax path
-(`greedy_torch`), torch's sort-based sampling (softmax, sort, cumsum, multinomial), and for
-log-probs our kernel against torch's log_softmax + gather.
+(`greedy_torch`), LLM-like peaked rows next to the flat random ones (where the split kernel's
+top-k/top-p candidates overflow and its full search runs), torch's sort-based sampling (softmax,
+sort, cumsum, multinomial), and for log-probs our kernel against torch's log_softmax + gather.
 
     python tools/bench/bench_sampling.py [--vocab 151936] [--batch 1 64 256] [--dtype bf16]
 """
@@ -41,16 +42,31 @@ def torch_sort_sample(logits, temperature: float, top_k: int, top_p: float):
     return order.gather(1, pick)[:, 0]
 
 
+def peaked_like(logits: torch.Tensor, top: int = 64) -> torch.Tensor:
+    """LLM-like rows: a bulk well below a few dozen leading logits (the split kernel's candidates
+    serve top-k/top-p here; on the flat random rows they overflow and the full search runs)."""
+    g = torch.Generator(device=logits.device).manual_seed(1)
+    rows = logits.shape[0]
+    out = logits * 0.7 - 10.0
+    idx = torch.randint(0, logits.shape[1], (rows, top), device=logits.device, generator=g)
+    lead = torch.rand(rows, top, device=logits.device, generator=g) * 8
+    return out.scatter(1, idx, lead.to(out.dtype))
+
+
 def bench_cases(logits, seeds, targets, row_kernel, sample, token_logprobs, greedy) -> list:
     """(name, old kernel call or None, new kernel call, torch baseline call) on one batch of logits."""
-    def both(t, k, p):
-        return (lambda: row_kernel(logits, t, k, p, seeds, 0, check=False),
-                lambda: sample(logits, t, k, p, seeds, 0, check=False), lambda: torch_sort_sample(logits, t, k, p))
+    peaked = peaked_like(logits)
+
+    def both(t, k, p, x=logits):
+        return (lambda: row_kernel(x, t, k, p, seeds, 0, check=False),
+                lambda: sample(x, t, k, p, seeds, 0, check=False), lambda: torch_sort_sample(x, t, k, p))
 
     return [
         ("sample T=1", *both(1.0, 0, 1.0)),
         ("sample T=.7 k=50 p=.9", *both(0.7, 50, 0.9)),
         ("sample T=1 p=.95", *both(1.0, 0, 0.95)),
+        ("peaked T=.7 k=50 p=.9", *both(0.7, 50, 0.9, peaked)),
+        ("peaked T=1 p=.95", *both(1.0, 0, 0.95, peaked)),
         ("greedy (argmax path)", lambda: row_kernel(logits, 0.0, 0, 1.0, seeds, 0, check=False),
          lambda: greedy(logits), lambda: logits.float().argmax(-1)),
         ("token_logprobs", None, lambda: token_logprobs(logits, targets, check=False),
