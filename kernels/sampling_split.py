@@ -83,7 +83,7 @@ def _row_winner(pbest_ptr, ptok_ptr, rows, rmask, NB, NBP: tl.constexpr):
 @triton.jit
 def _gumbel_at(seed, off, stream, idx):
     """[ROWS, N] Gumbel noise at vocabulary indices idx (the values `gumbel_block` gives those columns)."""
-    zero = tl.zeros(idx.shape, dtype=tl.uint32)
+    zero = tl.zeros_like(idx).to(tl.uint32)
     c0 = zero + (idx // 4).to(tl.uint32)
     c1 = zero + (off & 0xFFFFFFFF).to(tl.uint32)[:, None]
     c2 = zero + (stream & 0xFFFFFFFF).to(tl.uint32)[:, None]
