@@ -207,7 +207,8 @@ class Engine:
         return bool(self._pending or self._ready) or self.scheduler.has_work() or self._inflight is not None
 
     def step(self) -> list[Finished]:
-        """Run one batched forward pass; return the requests that finished in it."""
+        """Run one batched forward pass; return the requests found finished in this call (with overlap,
+        a decode step's finishes come out of the next call, when its tokens are read)."""
         if not self.is_leader:
             raise RuntimeError("step() is the leader's; the other TP ranks run follow()")
         if not self.has_work():
@@ -232,7 +233,8 @@ class Engine:
         """Between steps: load new weights (a state dict of this rank's tensors, copied in place, or a
         callable that loads them into the model in place), drop every KV page, and re-queue each
         unfinished sequence as a prefill of prompt + tokens so far. Later tokens carry `version`.
-        Under TP the leader calls this; followers receive it in follow()."""
+        A step in flight is first completed on the old weights (its finishes come out of the next
+        step()). Under TP the leader calls this; followers receive it in follow()."""
         if self.tp and self.is_leader:
             broadcast_from_leader(("update", version), self.tp)
         self._drain()  # the step in flight ran on the old weights: its tokens are theirs
