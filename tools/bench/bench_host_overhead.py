@@ -7,8 +7,8 @@ schedule and launch n + 1, then read n), side by side.
     python tools/bench/bench_host_overhead.py --model qwen2.5-1.5b --batch 64   # a real model on the GPU
 
 With --model (CUDA): wall ms per decode step, host ms (wall minus the time blocked waiting for
-sampled tokens) and the blocked ms, old and new side by side. With overlap the wall approaches
-max(host, GPU) instead of their sum.
+sampled tokens), GPU ms (CUDA events around each step's launch) and the blocked ms, old and new
+side by side. With overlap the wall approaches max(host, GPU) instead of their sum.
 
 What a step costs the host besides the GPU work: scheduling, page-table updates, the step's
 input tensors, sampling parameters, reading back tokens and log-probs, stop checks. The model
@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_rollout's mode
 import hexrl.rollout.sampler as sampler  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
-from hexrl.rollout.model_runner import Pending  # noqa: E402
+from hexrl.rollout.model_runner import ModelRunner, Pending  # noqa: E402
 from kernels.reference import sample_args  # noqa: E402
 
 VOCAB = 32
@@ -104,9 +104,12 @@ def make_engine(batch: int, context: int, steps: int, page_size: int, overlap: b
     return engine
 
 
-def time_steps(engine: Engine, steps: int) -> tuple[float, float, float]:
-    """(CPU seconds, wall seconds, seconds blocked waiting for sampled tokens) per decode step."""
-    blocked, read = [0.0], Pending.read
+def time_steps(engine: Engine, steps: int) -> tuple[float, float, float, float]:
+    """Per decode step: (CPU seconds, wall seconds, seconds blocked waiting for sampled tokens, GPU
+    seconds from CUDA events around each launch, nan on CPU)."""
+    blocked, read, launch = [0.0], Pending.read, ModelRunner.launch
+    cuda = engine.device.type == "cuda"
+    events = []
 
     def timed_read(self):
         t = time.perf_counter()
@@ -114,22 +117,35 @@ def time_steps(engine: Engine, steps: int) -> tuple[float, float, float]:
         blocked[0] += time.perf_counter() - t
         return out
 
+    def timed_launch(self, step):  # GPU time of a step: its first to its last enqueued work
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        out = launch(self, step)
+        end.record()
+        events.append((start, end))
+        return out
+
     for _ in range(5):  # warm-up
         engine.step()
     Pending.read = timed_read
+    if cuda:
+        ModelRunner.launch = timed_launch
     try:
         c0, t0 = time.thread_time(), time.perf_counter()
         for _ in range(steps):
             engine.step()
         cpu, wall = time.thread_time() - c0, time.perf_counter() - t0
     finally:
-        Pending.read = read
+        Pending.read, ModelRunner.launch = read, launch
+    if cuda:
+        torch.cuda.synchronize()
+    gpu = sum(a.elapsed_time(b) for a, b in events) / 1e3 if cuda else float("nan")
     assert engine.stats.generated_tokens >= len(engine.scheduler.running) * steps
-    return cpu / steps, wall / steps, blocked[0] / steps
+    return cpu / steps, wall / steps, blocked[0] / steps, gpu / steps
 
 
 def time_decode(batch: int, context: int, steps: int, page_size: int, torch_sampler: bool,
-                overlap: bool = True, model=None) -> tuple[float, float, float]:
+                overlap: bool = True, model=None) -> tuple[float, float, float, float]:
     """time_steps over a prefilled batch (CPU: with the torch sampler or the GPU sampler's host side)."""
     sampler.sample_tokens = real_sampler if torch_sampler or model is not None else null_sampler
     try:
@@ -153,6 +169,7 @@ def main_model(args) -> None:
 
     cuda = torch.cuda.is_available()  # CPU: a smoke run of the same code (fp32, torch attention)
     dev, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32
+    torch.set_num_threads(1)  # one host thread, as the engine loop (CPU smoke runs: no oversubscription)
     if args.model in SHAPES:  # random weights of a named shape (bench_rollout's)
         model = random_model(model_config(args.model), dtype, dev)
     else:
@@ -167,10 +184,10 @@ def main_model(args) -> None:
           f"{args.steps} steps x {args.repeats} repeats, T = 1; medians (min-max), ms per decode step")
     for overlap, name in ((False, "old loop (no overlap)"), (True, "new loop (overlap)")):
         t = runs[overlap]
-        host = [(w - b,) for _, w, b in t]
-        print(f"  {name:<22} wall {show(t, 1)}  host {show(host, 0)}  blocked {show(t, 2)}")
-    print("  host = wall - blocked (host work per step); without overlap GPU ms ~ blocked + the host work queued "
-          "after the launch, with overlap the wall tends to max(host, GPU) instead of their sum")
+        host = [(w - b,) for _, w, b, _ in t]
+        print(f"  {name:<22} wall {show(t, 1)}  host {show(host, 0)}  GPU {show(t, 3)}  blocked {show(t, 2)}")
+    print("  host = wall - blocked (host work per step); GPU = CUDA events around each step's launch (its "
+          "enqueued work, idle gaps inside included); overlap takes the wall from host + GPU towards max(host, GPU)")
 
 
 def main(argv: list[str] | None = None) -> None:
