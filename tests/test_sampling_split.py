@@ -145,6 +145,20 @@ def test_gpu_split_kernel_matches_the_row_kernel_at_full_vocab():
     assert counts[probs == 0].sum() == 0
     stat, df = chi2_statistic(counts, probs)
     assert stat < chi2_critical(df)
+    # LLM-like peaked rows: the candidates serve top-k / top-p at full vocabulary
+    g = torch.Generator(device="cuda").manual_seed(4)
+    peaked = torch.randn(64, 151936, device="cuda", generator=g) * 2 - 12.0
+    lead = torch.randint(0, 151936, (64, 64), device="cuda", generator=g)
+    peaked = peaked.scatter(1, lead, torch.rand(64, 64, device="cuda", generator=g) * 8)
+    k = torch.where(torch.arange(64, device="cuda") % 2 == 0, 50, 0)
+    p = torch.where(torch.arange(64, device="cuda") % 2 == 0, 1.0, 0.9)
+    seeds = torch.arange(64, device="cuda")
+    tokens, logprobs, fast = sample_split_rows(peaked, 0.8, k, p, seeds, 3)
+    assert bool(fast.bool().all())
+    ref_tokens, ref_logprobs = sample_torch(peaked, 0.8, k, p, seeds, 3)
+    assert (tokens == ref_tokens).double().mean() > 0.98
+    same = tokens == ref_tokens
+    torch.testing.assert_close(logprobs[same], ref_logprobs[same], atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
