@@ -212,12 +212,13 @@ def _stats_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr
 
 @triton.jit
 def _cand_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, stream_ptr,
-                 pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, cidx_ptr, cn_ptr, cdrop_ptr, dense_ptr,
+                 pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, cidx_ptr, cn_ptr, cdrop_ptr, cbeg_ptr, dense_ptr, didx_ptr,
                  fast_ptr, ftok_ptr, fz_ptr, B, V, NB,
                  GREEDY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, NBP: tl.constexpr,
                  CAND: tl.constexpr, BAND: tl.constexpr, NC: tl.constexpr):
     """Top-k / top-p of the rows whose kept set lies within the candidates (fast[row] = 1: token
-    ftok, kept mass fz), the others left to the rounds (fast[row] = 0)."""
+    ftok, kept mass fz), the others left to the rounds (fast[row] = 0). The candidates are first
+    packed into a dense row (vocabulary order kept), so the searches cost O(candidates), not O(slots)."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     rmask = rows < B
     t_eff, top_k, top_p, use_k, use_p, _ = _row_params(rows, rmask, temp_ptr, topk_ptr, topp_ptr, V, GREEDY)
@@ -225,37 +226,51 @@ def _cand_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr,
     m, z, kmin, kmax = _row_stats(pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, rows, rmask, NB, NBP)
     c = tl.arange(0, NBP)
     cmask = rmask[:, None] & (c < NB)[None, :]
-    drop = tl.max(tl.load(cdrop_ptr + rows[:, None] * NBP + c[None, :], mask=cmask, other=-float("inf")), 1)
+    per = rows[:, None] * NBP + c[None, :]
+    drop = tl.max(tl.load(cdrop_ptr + per, mask=cmask, other=-float("inf")), 1)
+    n_c = tl.where(filt[:, None], tl.load(cn_ptr + per, mask=cmask, other=0), 0)
+    tl.store(cbeg_ptr + per, tl.cumsum(n_c, 1) - n_c, mask=cmask)  # where each chunk's candidates go
+    total = tl.sum(n_c, 1)
+    span = tl.max(total, 0)
     SLOTS = NB * CAND  # chunk-major: slot c * CAND + i is chunk c's i-th candidate
     dense = dense_ptr + rows.to(tl.int64)[:, None] * SLOTS
-    # gather the candidates within BAND of the row max into a dense row (others -inf); count, mass, min key
+    didx = didx_ptr + rows.to(tl.int64)[:, None] * SLOTS
+    tl.debug_barrier()  # the offsets stored above are read by other threads below
+    # pack the candidates (x, or -inf outside BAND of the row max); count, mass and min key of the band
     n_band = tl.zeros([ROWS], dtype=tl.int32)
     mass = tl.zeros([ROWS], dtype=tl.float32)
     lo = tl.full([ROWS], _INT_MAX, dtype=tl.int32)
     for start in range(0, SLOTS, BLOCK):
         j = start + tl.arange(0, BLOCK)
-        n_c = tl.load(cn_ptr + rows[:, None] * NBP + j[None, :] // CAND, mask=rmask[:, None] & (j < SLOTS)[None, :],
-                      other=0)
-        valid = rmask[:, None] & (j < SLOTS)[None, :] & (j[None, :] % CAND < n_c) & filt[:, None]
+        chunk = rows[:, None] * NBP + j[None, :] // CAND
+        inside = rmask[:, None] & (j < SLOTS)[None, :]
+        valid = inside & (j[None, :] % CAND < tl.load(cn_ptr + chunk, mask=inside, other=0)) & filt[:, None]
+        pos = tl.load(cbeg_ptr + chunk, mask=valid, other=0) + j[None, :] % CAND
         idx = tl.load(cidx_ptr + rows[:, None] * (NBP * CAND) + j[None, :], mask=valid, other=0)
         x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride + idx, mask=valid, other=-float("inf")).to(tl.float32)
         band = valid & (x / t_eff[:, None] >= m[:, None] - BAND)
         x = tl.where(band, x, -float("inf"))
-        tl.store(dense + j[None, :], x, mask=rmask[:, None] & (j < SLOTS)[None, :])
+        tl.store(dense + pos, x, mask=valid)
+        tl.store(didx + pos, idx, mask=valid)
         n_band += tl.sum(band.to(tl.int32), 1)
         mass += tl.sum(tl.where(band, tl.exp(x / t_eff[:, None] - m[:, None]), 0.0), 1)
         lo = tl.minimum(lo, tl.min(tl.where(band, float_key(x), _INT_MAX), 1))
+    for start in range(0, span, BLOCK):  # rows with fewer candidates than the longest: -inf padding
+        o = start + tl.arange(0, BLOCK)
+        tl.store(dense + o[None, :], tl.full([ROWS, BLOCK], -float("inf"), dtype=tl.float32),
+                 mask=rmask[:, None] & (o[None, :] >= total[:, None]) & (o < span)[None, :])
+    tl.debug_barrier()
     complete = drop < m - BAND  # every logit within BAND of the max is a candidate
     ok_k = (use_k == 0) | (n_band >= top_k)
     zero_f = tl.zeros([ROWS], dtype=tl.float32)
     fast = filt & complete & ok_k & (n_band > 0)
-    tau, zk = search_threshold(dense, rmask, SLOTS, t_eff, m, lo, kmax + 1, kmax, mass, top_k, zero_f,
+    tau, zk = search_threshold(dense, rmask, span, t_eff, m, lo, kmax + 1, kmax, mass, top_k, zero_f,
                                use_k & fast, ROWS, BLOCK, NC)
     zk = tl.where(use_k, zk, z)  # top-p's total: the top-k mass, or the whole row's
     tau = tl.where(use_k, tau, lo)
     mass_p = tl.where(use_k, zk, mass)  # the band's mass (inside top-k when on)
     fast = fast & ((use_p == 0) | (mass_p >= top_p * zk))
-    tau, zp = search_threshold(dense, rmask, SLOTS, t_eff, m, tau, kmax + 1, kmax, mass_p,
+    tau, zp = search_threshold(dense, rmask, span, t_eff, m, tau, kmax + 1, kmax, mass_p,
                                tl.full([ROWS], 1, dtype=tl.int32), top_p * zk, use_p & fast, ROWS, BLOCK, NC)
     zp = tl.where(use_p, zp, zk)
     # Gumbel-max over the kept candidates {key >= tau}, in vocabulary order (ties: lowest index)
@@ -264,11 +279,12 @@ def _cand_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr,
     stream = tl.load(stream_ptr + rows, mask=rmask, other=0)
     best = tl.full([ROWS], -float("inf"), dtype=tl.float32)
     tok = tl.zeros([ROWS], dtype=tl.int32)
-    for start in range(0, SLOTS, BLOCK):
-        j = start + tl.arange(0, BLOCK)
-        x = tl.load(dense + j[None, :], mask=rmask[:, None] & (j < SLOTS)[None, :], other=-float("inf"))
-        kept = fast[:, None] & (x > -float("inf")) & (float_key(x) >= tau[:, None])
-        idx = tl.load(cidx_ptr + rows[:, None] * (NBP * CAND) + j[None, :], mask=kept, other=0)
+    for start in range(0, span, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        live = rmask[:, None] & (o[None, :] < total[:, None])
+        x = tl.load(dense + o[None, :], mask=live, other=-float("inf"))
+        kept = live & fast[:, None] & (x > -float("inf")) & (float_key(x) >= tau[:, None])
+        idx = tl.load(didx + o[None, :], mask=kept, other=0)
         score = tl.where(kept, x / t_eff[:, None] + _gumbel_at(seed, off, stream, idx), -float("inf"))
         bs, bi = tl.max(score, 1, return_indices=True, return_indices_tie_break_left=True)
         win = bs > best
@@ -471,11 +487,13 @@ def sample_split_rows(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0,
         fast = torch.empty(n, dtype=torch.int32, device=dev)
         ftok = torch.empty(n, dtype=torch.int32, device=dev)
         fz = torch.empty(n, dtype=torch.float32, device=dev)
-        dense = torch.empty(n, nb * cand, dtype=torch.float32, device=dev)
+        dense = torch.empty(n, nb * cand, dtype=torch.float32, device=dev)  # packed candidates: x and index
+        didx = torch.empty(n, nb * cand, dtype=torch.int32, device=dev)
+        cbeg = torch.empty(n, nbp, dtype=torch.int32, device=dev)
         cap = GPU_CAND_BLOCK if logits.is_cuda else max(16, (1 << 18) // (rows * NC))  # interpreter: bounded tiles
         cblock = min(cap, triton.next_power_of_2(nb * cand))
         _cand_kernel[(grid[0],)](logits, logits.stride(0), temp, k, p, seeds, offsets, streams, pm, pz, pkmin,
-                                 pkmax, cidx, cn, cdrop, dense, fast, ftok, fz, n, vocab, nb, BLOCK=cblock,
+                                 pkmax, cidx, cn, cdrop, cbeg, dense, didx, fast, ftok, fz, n, vocab, nb, BLOCK=cblock,
                                  CAND=cand, BAND=BAND, NC=NC, num_warps=8 if logits.is_cuda else 1, **common)
         state = torch.empty(2, 5, n, dtype=torch.int32, device=dev)  # lo, hi, mbh, mass_lo, zk; double-buffered
         # cnt, mass, minge, maxlt per chunk; programs with no live row leave theirs unwritten (never read as

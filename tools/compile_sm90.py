@@ -43,7 +43,7 @@ def main() -> int:
     for cand in (0, split.GPU_CAND):
         build(split._stats_kernel, ROW + NOISE + "ffiifi" + "iif" + "nn", BLOCK=split.GPU_BLOCK,
               CHUNK=split.GPU_CHUNK, CAND=cand, BAND=split.BAND, **COMMON)
-    build(split._cand_kernel, ROW + NOISE + "ffii" + "iif" + "f" + "iif" + "nnn", 8, BLOCK=split.GPU_CAND_BLOCK,
+    build(split._cand_kernel, ROW + NOISE + "ffii" + "iif" + "ifi" + "iif" + "nnn", 8, BLOCK=split.GPU_CAND_BLOCK,
           CAND=split.GPU_CAND, BAND=split.BAND, NC=split.NC, **COMMON)
     for phase, first in ((0, True), (0, False), (1, True), (1, False)):
         build(split._round_kernel, ROW + "ffii" + "iii" + "nnnn", PHASE=phase, FIRST=first,
