@@ -308,57 +308,58 @@ def _round_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, p
     slow = tl.load(fast_ptr + rows, mask=rmask, other=1) == 0  # rows the candidates did not serve
     use_k = use_k & slow
     use_p = use_p & slow
-    m, z, kmin, kmax = _row_stats(pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, rows, rmask, NB, NBP)
-    zero_f = tl.zeros([ROWS], dtype=tl.float32)
-    if FIRST and PHASE == 0:  # top-k starts from the whole key range
-        lo, hi, mbh, mass_lo, zk = kmin, kmax + 1, kmax, z, z
-    elif FIRST:  # top-p starts from the top-k threshold and mass (or the whole row)
-        lo, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask, top_k, zero_f,
-                                           use_k, NB, NBP, NC)
-        lo = tl.where(use_k, lo, kmin)
-        zk = tl.where(use_k, mass_lo, z)
-        hi, mbh, mass_lo = kmax + 1, kmax, zk
-    elif PHASE == 0:
-        lo, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask, top_k, zero_f,
-                                           use_k, NB, NBP, NC)
-    else:
-        prev_zk = tl.load(st_ptr + ((it + 1) % 2) * 5 * B + 4 * B + rows, mask=rmask, other=0)
-        need_mass = top_p * prev_zk.to(tl.float32, bitcast=True)
-        lo, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask,
-                                           tl.full([ROWS], 1, dtype=tl.int32), need_mass, use_p, NB, NBP, NC)
-    buf = it % 2
-    if chunk == 0:
-        _store_state(st_ptr, buf, B, rows, rmask, lo, hi, mbh, mass_lo, zk)
-    if PHASE == 0:
-        live = use_k & (mbh != lo)
-    else:
-        live = use_p & (mbh != lo)
-    if tl.sum(live.to(tl.int32), 0) > 0:
-        j = tl.arange(0, NC)
-        cand = _candidates(lo, hi, NC)
-        cnt = tl.zeros([ROWS, NC], dtype=tl.int32)
-        mass = tl.zeros([ROWS, NC], dtype=tl.float32)
-        minge = tl.full([ROWS, NC], _INT_MAX, dtype=tl.int32)
-        maxlt = tl.full([ROWS, NC], _INT_MIN, dtype=tl.int32)
-        row_ptr = x_ptr + rows.to(tl.int64)[:, None] * stride
-        for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = rmask[:, None] & (cols < V)[None, :]
-            x = tl.load(row_ptr + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
-            e = tl.exp(x / t_eff[:, None] - m[:, None])
-            key3 = tl.where(mask, float_key(x), _INT_MIN)[:, :, None]  # padding is below every candidate
-            ge = key3 >= cand[:, None, :]
-            cnt += tl.sum(ge.to(tl.int32), 1)
-            mass += tl.sum(tl.where(ge, e[:, :, None], 0.0), 1)
-            minge = tl.minimum(minge, tl.min(tl.where(ge, key3, _INT_MAX), 1))
-            maxlt = tl.maximum(maxlt, tl.max(tl.where(ge, _INT_MIN, key3), 1))
-        n = B * NBP * NC
-        p = part_ptr + buf * 4 * n + (rows[:, None] * NBP + chunk) * NC + j[None, :]
-        pmask = rmask[:, None]
-        tl.store(p, cnt, mask=pmask)
-        tl.store(p + n, mass.to(tl.int32, bitcast=True), mask=pmask)
-        tl.store(p + 2 * n, minge, mask=pmask)
-        tl.store(p + 3 * n, maxlt, mask=pmask)
+    if tl.sum((use_k | use_p).to(tl.int32), 0) > 0:  # else every row here is served or not filtering
+        m, z, kmin, kmax = _row_stats(pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, rows, rmask, NB, NBP)
+        zero_f = tl.zeros([ROWS], dtype=tl.float32)
+        if FIRST and PHASE == 0:  # top-k starts from the whole key range
+            lo, hi, mbh, mass_lo, zk = kmin, kmax + 1, kmax, z, z
+        elif FIRST:  # top-p starts from the top-k threshold and mass (or the whole row)
+            lo, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask, top_k, zero_f,
+                                               use_k, NB, NBP, NC)
+            lo = tl.where(use_k, lo, kmin)
+            zk = tl.where(use_k, mass_lo, z)
+            hi, mbh, mass_lo = kmax + 1, kmax, zk
+        elif PHASE == 0:
+            lo, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask, top_k, zero_f,
+                                               use_k, NB, NBP, NC)
+        else:
+            prev_zk = tl.load(st_ptr + ((it + 1) % 2) * 5 * B + 4 * B + rows, mask=rmask, other=0)
+            need_mass = top_p * prev_zk.to(tl.float32, bitcast=True)
+            lo, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask,
+                                               tl.full([ROWS], 1, dtype=tl.int32), need_mass, use_p, NB, NBP, NC)
+        buf = it % 2
+        if chunk == 0:
+            _store_state(st_ptr, buf, B, rows, rmask, lo, hi, mbh, mass_lo, zk)
+        if PHASE == 0:
+            live = use_k & (mbh != lo)
+        else:
+            live = use_p & (mbh != lo)
+        if tl.sum(live.to(tl.int32), 0) > 0:
+            j = tl.arange(0, NC)
+            cand = _candidates(lo, hi, NC)
+            cnt = tl.zeros([ROWS, NC], dtype=tl.int32)
+            mass = tl.zeros([ROWS, NC], dtype=tl.float32)
+            minge = tl.full([ROWS, NC], _INT_MAX, dtype=tl.int32)
+            maxlt = tl.full([ROWS, NC], _INT_MIN, dtype=tl.int32)
+            row_ptr = x_ptr + rows.to(tl.int64)[:, None] * stride
+            for start in range(chunk * CHUNK, chunk * CHUNK + CHUNK, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = rmask[:, None] & (cols < V)[None, :]
+                x = tl.load(row_ptr + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
+                e = tl.exp(x / t_eff[:, None] - m[:, None])
+                key3 = tl.where(mask, float_key(x), _INT_MIN)[:, :, None]  # padding is below every candidate
+                ge = key3 >= cand[:, None, :]
+                cnt += tl.sum(ge.to(tl.int32), 1)
+                mass += tl.sum(tl.where(ge, e[:, :, None], 0.0), 1)
+                minge = tl.minimum(minge, tl.min(tl.where(ge, key3, _INT_MAX), 1))
+                maxlt = tl.maximum(maxlt, tl.max(tl.where(ge, _INT_MIN, key3), 1))
+            n = B * NBP * NC
+            p = part_ptr + buf * 4 * n + (rows[:, None] * NBP + chunk) * NC + j[None, :]
+            pmask = rmask[:, None]
+            tl.store(p, cnt, mask=pmask)
+            tl.store(p + n, mass.to(tl.int32, bitcast=True), mask=pmask)
+            tl.store(p + 2 * n, minge, mask=pmask)
+            tl.store(p + 3 * n, maxlt, mask=pmask)
 
 
 @triton.jit
@@ -375,15 +376,15 @@ def _kept_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr,
     use_k = use_k & slow
     use_p = use_p & slow
     filt = use_k | use_p
-    prev_zk = tl.load(st_ptr + ((it + 1) % 2) * 5 * B + 4 * B + rows, mask=rmask, other=0)
-    tau, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask,
-                                        tl.full([ROWS], 1, dtype=tl.int32),
-                                        top_p * prev_zk.to(tl.float32, bitcast=True), use_p, NB, NBP, NC)
-    if chunk == 0:
-        _store_state(st_ptr, it % 2, B, rows, rmask, tau, hi, mbh, mass_lo, zk)
-    best = tl.full([ROWS], -float("inf"), dtype=tl.float32)
-    tok = tl.zeros([ROWS], dtype=tl.int32)
-    if tl.sum(filt.to(tl.int32), 0) > 0:
+    if tl.sum(filt.to(tl.int32), 0) > 0:  # else every row here is served or not filtering
+        prev_zk = tl.load(st_ptr + ((it + 1) % 2) * 5 * B + 4 * B + rows, mask=rmask, other=0)
+        tau, hi, mbh, mass_lo, zk = _narrow(st_ptr, part_ptr, (it + 1) % 2, B, rows, rmask,
+                                            tl.full([ROWS], 1, dtype=tl.int32),
+                                            top_p * prev_zk.to(tl.float32, bitcast=True), use_p, NB, NBP, NC)
+        if chunk == 0:
+            _store_state(st_ptr, it % 2, B, rows, rmask, tau, hi, mbh, mass_lo, zk)
+        best = tl.full([ROWS], -float("inf"), dtype=tl.float32)
+        tok = tl.zeros([ROWS], dtype=tl.int32)
         seed = tl.load(seed_ptr + rows, mask=rmask, other=0)
         off = tl.load(off_ptr + rows, mask=rmask, other=0)
         stream = tl.load(stream_ptr + rows, mask=rmask, other=0)
@@ -399,8 +400,8 @@ def _kept_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr,
             win = bs > best
             best = tl.where(win, bs, best)
             tok = tl.where(win, start + bi, tok)
-    tl.store(kbest_ptr + rows * NBP + chunk, best, mask=rmask)
-    tl.store(ktok_ptr + rows * NBP + chunk, tok, mask=rmask)
+        tl.store(kbest_ptr + rows * NBP + chunk, best, mask=rmask)
+        tl.store(ktok_ptr + rows * NBP + chunk, tok, mask=rmask)
 
 
 @triton.jit
