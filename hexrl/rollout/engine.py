@@ -85,7 +85,7 @@ class EngineConfig:
 class EngineStats:
     steps: int = 0
     prefill_tokens: int = 0  # tokens run through the model without producing a sample (incl. recompute)
-    generated_tokens: int = 0
+    generated_tokens: int = 0  # sampled at launch, less the rows of already finished sequences (overlap)
     preemptions: int = 0
     interrupts: int = 0  # weight updates
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
@@ -333,6 +333,7 @@ class Engine:
         s.graph_steps += step.graph_size > 0
         s.preemptions = self.scheduler.preemptions
         s.prefill_tokens += step.meta.num_tokens - len(step.sampling)
+        s.generated_tokens += len(step.sampling)  # less the rows dropped at read
         index = []
         for seq in step.sampling:
             seq.num_cached = len(seq.tokens)  # the sampled chunk ended at the last token
@@ -348,12 +349,12 @@ class Engine:
         tokens, logprobs = step.pending.read() if step.pending is not None else ([], [])
         done = []
         for seq, i, token, lp in zip(step.seqs, step.index, tokens, logprobs):
-            if i >= len(seq.tokens):
+            if i >= len(seq.tokens):  # the sequence finished in an earlier step
+                self.stats.generated_tokens -= 1
                 continue
             seq.tokens[i] = token
             seq.logprobs.append(lp)
             seq.versions.append(step.version)
-            self.stats.generated_tokens += 1
             if token in seq.stop_ids or i + 1 >= seq.max_tokens or seq.req.stop_strings:
                 reason = self._stop_reason(seq, token, i + 1)
                 if reason is not None:
