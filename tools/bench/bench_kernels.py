@@ -204,7 +204,8 @@ def all_decoding(engine: Engine, batch: int) -> bool:
 def decode_point(model: Decoder, batch: int, context: int, grid: Grid, attention: str = "auto") -> dict:
     """Median seconds of one decode step with `batch` sequences of about `context` tokens each.
 
-    Engine steps are host-synchronous (sampled tokens go to the CPU), so wall clock is the step time.
+    Each engine step waits for the previous step's sampled tokens (overlap: one step in flight), so in the
+    steady state the wall clock per step() is the step time.
     """
     # early admissions decode while later ones prefill (the step's token budget is shared)
     prefill_steps = math.ceil(batch * context / max(1, grid.batch_tokens - batch))
