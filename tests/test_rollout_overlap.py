@@ -227,3 +227,8 @@ def test_a_graph_decode_step_pads_its_one_copy_to_the_graph_size(ckpts):
     assert sent[0][1] is engine.runner.graphs.buffers.inputs
     assert step.rows.tolist() == slots and step.kv_lens.tolist() == lens
     assert step.meta.positions.tolist() == [n - 1 for n in lens] and step.ids is None  # ids: the graph's prologue
+
+
+def test_overlap_and_cuda_graphs_must_be_booleans(ckpts):
+    with pytest.raises(ValueError, match="cuda_graphs must be True or False.*overlap must be True or False"):
+        Engine(load_pretrained(ckpts[0]), EngineConfig(max_pages=8, cuda_graphs="yes", overlap=1))

@@ -70,6 +70,9 @@ class EngineConfig:
             p.append(f"max_pages must be None or an integer >= 1, got {self.max_pages!r}")
         if not 0 < self.gpu_memory_fraction <= 1:
             p.append(f"gpu_memory_fraction must be in (0, 1], got {self.gpu_memory_fraction!r}")
+        for name in ("cuda_graphs", "overlap"):
+            if not isinstance(getattr(self, name), bool):
+                p.append(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention not in ("auto", "torch", "flashinfer"):
             p.append(f"attention must be 'auto', 'torch' or 'flashinfer', got {self.attention!r}")
         if self.graph_batch_sizes is not None:
