@@ -108,6 +108,17 @@ def test_linear_logprobs_gradcheck_in_float64_and_bf16_close_to_it():
     assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16
 
 
+def test_linear_logprobs_frozen_weight_gets_no_gradient_and_hidden_the_same_one():
+    g = torch.Generator().manual_seed(7)
+    hidden = torch.randn(6, 4, generator=g, requires_grad=True)
+    weight = torch.randn(9, 4, generator=g)  # frozen (a reference model's lm_head)
+    targets = torch.tensor([0, 8, 3, 3, 1, 5])
+    lp, _ = linear_logprobs(hidden, weight, targets, None, 1.0, False, 4)
+    (got,) = torch.autograd.grad(lp.sum(), hidden)
+    lp2, _ = linear_logprobs(hidden, weight.clone().requires_grad_(), targets, None, 1.0, False, 4)
+    torch.testing.assert_close(got, torch.autograd.grad(lp2.sum(), hidden)[0], atol=0, rtol=0)
+
+
 def test_linear_logprobs_refuses_bad_shapes():
     with pytest.raises(ValueError, match="hidden"):
         linear_logprobs(torch.randn(3, 4), torch.randn(5, 3), torch.zeros(3, dtype=torch.long))

@@ -73,18 +73,21 @@ class _LinearLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(state, grad, _grad_entropy):
         hidden, weight, targets, lse = state.saved_tensors
-        grad_h = torch.empty_like(hidden)
+        want_h, want_w = state.needs_input_grad[:2]
+        grad_h = torch.empty_like(hidden) if want_h else None
         grad_w = None  # float32 sum over the chunks (float64 for float64 weights)
         for s in range(0, hidden.shape[0], state.chunk_rows):
             rows = slice(s, s + state.chunk_rows)
             h = hidden[rows]
             dz = _chunk_grad_logits(h, weight, targets[rows], lse[rows], grad[rows], state.temperature, state.group)
-            grad_h[rows] = mm_fp32(dz, weight)
-            part = mm_fp32(dz.t(), h)
-            grad_w = part if grad_w is None else grad_w.add_(part)
-        if grad_w is None:
-            grad_w = torch.zeros_like(weight)
-        return grad_h, grad_w.to(weight.dtype), None, None, None, None, None
+            if want_h:
+                grad_h[rows] = mm_fp32(dz, weight)
+            if want_w:
+                part = mm_fp32(dz.t(), h)
+                grad_w = part if grad_w is None else grad_w.add_(part)
+        if want_w:
+            grad_w = torch.zeros_like(weight) if grad_w is None else grad_w.to(weight.dtype)
+        return grad_h, grad_w, None, None, None, None, None
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: TPGroup | None = None,
