@@ -474,9 +474,12 @@ def sample_split_rows(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0,
     nb = triton.cdiv(vocab, chunk)
     nbp = triton.next_power_of_2(nb)
     grid = (triton.cdiv(n, rows), nb)
-    pm, pz, pbest, kbest, cdrop = torch.empty(5, n, nbp, dtype=torch.float32, device=dev)
-    pkmin, pkmax, ptok, ktok, cn = torch.empty(5, n, nbp, dtype=torch.int32, device=dev)
-    cidx = torch.empty(n, nbp, max(cand, 1), dtype=torch.int32, device=dev)
+    # scratch: entries of rows a launch skips stay unwritten and are never used; the interpreter gets
+    # zeros so that numpy never reduces garbage (NaN) floats
+    alloc = torch.empty if logits.is_cuda else torch.zeros
+    pm, pz, pbest, kbest, cdrop = alloc(5, n, nbp, dtype=torch.float32, device=dev)
+    pkmin, pkmax, ptok, ktok, cn = alloc(5, n, nbp, dtype=torch.int32, device=dev)
+    cidx = alloc(n, nbp, max(cand, 1), dtype=torch.int32, device=dev)
     warps = 4 if logits.is_cuda else 1
     common = dict(GREEDY=GREEDY_EPS, ROWS=rows, NBP=nbp)
     _stats_kernel[grid](logits, logits.stride(0), temp, k, p, seeds, offsets, streams, pm, pz, pkmin, pkmax,
@@ -485,21 +488,19 @@ def sample_split_rows(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0,
     last = 2 * ROUNDS
     state = fast = pm  # placeholders (unused) when nothing filters
     if filtered:
-        fast = torch.empty(n, dtype=torch.int32, device=dev)
-        ftok = torch.empty(n, dtype=torch.int32, device=dev)
-        fz = torch.empty(n, dtype=torch.float32, device=dev)
-        dense = torch.empty(n, nb * cand, dtype=torch.float32, device=dev)  # packed candidates: x and index
-        didx = torch.empty(n, nb * cand, dtype=torch.int32, device=dev)
-        cbeg = torch.empty(n, nbp, dtype=torch.int32, device=dev)
+        fast = alloc(n, dtype=torch.int32, device=dev)
+        ftok = alloc(n, dtype=torch.int32, device=dev)
+        fz = alloc(n, dtype=torch.float32, device=dev)
+        dense = alloc(n, nb * cand, dtype=torch.float32, device=dev)  # packed candidates: x and index
+        didx = alloc(n, nb * cand, dtype=torch.int32, device=dev)
+        cbeg = alloc(n, nbp, dtype=torch.int32, device=dev)
         cap = GPU_CAND_BLOCK if logits.is_cuda else max(16, (1 << 18) // (rows * NC))  # interpreter: bounded tiles
         cblock = min(cap, triton.next_power_of_2(nb * cand))
         _cand_kernel[(grid[0],)](logits, logits.stride(0), temp, k, p, seeds, offsets, streams, pm, pz, pkmin,
                                  pkmax, cidx, cn, cdrop, cbeg, dense, didx, fast, ftok, fz, n, vocab, nb, BLOCK=cblock,
                                  CAND=cand, BAND=BAND, NC=NC, num_warps=8 if logits.is_cuda else 1, **common)
-        state = torch.empty(2, 5, n, dtype=torch.int32, device=dev)  # lo, hi, mbh, mass_lo, zk; double-buffered
-        # cnt, mass, minge, maxlt per chunk; programs with no live row leave theirs unwritten (never read as
-        # live): zeros in the interpreter only, to keep numpy quiet about garbage floats
-        part = (torch.empty if logits.is_cuda else torch.zeros)(2, 4, n, nbp, NC, dtype=torch.int32, device=dev)
+        state = alloc(2, 5, n, dtype=torch.int32, device=dev)  # lo, hi, mbh, mass_lo, zk; double-buffered
+        part = alloc(2, 4, n, nbp, NC, dtype=torch.int32, device=dev)  # cnt, mass, minge, maxlt per chunk
         for it in range(last):
             _round_kernel[grid](logits, logits.stride(0), temp, k, p, pm, pz, pkmin, pkmax, state, part, fast, n,
                                 vocab, nb, it, PHASE=it // ROUNDS, FIRST=it % ROUNDS == 0, BLOCK=sblock,
