@@ -8,11 +8,12 @@ import json
 import math
 import os
 import signal
+import sys
 
 import msgpack
 import pytest
 import torch
-from runtime_utils import metrics, torchrun, write_job
+from runtime_utils import ROOT, metrics, torchrun, write_job
 
 from hexrl.comm import cuda_ipc
 from hexrl.gpus import CATALOGUE
@@ -22,6 +23,9 @@ from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.schema.plan import _world_problems
+
+sys.path.insert(0, str(ROOT / "tools"))
+import one_gpu  # noqa: E402
 
 
 def colocated_job(tmp_path, gpu_type: str = "cpu", **colocate) -> dict:
@@ -183,10 +187,10 @@ def launch_colocated(tmp_path, steps: int):
 
 
 def test_colocated_run_on_cpu(tmp_path):
-    plan, run, out = launch_colocated(tmp_path, steps=2)
+    plan, run, out = launch_colocated(tmp_path, steps=4)
     assert [(r["role"], r["device"]) for r in plan["ranks"]] == [("train", 0), ("rollout", 0)]
     rows = metrics(run)
-    assert [r["step"] for r in rows] == [1, 2], out
+    assert [r["step"] for r in rows] == [1, 2, 3, 4], out
     last = rows[-1]
     assert last["trajectories_produced"] == (last["trajectories_trained"] + last["trajectories_filtered"]
                                              + last["trajectories_dropped"] + last["trajectories_pending"])
@@ -200,6 +204,16 @@ def test_colocated_run_on_cpu(tmp_path):
     assert groups["weight_sync/stage0"] == {"name": "weight_sync/stage0", "ranks": [0, 1], "backend": "gloo",
                                             "weights": "broadcast"}
     assert set(groups) == {"world", "weight_sync/stage0"}  # one trainer rank, TP 1: no other group
+    # tools/gpu_e2e.sh's report on this run: the measured step is the wall time of steps 3 (after 2 of
+    # warm-up) by hand, the simulator's prediction beside it, the accounting checked
+    (run / "plan.json").write_text(json.dumps(plan))  # where gpu_e2e.sh keeps it
+    (run / "simulate.json").write_text(json.dumps({"predicted_step_s": 0.5, "step_time_s": 0.6}))
+    text, met = one_gpu.report(run, launch_s=30.0, total_s=300.0)
+    step = rows[2]["wall_s"] - rows[1]["wall_s"]
+    assert f"step time: {step:.3f} s measured (steps 3..3)" in text, text
+    assert f"cost model 0.500 s, simulator 0.600 s, measured {step:.3f} s" in text, text
+    assert "balanced" in text and "trajectory accounting balances: MET" in text, text
+    assert "wall time <= 240 s: NOT MET" in text and not met
 
 
 @pytest.mark.gpu

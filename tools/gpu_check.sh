@@ -20,7 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu_check_out}
 QUICK=${QUICK:-0}
-STAGES=${STAGES:-all}  # or a subset: "wheels versions kernels compare pytest sampling train rollout fused overlap"
+STAGES=${STAGES:-all}  # or a subset: "wheels versions kernels compare pytest sampling train rollout fused overlap e2e"
 BUDGET_S=${BUDGET_S:-300}
 PY=${PYTHON:-python3}
 START=$(date +%s)
@@ -115,6 +115,8 @@ main() {
   # issue 34: engine loop without / with host-GPU overlap, host vs wall ms per decode step (1.5B, random weights)
   want overlap && stage bench_host_overhead 120 $PY tools/bench/bench_host_overhead.py --model qwen2.5-1.5b \
     --batch 64 --context 1024 --steps 40 --repeats 2
+  # issue 33: one GPU runs the whole loop (trainer and rollout colocated), <= 240 s; alone: STAGES="wheels e2e"
+  want e2e && stage e2e 240 bash tools/gpu_e2e.sh
 
   [[ -n $profile ]] && cp "$profile" "$OUT/"
   rm -f "$marker"
@@ -123,7 +125,7 @@ main() {
     printf '  %s\n' "${SUMMARY[@]}"
     [[ -n $profile ]] && echo "  profile: $profile (copied to \$OUT)"
     [[ -f $OUT/pytest.log ]] && echo "  pytest: $(tail -1 "$OUT/pytest.log")"
-    grep -hE "^planner keys|median error" "$OUT/gpu_check.log" 2>/dev/null | sed 's/^/  /'
+    grep -hE "^planner keys|median error|^targets:" "$OUT/gpu_check.log" 2>/dev/null | sed 's/^/  /'
   } > "$OUT/summary.txt"
   echo
   cat "$OUT/summary.txt"

@@ -2,6 +2,7 @@
 
     python tools/warm_start.py OUT_DIR                  # 2-digit addition; stops at dev accuracy >= 0.4
     python tools/warm_start.py OUT_DIR --rl-check 200   # then a quick single-process GRPO check
+    python tools/warm_start.py OUT_DIR --device cuda    # the supervised phase on the GPU
 
 Creates a random tiny Qwen2-shaped model and trains it with cross-entropy on the answer tokens
 plus eos (prompt masked). The budget is deliberately SHORT: training stops at the first
@@ -101,7 +102,8 @@ def sft_batch(tokenizer, problems) -> tuple[torch.Tensor, torch.Tensor]:
 
 def sft_loss(model, ids: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy over unmasked targets (right padding cannot affect them: causal)."""
-    return F.cross_entropy(model(ids).flatten(0, 1).float(), tgt.flatten(), ignore_index=-100)
+    device = next(model.parameters()).device
+    return F.cross_entropy(model(ids.to(device)).flatten(0, 1).float(), tgt.to(device).flatten(), ignore_index=-100)
 
 
 def train_sft(model, tokenizer, train, dev, heldout, max_steps: int, batch: int, lr: float, seed: int,
@@ -218,6 +220,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu", help="where the supervised phase runs (cpu, cuda); saved from the CPU")
     p.add_argument("--rl-check", type=int, default=0, metavar="STEPS", help="then run this many reference GRPO steps")
     p.add_argument("--rl-prompts", type=int, default=64)
     p.add_argument("--rl-n", type=int, default=8)
@@ -244,20 +247,22 @@ def main(argv=None) -> dict:
     train, dev, heldout = task.split()
     tok = CharTokenizer()
     shape = ModelShape(a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate)
-    model = build_model(shape, a.seed)
+    model = build_model(shape, a.seed).to(a.device)
     acc0 = greedy_accuracy(model, tok, heldout, task.max_new_tokens)[0]
     print(f"model {model.cfg.num_params} params; task {asdict(task)}; random-init heldout_acc {acc0:.3f}")
     t0 = time.time()
     res = train_sft(model, tok, train, dev, heldout, a.steps, a.batch, a.lr, a.seed, a.eval_every,
                     a.target_acc, task.max_new_tokens)
     wall = time.time() - t0
+    model.to("cpu")  # saved, and the RL check run, from the host
     if a.target_acc and res["dev_accuracy"] < a.target_acc:
         print(f"WARNING: dev accuracy {res['dev_accuracy']:.3f} < target {a.target_acc} after {a.steps} steps")
     save_pretrained(model, a.out)
     tok.save(a.out)
     info = {**res, "init_heldout_accuracy": acc0, "wall_seconds": round(wall, 2), "batch": a.batch, "lr": a.lr,
             "target_acc": a.target_acc, "task": asdict(task), "data_synthetic": task.synthetic(),
-            "model": asdict(shape), "max_new_tokens": task.max_new_tokens, "threads": a.threads}
+            "model": asdict(shape), "max_new_tokens": task.max_new_tokens, "threads": a.threads,
+            "device": a.device}
     Path(a.out, "warm_start.json").write_text(json.dumps(info, indent=2))
     print(f"warm start: {res['steps']} steps in {wall:.1f}s, heldout_acc {res['heldout_accuracy']:.3f}; wrote {a.out}")
     if a.rl_check:

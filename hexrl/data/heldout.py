@@ -25,10 +25,12 @@ def _stop_ids(tokenizer) -> set[int]:
 
 @torch.inference_mode()
 def greedy_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
-    """Greedy continuations of equal-length prompts, each cut before its first stop token."""
-    ids = torch.tensor([list(p) for p in prompts], dtype=torch.long)
-    done = torch.zeros(len(prompts), dtype=torch.bool)
-    stop = torch.tensor(sorted(stop_ids), dtype=torch.long)
+    """Greedy continuations of equal-length prompts, each cut before its first stop token (on the
+    model's device)."""
+    device = next(model.parameters()).device
+    ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
     out = []
     for _ in range(max_new_tokens):
         nxt = model(ids)[:, -1].argmax(-1)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# One GPU runs the whole loop (issue 33), in one command of at most 240 s on an H100:
+#   warm-start the tiny model on the GPU -> plan the colocated job (tools/configs/one_gpu.json:
+#   the CPU demo's task and settings, trainer rank 0 and rollout rank 1 sharing device 0) ->
+#   40 asynchronous GRPO steps through `torchrun --nproc_per_node 2 -m hexrl.main` -> held-out
+#   accuracy before/after, step time, decode tokens/s, trainer MFU, weight-sync seconds and the
+#   trajectory accounting -> `python -m hexrl.plan simulate` on the same plan (with profiles/<gpu>.json
+#   when bench_kernels wrote one) -> predicted vs measured step time, and each target's verdict.
+#
+#   bash tools/gpu_e2e.sh          # on the GPU machine (tools/gpu_check.sh's `e2e` stage runs it)
+#   bash tools/gpu_e2e.sh --cpu    # the same pipeline on CPU as a smoke run: two ranks declaring one device,
+#                                  # a short warm start, 4 steps of a small batch (one_gpu.py job --small)
+# Environment: RUN (run directory), STEPS (GRPO steps), PYTHON.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+START=$(date +%s)
+CPU=0
+[[ " $* " == *" --cpu "* ]] && CPU=1
+if (( CPU )); then
+  source tools/python.sh
+  DEVICE=cpu GPU=cpu
+  RUN=${RUN:-runs/one_gpu_cpu} STEPS=${STEPS:-4}
+  WARM=(--steps 100 --eval-every 100 --target-acc 0 --n-heldout 100)  # a smoke run: short, small
+else
+  PY=${PYTHON:-python3}
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}  # where gpu_check.sh installs the carried wheels
+  DEVICE=cuda GPU=$("$PY" tools/one_gpu.py gpu)
+  RUN=${RUN:-runs/one_gpu} STEPS=${STEPS:-40}
+  WARM=()
+fi
+export OMP_NUM_THREADS=1 PYTHONUNBUFFERED=1
+rm -rf "$RUN"
+mkdir -p "$RUN"
+echo "== warm start on $DEVICE ($(( $(date +%s) - START ))s)"
+"$PY" tools/warm_start.py "$RUN/model" --device "$DEVICE" "${WARM[@]}" | tail -3
+echo "== plan: trainer and rollout colocated on one $GPU ($(( $(date +%s) - START ))s)"
+"$PY" tools/one_gpu.py job tools/configs/one_gpu.json "$RUN" "$GPU" $( (( CPU )) && echo --small) >/dev/null
+"$PY" -m hexrl.plan "$RUN/job.json" -o "$RUN/plan.json"
+echo "== run: torchrun, 2 ranks on one device, $STEPS steps ($(( $(date +%s) - START ))s)"
+T0=$(date +%s)
+"$PY" -m torch.distributed.run --standalone --nproc_per_node 2 -m hexrl.main "$RUN/plan.json" --run-dir "$RUN" \
+  --steps "$STEPS"
+LAUNCH=$(( $(date +%s) - T0 ))
+echo "== simulate the same plan ($(( $(date +%s) - START ))s)"
+"$PY" -m hexrl.plan simulate "$RUN/plan.json" --steps 24 --warmup 2 --json "$RUN/simulate.json"
+echo "== report"
+"$PY" tools/one_gpu.py report "$RUN" --launch-s "$LAUNCH" --total-s $(( $(date +%s) - START ))

@@ -1,0 +1,166 @@
+"""The helpers of tools/gpu_e2e.sh (one GPU runs the whole loop, issue 33).
+
+    python tools/one_gpu.py gpu                                # this machine's catalogue GPU type
+    python tools/one_gpu.py job CONFIG RUN_DIR GPU_TYPE        # RUN_DIR/job.json: the config on this GPU
+    python tools/one_gpu.py report RUN_DIR [--launch-s S] [--total-s S]
+
+`report` prints the run's summary (hexrl.control.summary: held-out before -> after, trajectory
+accounting), the measured step time (wall time after WARMUP steps, evaluation excluded, the last
+step and its final checkpoint left out), decode tokens/s, trainer MFU, weight-sync seconds, and
+the step time `python -m hexrl.plan simulate` predicted (RUN_DIR/simulate.json) beside the
+measured one, then each of the issue's targets with its verdict.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hexrl.control.metrics import read_metrics  # noqa: E402
+from hexrl.control.summary import read_evals, summarize  # noqa: E402
+from hexrl.gpus import canonical_name  # noqa: E402
+
+WARMUP = 2  # steps left out of the measured step time, as `hexrl.plan simulate --warmup` does
+TARGETS = {"wall_s": 240.0, "heldout_gain": 0.10, "step_error": 0.15}
+
+
+def gpu_type() -> str:
+    """The catalogue name of CUDA device 0 (from its name: 'NVIDIA H100 80GB HBM3' -> H100), else H100."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    name = torch.cuda.get_device_name(0)
+    for word in name.replace("-", " ").split():
+        if canonical_name(word):
+            return canonical_name(word)
+    print(f"one_gpu: {name!r} is not in the GPU catalogue; costing it as an H100", file=sys.stderr)
+    return "H100"
+
+
+SMALL = {"batch_size": 16, "group_size": 4, "ppo_minibatches": 2, "eval_every": 2}  # the CPU smoke run's rl
+
+
+def write_job(config: Path, run: Path, gpu: str, small: bool = False) -> Path:
+    """The config with this run's model, out_dir and GPU type; `small`: SMALL's batch (a CPU smoke run)."""
+    job = json.loads(config.read_text())
+    if small:
+        job["rl"].update(SMALL)
+        job["data"]["synthetic"]["n_heldout"] = 100  # the warm start's --n-heldout: the same split
+    job["model"] = {"path": str((run / "model").resolve())}
+    job["out_dir"] = str(run)
+    job["cluster"]["nodes"][0]["gpu_type"] = gpu
+    (run / "job.json").write_text(json.dumps(job, indent=1) + "\n")
+    return run / "job.json"
+
+
+def measured_step_s(rows: list[dict]) -> float | None:
+    """Wall seconds per step after WARMUP steps (wall_s leaves evaluation out), the last step (its
+    final checkpoint and export) left out; None with too few steps."""
+    if len(rows) < WARMUP + 2:
+        return None
+    return (rows[-2]["wall_s"] - rows[WARMUP - 1]["wall_s"]) / (len(rows) - 1 - WARMUP)
+
+
+def trainer_mfu(plan, rows: list[dict]) -> tuple[float, float]:
+    """(MFU, training FLOP/s): measured training tokens/s times the cost model's FLOPs per trained
+    token, over the catalogue's bf16 peak of the plan's GPU (the planner's denominator)."""
+    from hexrl.plan.cost import CostModel
+
+    cm = CostModel(plan.job)
+    flops_per_token = cm.train_flops() / cm.w.tokens
+    after = rows[WARMUP:] or rows
+    rate = sum(r["train_tokens_per_s"] for r in after) / len(after)
+    achieved = rate * flops_per_token
+    return achieved / cm.gpus[plan.ranks[0].gpu_type].flops, achieved
+
+
+def _read_json(path: Path) -> dict | None:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def measurements(run: Path, plan, rows: list[dict], step: float | None) -> list[str]:
+    """Step time, decode tokens/s, trainer MFU, weight-sync seconds, predicted vs measured step."""
+    engine = _read_json(run / "engine" / "replica0.json") or {}
+    mfu, flops = trainer_mfu(plan, rows)
+    syncs = [r["weight_sync_s"] for r in rows[:-1]] or [0.0]  # the last step sends nothing
+    rollout = sum(r["rollout_tokens_per_s"] for r in rows) / len(rows)
+    split = ", ".join(f"{k} {v:g}" for k, v in plan.job.colocate.to_dict().items())
+    lines = [f"device: {plan.ranks[0].gpu_type}, trainer rank 0 and rollout rank 1 on device 0; memory split {split}",
+             f"step time: {step:.3f} s measured (steps {WARMUP + 1}..{len(rows) - 1})" if step
+             else "step time: too few steps to measure"]
+    if engine.get("seconds"):
+        lines.append(f"decode: {engine['generated_tokens'] / engine['seconds']:.0f} generated tokens/s while the "
+                     f"engine steps (mean batch {engine['mean_batch']:.1f}); {rollout:.0f} tokens/s over the run")
+    lines += [f"trainer: MFU {mfu:.2%} of the bf16 peak ({flops / 1e9:.2f} GFLOP/s)",
+              f"weight sync: {sum(syncs) / len(syncs):.4f} s mean, {max(syncs):.4f} s max per step"]
+    sim = _read_json(run / "simulate.json")
+    if sim and step:
+        lines.append(f"predicted vs measured step: cost model {sim['predicted_step_s']:.3f} s, simulator "
+                     f"{sim['step_time_s']:.3f} s, measured {step:.3f} s "
+                     f"(cost model {sim['predicted_step_s'] / step - 1:+.1%})")
+    return lines
+
+
+def checks(run: Path, rows: list[dict], step: float | None, total_s: float | None) -> list[tuple[str, bool, str]]:
+    """(target, met, detail) for each of the issue's targets."""
+    evals, sim = read_evals(run), _read_json(run / "simulate.json")
+    gain = evals[-1]["heldout_accuracy"] - evals[0]["heldout_accuracy"] if len(evals) > 1 else None
+    last, parts = rows[-1], ("trained", "filtered", "dropped", "pending")
+    error = abs(sim["predicted_step_s"] / step - 1) if sim and step else None
+    return [
+        ("wall time <= 240 s", total_s is not None and total_s <= TARGETS["wall_s"], f"{total_s} s"),
+        ("held-out gain >= 10 points", gain is not None and gain >= TARGETS["heldout_gain"],
+         f"{gain:+.3f}" if gain is not None else "no evaluations"),
+        ("trajectory accounting balances",
+         last["trajectories_produced"] == sum(last[f"trajectories_{k}"] for k in parts), ""),
+        ("predicted step within 15%", error is not None and error <= TARGETS["step_error"],
+         f"{error:.1%} off" if error is not None else "not measured"),
+    ]
+
+
+def report(run: Path, launch_s: float | None, total_s: float | None) -> tuple[str, bool]:
+    """The report's text and whether every target was met."""
+    from hexrl.schema import load_plan
+
+    plan = load_plan(run / "plan.json", check_paths=False)
+    rows = read_metrics(run / "metrics.jsonl") if (run / "metrics.jsonl").is_file() else []
+    if not rows:
+        return summarize(run, launch_s), False
+    step = measured_step_s(rows)
+    found = checks(run, rows, step, total_s)
+    verdicts = "; ".join(f"{name}: {'MET' if ok else 'NOT MET'}{f' ({why})' if why else ''}" for name, ok, why in found)
+    lines = [summarize(run, launch_s), *measurements(run, plan, rows, step), "targets: " + verdicts]
+    return "\n".join(lines), all(ok for _, ok, _ in found)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="tools/one_gpu.py", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("gpu")
+    j = sub.add_parser("job")
+    j.add_argument("config", type=Path)
+    j.add_argument("run", type=Path)
+    j.add_argument("gpu_type")
+    j.add_argument("--small", action="store_true", help="a small batch and frequent evaluation (CPU smoke run)")
+    r = sub.add_parser("report")
+    r.add_argument("run", type=Path)
+    r.add_argument("--launch-s", type=float, default=None)
+    r.add_argument("--total-s", type=float, default=None)
+    a = p.parse_args(argv)
+    if a.cmd == "gpu":
+        print(gpu_type())
+    elif a.cmd == "job":
+        print(write_job(a.config, a.run, a.gpu_type, a.small))
+    else:
+        text, _ = report(a.run, a.launch_s, a.total_s)
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
