@@ -253,3 +253,27 @@ def test_cuda_ipc_maps_the_senders_buffer_in_another_process():
     p.join(60)
     assert (total, dtype, shape) == (66.0, "torch.bfloat16", (3, 4))
     assert torch.equal(src.float(), torch.arange(12, device="cuda").view(3, 4).float() * 2)
+
+
+def test_the_one_gpu_config_plans_both_roles_on_an_h100():
+    """tools/configs/one_gpu.json, as tools/gpu_e2e.sh plans it (the tiny preset for its warm start)."""
+    job = json.loads((ROOT / "tools" / "configs" / "one_gpu.json").read_text())
+    job["model"] = {"preset": "tiny"}
+    plan = plan_job(load_job(job))
+    assert [(x.role, x.device, x.gpu_type) for x in plan.ranks] == [("train", 0, "H100"), ("rollout", 0, "H100")]
+    assert plan.train_knobs.dtype == plan.replicas[0].knobs.dtype == "float32"  # as on CPU: the tiny model learns
+    assert plan.predicted["colocate"]["stretch"] >= 1 and plan.predicted["step_time_s"] > 0
+
+
+@pytest.mark.slow
+def test_gpu_e2e_script_cpu_mode(tmp_path):
+    """tools/gpu_e2e.sh --cpu: the whole pipeline as a smoke run (a minute or two on a quiet 2-core box)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHON": sys.executable, "RUN": str(tmp_path / "run")}
+    out = subprocess.run(["bash", "tools/gpu_e2e.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    for line in ("held-out accuracy:", "(balanced)", "trainer: MFU", "weight sync:", "predicted vs measured step:",
+                 "trajectory accounting balances: MET"):
+        assert line in out.stdout, out.stdout[-3000:]

@@ -27,7 +27,7 @@ def _stop_ids(tokenizer) -> set[int]:
 def greedy_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, stop_ids: set[int]) -> list[list[int]]:
     """Greedy continuations of equal-length prompts, each cut before its first stop token (on the
     model's device)."""
-    device = next(model.parameters()).device
+    device = _device(model)
     ids = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=device)
     done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
     stop = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
@@ -41,6 +41,12 @@ def greedy_decode(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
         ids = torch.cat([ids, nxt[:, None]], dim=1)
     rows = torch.stack(out, dim=1).tolist()
     return [_cut(r, stop_ids) for r in rows]
+
+
+def _device(model) -> torch.device:
+    """Where the model's weights live (the CPU for a model without parameters)."""
+    first = next(iter(model.parameters()), None) if hasattr(model, "parameters") else None
+    return first.device if first is not None else torch.device("cpu")
 
 
 def _cut(tokens: list[int], stop_ids: set[int]) -> list[int]:
