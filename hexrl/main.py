@@ -30,7 +30,10 @@ from hexrl.runtime.preflight import Inputs, check_inputs
 from hexrl.runtime.watchdog import Watchdog, describe_exception
 from hexrl.schema import ConfigError, Plan, load_plan
 
-COLLECTIVE_TIMEOUT = timedelta(minutes=30)  # long steps are fine; dead peers are the watchdog's job
+COLLECTIVE_TIMEOUT = timedelta(minutes=30)
+# On a shared GPU the weights go by CUDA IPC; HEXRL_COLOCATED_SYNC=gloo broadcasts them over the
+# gloo group instead (through host memory), to compare the two
+COLOCATED_SYNC_ENV = "HEXRL_COLOCATED_SYNC"  # long steps are fine; dead peers are the watchdog's job
 
 
 @dataclass
@@ -70,7 +73,8 @@ def build_groups(plan: Plan, device_type: str = "cpu", grid_groups: list | None 
         if rep.tp > 1:
             replica_groups[rep.id] = make(sorted(rep.ranks))
             described.append((f"replica{rep.id}/tp", sorted(rep.ranks), replica_groups[rep.id]))
-    return Groups(sync, replica_groups, described, shared and device_type == "cuda")
+    ipc = os.environ.get(COLOCATED_SYNC_ENV, "cuda-ipc") != "gloo"  # gloo: to measure what it costs
+    return Groups(sync, replica_groups, described, shared and device_type == "cuda" and ipc)
 
 
 def publish_groups(ctx_store, rank: int, groups: Groups) -> None:

@@ -217,16 +217,23 @@ def test_colocated_run_on_cpu(tmp_path):
 
 
 @pytest.mark.gpu
-def test_colocated_run_on_one_gpu_syncs_weights_by_cuda_ipc(tmp_path):
+def test_colocated_run_on_one_gpu_syncs_weights_by_cuda_ipc(tmp_path, monkeypatch):
+    """Both transports on one GPU, side by side: CUDA IPC (the default) and a gloo broadcast
+    through host memory (HEXRL_COLOCATED_SYNC=gloo); each one's mean weight-sync seconds printed."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    plan, run, out = launch_colocated(tmp_path, steps=3)
-    rows = metrics(run)
-    assert [r["step"] for r in rows] == [1, 2, 3], out
-    eff = json.loads((run / "effective_config.json").read_text())
-    groups = {g["name"]: g for g in eff["groups"]}
-    assert groups["world"]["backend"] == "gloo"  # NCCL refuses two ranks on one device
-    assert groups["weight_sync/stage0"]["weights"] == "cuda-ipc"
+    for transport in ("cuda-ipc", "gloo"):
+        monkeypatch.setenv("HEXRL_COLOCATED_SYNC", transport)
+        (tmp_path / transport).mkdir()
+        plan, run, out = launch_colocated(tmp_path / transport, steps=3)
+        rows = metrics(run)
+        assert [r["step"] for r in rows] == [1, 2, 3], out
+        groups = {g["name"]: g for g in json.loads((run / "effective_config.json").read_text())["groups"]}
+        assert groups["world"]["backend"] == groups["weight_sync/stage0"]["backend"] == "gloo"  # NCCL refuses
+        assert groups["weight_sync/stage0"]["weights"] == ("cuda-ipc" if transport == "cuda-ipc" else "broadcast")
+        syncs = [r["weight_sync_s"] for r in rows[:-1]]
+        sys.__stderr__.write(f"\ncolocated weight sync by {transport}: {sum(syncs) / len(syncs):.4f} s mean over "
+                             f"{len(syncs)} syncs\n")  # past pytest's capture: into gpu_check's pytest.log
 
 
 def _ipc_child(payload: bytes, q) -> None:

@@ -27,6 +27,8 @@ def export_handle(t: torch.Tensor) -> bytes:
     if not t.is_cuda or t.dtype not in DTYPES.values():
         raise ValueError(f"export_handle: a CUDA tensor of {', '.join(DTYPES)} only, got {t.dtype} on {t.device}")
     _, a = reduce_tensor(t)
+    if len(a) != 15:  # the layout of torch 2.x's rebuild_cuda_tensor arguments, which import_handle calls
+        raise RuntimeError(f"export_handle: torch {torch.__version__}'s reduce_tensor gives {len(a)} fields, not 15")
     name = next(k for k, v in DTYPES.items() if v == t.dtype)
     return encode({"size": list(a[1]), "stride": list(a[2]), "offset": a[3], "dtype": name, "device": a[6],
                    "handle": a[7], "storage_size": a[8], "storage_offset": a[9], "ref_handle": a[11],

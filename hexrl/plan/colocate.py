@@ -29,6 +29,7 @@ from hexrl.schema import ConfigError, Job
 from hexrl.schema.colocate import Colocate
 
 KV_GRID = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6)
+ENGINE_WORKSPACE_BYTES = 1e9  # FlashInfer's workspaces (128 MB each) and CUDA graph pools, with room
 IPC_HANDSHAKE_S = 2e-3  # a sync's two host round trips over the sync group (ready, done)
 _ALLOWED_LAYOUT = {"train_gpus": 1, "dp": 1, "tp": 1, "pp": 1, "rollout_tp": 1}
 
@@ -56,11 +57,13 @@ def layout_problems(job: Job) -> list[str]:
     return p
 
 
-def rollout_scratch_bytes(cm: CostModel) -> float:
+def rollout_scratch_bytes(cm: CostModel, gpu_type: str) -> float:
     """The engine's working memory beside weights and KV: one forward pass of ENGINE_BATCH_TOKENS
-    tokens (a layer's activations) and the logits of every running sequence (float32)."""
-    m = cm.m
-    return ENGINE_BATCH_TOKENS * m.hidden_size * 2 * 16 + cm.decode_batch_cap * m.vocab_size * 4
+    tokens (a layer's activations) and the logits of every running sequence (float32), at least
+    ENGINE_WORKSPACE_BYTES (attention kernels' workspaces, CUDA graph pools), 5% of the CPU stand-in."""
+    m, g = cm.m, cm.gpus[gpu_type]
+    floor = min(ENGINE_WORKSPACE_BYTES, 0.05 * g.hbm_bytes)
+    return max(floor, ENGINE_BATCH_TOKENS * m.hidden_size * 2 * 16 + cm.decode_batch_cap * m.vocab_size * 4)
 
 
 def split_memory(cm: CostModel, gpu_type: str, kv: float, col: Colocate) -> Split | None:
@@ -69,7 +72,7 @@ def split_memory(cm: CostModel, gpu_type: str, kv: float, col: Colocate) -> Spli
     hbm = g.hbm_bytes
     weights = (4 if gpu_type == "cpu" else 2) * cm.m.num_params
     total = g.hbm_bytes * g.mem_util - 2 * cm.workspace_bytes(gpu_type)  # a workspace per process
-    rollout = col.rollout_fraction or kv + (weights + rollout_scratch_bytes(cm)) / hbm
+    rollout = col.rollout_fraction or kv + (weights + rollout_scratch_bytes(cm, gpu_type)) / hbm
     train = col.train_fraction or total / hbm - rollout
     if train <= 0 or kv >= rollout or train + rollout > 1 + 1e-9:
         return None
