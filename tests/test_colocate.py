@@ -284,3 +284,12 @@ def test_gpu_e2e_script_cpu_mode(tmp_path):
     for line in ("held-out accuracy:", "(balanced)", "trainer: MFU", "weight sync:", "predicted vs measured step:",
                  "trajectory accounting balances: MET"):
         assert line in out.stdout, out.stdout[-3000:]
+
+
+def test_groups_whose_ranks_share_a_gpu_are_gloo():
+    """Rule 5 of dist_rules: NCCL refuses two ranks on one device; every other group keeps the default."""
+    from hexrl.runtime.dist_rules import group_backend
+
+    assert group_backend([(0, 0), (0, 0)]) == "gloo"  # trainer and rollout on device 0
+    assert group_backend([(0, 0), (0, 1), (1, 0)]) is None  # one GPU each: NCCL on a GPU
+    assert group_backend([(0, 1), (1, 0), (0, 1)]) == "gloo"

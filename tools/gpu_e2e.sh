@@ -24,6 +24,9 @@ if (( CPU )); then
 else
   PY=${PYTHON:-python3}
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}  # where gpu_check.sh installs the carried wheels
+  if ! "$PY" -c "import zmq, highspy" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then  # run alone: install them
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  fi
   DEVICE=cuda GPU=$("$PY" tools/one_gpu.py gpu)
   RUN=${RUN:-runs/one_gpu} STEPS=${STEPS:-40}
   WARM=()

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hexrl.control.metrics import read_metrics  # noqa: E402
 from hexrl.control.summary import read_evals, summarize  # noqa: E402
-from hexrl.gpus import canonical_name  # noqa: E402
+from hexrl.gpus import canonical_name, profile_dir  # noqa: E402
 
 WARMUP = 2  # steps left out of the measured step time, as `hexrl.plan simulate --warmup` does
 TARGETS = {"wall_s": 240.0, "heldout_gain": 0.10, "step_error": 0.15}
@@ -97,6 +97,14 @@ def measurements(run: Path, plan, rows: list[dict], step: float | None) -> list[
                      f"engine steps (mean batch {engine['mean_batch']:.1f}); {rollout:.0f} tokens/s over the run")
     lines += [f"trainer: MFU {mfu:.2%} of the bf16 peak ({flops / 1e9:.2f} GFLOP/s)",
               f"weight sync: {sum(syncs) / len(syncs):.4f} s mean, {max(syncs):.4f} s max per step"]
+    after = rows[WARMUP:-1] or rows
+    b = plan.predicted["breakdown"]
+    lines.append(f"per step, measured vs planned: train {sum(r['train_s'] for r in after) / len(after):.4f} s vs "
+                 f"{b['train_s']:.4f} s, waiting for rollouts {sum(r['wait_s'] for r in after) / len(after):.4f} s "
+                 f"(planned rollout {b['rollout_s']:.4f} s), sync vs {b['weight_sync_s']:.4f} s")
+    profile = profile_dir() / f"{plan.ranks[0].gpu_type}.json"
+    lines.append(f"cost model: the measured profile {profile}" if profile.is_file() else
+                 "cost model: catalogue figures (no profile: tools/bench/bench_kernels.py writes one)")
     sim = _read_json(run / "simulate.json")
     if sim and step:
         lines.append(f"predicted vs measured step: cost model {sim['predicted_step_s']:.3f} s, simulator "
