@@ -36,18 +36,14 @@ def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> nn.Linear:
     return fused
 
 
-def _split_names(prefix: str, leaf: str, parts: tuple[tuple[str, int], ...]):
-    """(HF name, first row, rows) of each part of fused tensor `prefix.<fused>.leaf`."""
+def _split_names(path: str, leaf: str, parts: tuple[tuple[str, int], ...]):
+    """(HF name, first row, rows) of each part of the fused tensor `path.leaf`
+    ('model.layers.0.self_attn.qkv_proj', 'weight')."""
+    prefix = path.rpartition(".")[0] + "." if "." in path else ""
     row = 0
     for part, rows in parts:
         yield f"{prefix}{part}.{leaf}", row, rows
         row += rows
-
-
-def _owner(name: str) -> tuple[str, str]:
-    """('model.layers.0.self_attn.qkv_proj', 'weight') from a tensor name."""
-    path, _, leaf = name.rpartition(".")
-    return path, leaf
 
 
 def hf_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, torch.Tensor]]:
@@ -55,14 +51,13 @@ def hf_tensors(model: nn.Module) -> dict[str, tuple[nn.Module, torch.Tensor]]:
     one the view of its rows that the HF tensor fills. A tied lm_head appears once, as the embedding."""
     modules, out = dict(model.named_modules()), {}
     for name, p in model.named_parameters():
-        path, leaf = _owner(name)
+        path, _, leaf = name.rpartition(".")
         mod = modules[path]
         parts = getattr(mod, "parts", None)
         if parts is None:
             out[name] = (mod, p)
             continue
-        prefix = path.rpartition(".")[0] + "." if "." in path else ""
-        for hf, row, rows in _split_names(prefix, leaf, parts):
+        for hf, row, rows in _split_names(path, leaf, parts):
             out[hf] = (mod, p.narrow(0, row, rows))
     return out
 
@@ -72,13 +67,12 @@ def to_hf_names(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     (views), every other entry as given."""
     modules, out = dict(model.named_modules()), {}
     for name, t in state.items():
-        path, leaf = _owner(name)
+        path, _, leaf = name.rpartition(".")
         parts = getattr(modules.get(path), "parts", None)
         if parts is None or t.shape[0] != sum(rows for _, rows in parts):
             out[name] = t
             continue
-        prefix = path.rpartition(".")[0] + "." if "." in path else ""
-        for hf, row, rows in _split_names(prefix, leaf, parts):
+        for hf, row, rows in _split_names(path, leaf, parts):
             out[hf] = t.narrow(0, row, rows)
     return out
 

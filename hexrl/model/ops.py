@@ -41,6 +41,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in torch (the training path and the reference for FlashInfer's kernels)."""
     h = x.float()  # statistics in fp32, as HF does, so bf16 runs match
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
@@ -91,6 +92,7 @@ class KVSlots:
 
     @classmethod
     def of(cls, pages: torch.Tensor, offsets: torch.Tensor) -> "KVSlots":
+        """The slots of tokens going to `pages` [T] at `offsets` [T], with FlashInfer's index tensors."""
         i32 = dict(dtype=torch.int32, device=pages.device)
         t = len(pages)
         return cls(pages.to(torch.int32), offsets.to(torch.int32), torch.arange(t + 1, **i32),

@@ -53,6 +53,7 @@ class Limits:
     output_bytes: int = 1 << 20  # more stdout than this is never a correct answer
 
     def for_launcher(self) -> dict:
+        """The limits as sandbox_init.py reads them, with a CPU-time cap just above the wall timeout."""
         d = asdict(self)
         d["cpu_s"] = int(self.timeout_s) + 1
         return d

@@ -61,7 +61,8 @@ def _init_on_device(model: Decoder) -> None:
             p.fill_(1.0) if p.dim() == 1 and "norm" in name else p.normal_(0.0, 0.02) if p.dim() > 1 else p.zero_()
 
 
-def make_batch(cfg: ModelConfig, seqs: int, prompt_len: int, completion_len: int, group: int = 8):
+def make_batch(cfg: ModelConfig, seqs: int, prompt_len: int, completion_len: int, group: int = 8) -> list[Trajectory]:
+    """`seqs` random trajectories (fixed seed) in groups of `group`, half of them rewarded."""
     rng = random.Random(0)
     return [Trajectory(group_id=i // group, prompt_ids=[rng.randrange(cfg.vocab_size) for _ in range(prompt_len)],
                        completion_ids=[rng.randrange(cfg.vocab_size) for _ in range(completion_len)],
@@ -100,6 +101,7 @@ def matmul_peak(device: torch.device) -> float:
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the device's queued work (timings on a GPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
