@@ -129,6 +129,10 @@ def test_answers_match_is_symmetric_and_reflexive_on_random_latex():
     (f"first {B}{{2}}, so again {B}{{2}}", "2", 1.0),  # one answer repeated still scores
     (f"{B}{{\\frac{{1}}{{2}}}}, that is {B}{{0.5}}", "1/2", 1.0),  # equivalent forms are one answer
     (f"{B}{{1}} or {B}{{1}} or {B}{{3}}", "3", 0.0),
+    (f"{B}{{72}}\n#### 73", "72", 0.0),  # a box and a `####` line are both stated answers
+    ("#### 73\nor rather\n#### 72", "72", 0.0),  # the last `####` alone used to count
+    (f"#### 72\nso {B}{{72}}", "72", 1.0),
+    ("#### 72\n#### 72.0", "72", 1.0),
 ])
 def test_boxed_answers_must_agree(completion, answer, expected):
     assert math_reward(completion, answer) == expected

@@ -4,8 +4,9 @@ Conventions (documented choices):
 - the answer is the LAST well-formed `\\boxed{...}` / `\\fbox{...}`, else the text after the
   last `####` (GSM8K), else the last "the (final) answer is X", else none (reward 0) unless
   `last_number_fallback=True`;
-- every boxed answer in a completion must be equivalent to the last one, else the reward is 0
-  (`\\boxed{1} or \\boxed{2}` is a hedge); one answer repeated still scores;
+- every answer a completion states with a marker (each `\\boxed{...}`, each `####` line) must be
+  equivalent to the final one, else the reward is 0 (`\\boxed{1} or \\boxed{2}`, or `\\boxed{1}`
+  then `#### 2`, is a hedge); one answer repeated still scores;
 - percent signs are dropped: `50\\%` equals `50` (and does NOT equal `0.5`);
 - units (`\\text{cm}`, `^\\circ`, `5 inches`) are dropped after a number;
 - `1,000` equals `1000` only when the whole answer is a thousands-grouped number, so the
@@ -30,7 +31,7 @@ _MV_TIMEOUT_S = 3  # math-verify's own parse/verify timeouts (signal based: main
 _MV_DIGITS = 50  # numeric check of math-verify's accepts: far beyond any float rounding
 _MAX_NUMBER_LEN = 100  # longer "numbers" are not worth parsing (and could be slow)
 _MAX_ANSWER_LEN = 1000  # longer "answers" are compared as plain strings (keeps the worst case cheap)
-_MAX_BOXES = 8  # more different boxed answers than this in one completion is a hedge
+_MAX_STATED = 8  # more different boxed or `####` answers than this in one completion is a hedge
 
 # ----------------------------------------------------------------------------- extraction
 
@@ -87,14 +88,25 @@ def find_boxed(text: str) -> str | None:
 
 
 def hedged(text: str) -> bool:
-    """True when the text's boxed answers are not all one answer (`\\boxed{1} or \\boxed{2}`):
-    a model that lists candidates must not be rewarded for the one that is right. The same
-    answer repeated, or written in equivalent forms, is not a hedge; more than _MAX_BOXES
-    different boxes always is (each needs a comparison)."""
-    boxes = list(dict.fromkeys(b.strip() for b in find_all_boxed(text)))
-    if len(boxes) > _MAX_BOXES:
+    """True when the answers the text states with a marker (its boxes, then its `####` lines) are
+    not all the final one (the last box, else the last `####`): `\\boxed{1} or \\boxed{2}`, or
+    `\\boxed{1}` then `#### 2`. A model that lists candidates must not be rewarded for the one that
+    is right. The same answer repeated, or written in equivalent forms, is not a hedge; more than
+    _MAX_STATED different answers always is (each needs a comparison)."""
+    boxes, hashes = find_all_boxed(text), find_all_hash_answers(text)
+    if not boxes and not hashes:
+        return False
+    final = (boxes or hashes)[-1].strip()
+    stated = list(dict.fromkeys(a.strip() for a in boxes + hashes))
+    if len(stated) > _MAX_STATED:
         return True
-    return any(not answers_match(b, boxes[-1]) for b in boxes[:-1])
+    return any(not answers_match(a, final) for a in stated if a != final)
+
+
+def find_all_hash_answers(text: str) -> list[str]:
+    """GSM8K style, every one: the rest of each line after its last `####`, where not empty."""
+    answers = (line[line.rfind("####") + 4:].strip() for line in text.split("\n") if "####" in line)
+    return [a for a in answers if a]
 
 
 def find_hash_answer(text: str) -> str | None:
