@@ -120,6 +120,9 @@ def test_bad_colocations_name_the_field(tmp_path):
     job["layout"] = {"train_gpus": 2}
     text = problems(plan_job, load_job(job))
     assert "layout.train_gpus" in text and "more ranks than the device holds" in text, text
+    job = colocated_job(tmp_path)
+    job["runtime"] = {"rollout": {"kv_pages": None}}
+    assert "runtime.rollout.kv_pages" in problems(plan_job, load_job(job))
     job = colocated_job(tmp_path, kv_fraction=0.9)  # leaves the trainer no room on a 4 GB CPU stand-in
     assert "colocate: " in problems(plan_job, load_job(job))
 
@@ -140,6 +143,8 @@ def test_bad_colocated_plans_name_the_field(tmp_path):
     pool = json.loads(json.dumps(good))
     pool["rollout"]["replicas"][0]["kv_pages"] *= 1000
     assert "rollout.replicas[0].kv_pages" in problems(load_plan, pool, False)
+    pool["rollout"]["replicas"][0]["kv_pages"] = None  # the engine would take 80% of what is free
+    assert "rollout.replicas[0].kv_pages: must be set on a shared GPU" in problems(load_plan, pool, False)
     unplanned = json.loads(json.dumps(good))
     del unplanned["colocate"]["kv_fraction"]
     assert "colocate.kv_fraction: missing" in problems(load_plan, unplanned, False)

@@ -46,14 +46,18 @@ class Split:
         return Colocate(round(self.kv_fraction, 6), round(self.train_fraction, 6), round(self.rollout_fraction, 6))
 
 
-def layout_problems(job: Job) -> list[str]:
-    """A colocated job's layout, if it has one, may only say what colocation implies (one of each)."""
+def job_problems(job: Job) -> list[str]:
+    """A colocated job's layout, if it has one, may only say what colocation implies (one of each), and its
+    KV pool must be sized (the planner sizes it unless the job fixes one)."""
     lay = job.layout or {}
     p = [f"layout.{k}: {lay[k]} on one shared GPU, more ranks than the device holds (one trainer rank and "
          f"one rollout replica of TP 1); use {k}: {v} or drop it"
          for k, v in _ALLOWED_LAYOUT.items() if k in lay and lay[k] != v]
     p += [f"layout.{k}: not used with colocate (the planner places both roles on the one GPU)"
           for k in ("train_ranks", "trainer", "rollout_replicas", "train_gpu_type") if k in lay]
+    if "kv_pages" in job.runtime.get("rollout", {}) and job.runtime["rollout"]["kv_pages"] is None:
+        p.append("runtime.rollout.kv_pages: null sizes the KV pool from free memory, which the trainer shares; "
+                 "give a number or leave it to the planner (colocate.kv_fraction)")
     return p
 
 
@@ -148,9 +152,9 @@ def plan_colocated(job: Job, use_profiles: bool = True):
     """The colocated plan: the memory split with the fastest predicted step."""
     from hexrl.plan.planner import colocated_plan  # materialize lives with the planner
 
-    p = layout_problems(job)
+    p = job_problems(job)
     if p:
-        raise ConfigError(p, "invalid layout")
+        raise ConfigError(p, "invalid colocated job")
     gpu_type = job.cluster.nodes[0].gpu_type
     col = job.colocate
     best = None

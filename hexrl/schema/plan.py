@@ -281,6 +281,9 @@ def _kv_pool_problems(plan: Plan, kv_fraction: float) -> list[str]:
     """A colocated replica's KV pool (kv_pages) must fit in kv_fraction of its device."""
     cfg, p = plan.job.model.config, []
     for i, r in enumerate(plan.replicas):
+        if r.knobs.kv_pages is None:
+            p.append(f"rollout.replicas[{i}].kv_pages: must be set on a shared GPU (the engine would size its "
+                     "KV pool from the free memory, which the trainer needs); plan the job again")
         if r.knobs.kv_pages is None or r.gpu_type not in CATALOGUE:
             continue
         elem = 4 if r.knobs.dtype == "float32" else 2
