@@ -9,7 +9,7 @@ from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import make_tiny_model
 from hexrl.train import TrainConfig, Trainer
 from hexrl.train.data_parallel import GradBuckets
-from hexrl.train.vocab_parallel import vocab_parallel_logprobs
+from hexrl.train.linear_logprobs import linear_logprobs
 from hexrl.trajectory import Trajectory
 
 # Two PPO mini-batches of one sequence each: with DP 2 one rank has no micro-batch at all.
@@ -38,11 +38,12 @@ def case(n=7, vocab=10, seed=0):
 def _vocab_parallel_worker(rank, world):
     logits, targets = case()
     half = logits.shape[1] // world
-    mine = logits[:, rank * half:(rank + 1) * half].clone().requires_grad_()
+    x = logits.clone().requires_grad_()
+    head = torch.eye(logits.shape[1], dtype=logits.dtype)[rank * half:(rank + 1) * half]  # its logits: x's half
     tp = TPGroup(dist.group.WORLD, rank, world)
-    logp, entropy = vocab_parallel_logprobs(mine, targets, tp, temperature=0.7)
+    logp, entropy = linear_logprobs(x, head, targets, tp, temperature=0.7, chunk_rows=3)
     (logp * torch.arange(1.0, len(logp) + 1, dtype=logp.dtype)).sum().backward()
-    return logp.detach(), entropy, mine.grad
+    return logp.detach(), entropy, x.grad
 
 
 def _buckets_worker(rank, world):
@@ -87,25 +88,13 @@ def test_vocab_parallel_logprobs_dp_buckets_and_an_idle_dp_rank(tmp_path):
         torch.testing.assert_close(dp_weights[name], w, rtol=0, atol=1e-6)
     logits, targets = case()
     want_logp, want_entropy, want_grad = reference(logits, targets, 0.7)
-    half = logits.shape[1] // 2
-    for rank, ((logp, entropy, grad), _, _) in enumerate(results):
+    for (logp, entropy, grad), _, _ in results:
         torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-12)  # float64 end to end
         torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-12)
-        torch.testing.assert_close(grad, want_grad[:, rank * half:(rank + 1) * half], rtol=0, atol=1e-12)
+        torch.testing.assert_close(grad, want_grad, rtol=0, atol=1e-12)  # the shards' gradients all-reduced
     for _, b, _ in results:
         assert b["buckets"] > 1 and b["launched_in_backward"] == b["buckets"]  # all started inside backward
         assert b["grad_attr_cleared"]
         for got, want in zip(b["grads"], b["expected"]):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
-
-def test_single_rank_logprobs_use_the_kernel_and_match():
-    logits, targets = case()
-    logits = logits.float()
-    want_logp, want_entropy, want_grad = reference(logits, targets, 0.7)
-    x = logits.clone().requires_grad_()
-    logp, entropy = vocab_parallel_logprobs(x, targets, None, temperature=0.7)
-    (logp * torch.arange(1.0, len(logp) + 1)).sum().backward()
-    torch.testing.assert_close(logp, want_logp, rtol=0, atol=1e-5)
-    torch.testing.assert_close(entropy, want_entropy, rtol=0, atol=1e-5)
-    torch.testing.assert_close(x.grad, want_grad, rtol=0, atol=1e-5)

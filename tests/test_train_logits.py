@@ -17,7 +17,6 @@ from hexrl.train import TrainConfig, Trainer
 from hexrl.train import linear_logprobs as linear_logprobs_mod
 from hexrl.train.linear_logprobs import linear_logprobs
 from hexrl.train.packing import plan_step
-from hexrl.train.vocab_parallel import vocab_parallel_logprobs
 from hexrl.trajectory import Trajectory
 
 
@@ -64,8 +63,10 @@ def test_decoder_fp32_logits_have_a_backward_for_bf16_weights():
 
 
 def _unchunked(hidden, weight, targets, temperature):
-    """The path linear_logprobs replaces: whole-micro-batch fp32 logits, then the log-prob kernel."""
-    return vocab_parallel_logprobs(fp32_linear(hidden, weight), targets, None, temperature)
+    """What linear_logprobs replaces, by plain autograd: the whole micro-batch's fp32 logits at once.
+    (log-probs, entropy)."""
+    logp = torch.log_softmax(fp32_linear(hidden, weight) / temperature, -1)
+    return logp.gather(1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1).detach()
 
 
 @pytest.mark.parametrize("path", ["triton", "torch"])
