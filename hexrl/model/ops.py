@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .decoder import Rotary
 
 FLASHINFER = True  # False: torch everywhere (to compare the two paths side by side)
 _DTYPES = (torch.float16, torch.bfloat16)
@@ -66,7 +70,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary,
+def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rotary,
          head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotary embedding of q [T, Hq*D] and k [T, Hkv*D] (views of the fused qkv output) -> [T, H, D].
     FlashInfer rotates in place from `rotary.cos_sin_cache` (fp32 cos/sin of every position, the same

@@ -12,11 +12,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hexrl.data.datasets import dataset_problems, load_dataset
 from hexrl.data.problems import Problem
 from hexrl.data.tokenizer import load_tokenizer
 from hexrl.model.safetensors_header import weight_file_problems
+
+if TYPE_CHECKING:
+    from hexrl.schema.job import Job
 
 _SHOW = 3  # how many skipped prompts a message lists
 
@@ -78,7 +82,7 @@ class Inputs:
     notes: list[str] = field(default_factory=list)
 
 
-def _dataset_problems(job, where: str) -> list[str]:
+def _dataset_problems(job: Job, where: str) -> list[str]:
     """Why the job's dataset gives no training problems (read without a tokenizer)."""
     try:
         train, _ = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
@@ -87,7 +91,7 @@ def _dataset_problems(job, where: str) -> list[str]:
     return [] if train else [f"{where}: holds no training problems"]
 
 
-def check_inputs(job, resume: str | None = None, layout: dict | None = None) -> Inputs:
+def check_inputs(job: Job, resume: str | None = None, layout: dict | None = None) -> Inputs:
     """Every reason the run's inputs cannot be used (the synthetic data spec, the --resume checkpoint
     for the trainer `layout`, the model's weight files, the tokenizer, every prompt), each naming
     its file. The prompts are tokenized once, here, and the trainer takes them from the result."""
@@ -124,7 +128,7 @@ def check_inputs(job, resume: str | None = None, layout: dict | None = None) -> 
     return out
 
 
-def plan_time_checks(job) -> tuple[list[str], list[str]]:
+def plan_time_checks(job: Job) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a job at plan time. The planner may run where the dataset is not
     (it is read at run time, on the cluster): a missing data.path is then a loud warning, and the
     model's files are still checked; a dataset that is here is checked in full."""

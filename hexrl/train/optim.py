@@ -78,7 +78,8 @@ class AdamW:
                     p.copy_(m)
 
 
-def global_grad_norm(counted: list[torch.Tensor], group, device: torch.device) -> torch.Tensor:
+def global_grad_norm(counted: list[torch.Tensor], group: dist.ProcessGroup | None,
+                     device: torch.device) -> torch.Tensor:
     """sqrt of the sum of squares of `counted` gradients, summed over `group`, as a 0-dim float32
     tensor on the rank's compute `device` (also where nothing is counted, on DP replicas > 0:
     NCCL needs every rank's)."""

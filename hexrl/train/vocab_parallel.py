@@ -12,14 +12,15 @@ import torch
 import torch.distributed as dist
 
 
-def _slice_targets(targets: torch.Tensor, width: int, group) -> tuple[torch.Tensor, torch.Tensor]:
+def _slice_targets(targets: torch.Tensor, width: int,
+                   group: dist.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(column of each target in this rank's vocab slice, clamped; whether this rank owns it)."""
     local = targets - (dist.get_rank(group) * width if group is not None else 0)
     mine = (local >= 0) & (local < width)
     return local.clamp(0, width - 1), mine
 
 
-def softmax_stats(z: torch.Tensor, targets: torch.Tensor, group, entropy: bool):
+def softmax_stats(z: torch.Tensor, targets: torch.Tensor, group: dist.ProcessGroup | None, entropy: bool):
     """Log-prob of `targets` and entropy (None unless asked) over the global vocabulary, from this
     rank's slice `z` [n, V/tp] of logits / T (float32 or float64), which becomes the slice's softmax
     in place. Two all-reduces over `group` (None: one rank). Returns (logp, lse, entropy, probs)."""
@@ -42,7 +43,7 @@ def softmax_stats(z: torch.Tensor, targets: torch.Tensor, group, entropy: bool):
 
 
 def softmax_grad_(probs: torch.Tensor, targets: torch.Tensor, grad: torch.Tensor, temperature: float,
-                  group) -> torch.Tensor:
+                  group: dist.ProcessGroup | None) -> torch.Tensor:
     """d(sum grad * logp) / d logits on this rank's slice, in `probs`' buffer:
     grad * (onehot - softmax) / T, with no host sync."""
     local, mine = _slice_targets(targets, probs.shape[1], group)
