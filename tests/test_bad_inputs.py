@@ -117,6 +117,7 @@ def truncate(path: Path) -> None:
 @pytest.mark.parametrize("file, damage, why", [
     ("meta.json", lambda p: p.write_text('{"version": 1, "lay'), "corrupt, not a JSON object"),
     ("extra.json", lambda p: p.write_text(""), "corrupt, not a JSON object"),
+    ("extra.json", lambda p: p.write_text("[" * 100_000), "corrupt, not a JSON object"),  # RecursionError
     ("model-s0-tp0.pt", truncate, "corrupt or truncated"),
 ])
 def test_corrupt_checkpoint_is_named_and_refused_before_launch(tmp_path, capsys, file, damage, why):

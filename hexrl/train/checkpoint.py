@@ -213,8 +213,8 @@ def _read_json_file(path: Path) -> dict:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    except ValueError as e:  # bad JSON (an empty file too) or not UTF-8
-        raise CheckpointError(f"{path}: corrupt, not a JSON object ({e})") from None
+    except (ValueError, RecursionError) as e:  # bad JSON (an empty file too), not UTF-8, or nested too deeply
+        raise CheckpointError(f"{path}: corrupt, not a JSON object ({type(e).__name__}: {str(e)[:100]})") from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: corrupt, holds a {type(data).__name__} instead of a JSON object")
     return data
