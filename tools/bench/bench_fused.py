@@ -27,9 +27,10 @@ from bench_kernels import GRIDS, decode_point  # noqa: E402
 from bench_rollout import DTYPES, SHAPES, model_config, random_model  # noqa: E402
 
 from hexrl.model import ops  # noqa: E402
+from hexrl.model.decoder import Decoder  # noqa: E402
 
 
-def variants(model, cuda: bool) -> dict:
+def variants(model: Decoder, cuda: bool) -> dict[str, tuple[Decoder, bool]]:
     """name -> (model, FlashInfer ops on?)."""
     fused = copy.deepcopy(model).fuse()
     model.fuse = lambda: model  # the engine calls fuse(); this model stays split
@@ -40,6 +41,7 @@ def variants(model, cuda: bool) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Print the decode step time of each variant at each batch size; returns the exit code."""
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-1.5b" if cuda else "tiny")

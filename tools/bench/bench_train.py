@@ -110,7 +110,8 @@ CONFIGS = {"plain": {}, "decoupled": {"decoupled": True}, "checkpointing": {"che
            "decoupled+checkpointing": {"decoupled": True, "checkpointing": True}}
 
 
-def run_config(a, name: str, model_dir: Path, cfg: ModelConfig, device: torch.device, peak: float) -> None:
+def run_config(a: argparse.Namespace, name: str, model_dir: Path, cfg: ModelConfig, device: torch.device,
+               peak: float) -> None:
     """Time `a.steps` steps of one config (after a warm-up step) and print MFU, memory and the phases."""
     opts = {"decoupled": a.decoupled, "checkpointing": a.checkpointing} | CONFIGS[name]
     if device.type == "cuda":
