@@ -18,16 +18,21 @@ from hexrl.rollout.scheduler import Scheduler
 from hexrl.rollout.sequence import Sequence
 
 
-def test_block_table_appends_incrementally_and_widens():
-    t = BlockTable(rows=3, device="cpu", width=2)
+def test_block_table_is_fixed_width_and_applies_the_entries_it_hands_over():
+    t = BlockTable(rows=3, device="cpu", width=4)
+    table = t.table
     t.append(1, 0, [7, 8])
-    assert t.table[1, :2].tolist() == [0, 0]  # nothing written before the flush
+    assert t.table[1, :2].tolist() == [0, 0]  # nothing written before the entries are applied
     t.flush()
-    t.append(1, 2, [9])  # past the width: the table doubles, old entries kept
+    t.append(1, 2, [9])
     t.append(0, 0, [4])
-    table = t.flush()
-    assert table.shape == (3, 4) and table[1, :3].tolist() == [7, 8, 9] and table[0, 0] == 4
-    assert t.flush() is table  # nothing pending: no copy
+    entries = t.take()
+    assert entries == [1 * 4 + 2, 0, 9, 4] and t.take() == []  # flat indices, then pages; taken once
+    assert t.apply(torch.tensor(entries)) is table  # one allocation: the address graphs may hold never moves
+    assert table.dtype == torch.int32 and table.shape == (3, 4)
+    assert table[1, :3].tolist() == [7, 8, 9] and table[0, 0] == 4
+    with pytest.raises(ValueError, match="row 2 needs 5 pages, the table holds 4"):
+        t.append(2, 3, [1, 2])
 
 
 @pytest.fixture(scope="module")

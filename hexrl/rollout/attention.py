@@ -23,11 +23,12 @@ class StepMeta:
     page_size: int
     q_lens: list[int]
     kv_lens: list[int]
-    table: torch.Tensor  # [R, W] int64 page table on the device: row rows[b] starts with sequence b's pages
+    table: torch.Tensor  # [R, W] int32 page table on the device: row rows[b] starts with sequence b's pages
     rows: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [T] int64, on the device
-    slot_pages: torch.Tensor  # [T] int64: the page each new token's k/v goes to
+    slot_pages: torch.Tensor  # [T] int32: the page each new token's k/v goes to
     slot_offsets: torch.Tensor  # [T] int64: its offset in that page
+    seq_lens: torch.Tensor  # [B] int64: kv_lens on the device
 
     @property
     def block_table(self) -> torch.Tensor:
@@ -42,31 +43,44 @@ class StepMeta:
     def is_decode(self) -> bool:
         return len(self.positions) == len(self.q_lens)
 
-    def csr(self) -> dict[str, torch.Tensor]:
-        """FlashInfer's page-table arrays: qo_indptr, kv_indptr, kv_last_page_len (host int32) and
-        kv_indices (int32, on the table's device, gathered there without a host round trip)."""
-        ps = self.page_size
-        npages = [-(-kv // ps) for kv in self.kv_lens]
-        kvp = [0, *accumulate(npages)]
+    def num_pages(self) -> list[int]:
+        """Pages each sequence's context spans (host)."""
+        return [pages_for(kv, self.page_size) for kv in self.kv_lens]
+
+    def page_indices(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Every sequence's context pages, one after the other (int32, FlashInfer's kv_indices): a
+        gather over the device table from the device lengths; the host supplies only their total."""
+        total = sum(self.num_pages())
+        counts = (self.seq_lens + self.page_size - 1) // self.page_size
+        starts = torch.cumsum(counts, 0) - counts
+        flat = torch.repeat_interleave(self.rows * self.table.shape[1] - starts, counts, output_size=total)
+        flat += torch.arange(total, device=flat.device)  # row * W + (i - start of its sequence)
+        return torch.index_select(self.table.view(-1), 0, flat, out=out)
+
+    def csr(self, indices_buf: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """FlashInfer's page-table arrays: qo_indptr, kv_indptr, kv_last_page_len (host int32: its plan
+        reads them there) and kv_indices (int32, gathered on the table's device; into the start of
+        `indices_buf` if given)."""
+        npages = self.num_pages()
         i32 = dict(dtype=torch.int32)
-        dev = self.table.device
-        counts = torch.tensor(npages, dtype=torch.int64).to(dev, non_blocking=True)
-        total = kvp[-1]
-        rows = torch.repeat_interleave(self.rows, counts, output_size=total)
-        starts = torch.repeat_interleave(torch.tensor(kvp[:-1]).to(dev, non_blocking=True), counts, output_size=total)
-        cols = torch.arange(total, device=dev) - starts
-        return dict(qo_indptr=torch.tensor([0, *accumulate(self.q_lens)], **i32), kv_indptr=torch.tensor(kvp, **i32),
-                    kv_indices=self.table[rows, cols].to(torch.int32),
-                    kv_last_page_len=torch.tensor([kv - (n - 1) * ps for kv, n in zip(self.kv_lens, npages)], **i32))
+        out = None if indices_buf is None else indices_buf[:sum(npages)]
+        return dict(qo_indptr=torch.tensor([0, *accumulate(self.q_lens)], **i32),
+                    kv_indptr=torch.tensor([0, *accumulate(npages)], **i32), kv_indices=self.page_indices(out),
+                    kv_last_page_len=torch.tensor([kv - (n - 1) * self.page_size
+                                                   for kv, n in zip(self.kv_lens, npages)], **i32))
 
 
 def step_meta(page_size: int, q_lens: list[int], kv_lens: list[int], table: torch.Tensor, rows: torch.Tensor,
-              positions: torch.Tensor, token_rows: torch.Tensor | None = None) -> StepMeta:
+              positions: torch.Tensor, token_rows: torch.Tensor | None = None,
+              seq_lens: torch.Tensor | None = None) -> StepMeta:
     """StepMeta from device tensors: the page `table`, each sequence's row of it `rows` [B], token
-    `positions` [T], and `token_rows` [T] each token's table row (None: one token per sequence)."""
+    `positions` [T], `token_rows` [T] each token's table row (None: one token per sequence) and
+    `seq_lens` [B] kv_lens on the device (None: copied over from the host list)."""
     token_rows = rows if token_rows is None else token_rows
+    if seq_lens is None:
+        seq_lens = torch.tensor(kv_lens, dtype=torch.int64).to(positions.device)
     return StepMeta(page_size, q_lens, kv_lens, table, rows, positions, table[token_rows, positions // page_size],
-                    positions % page_size)
+                    positions % page_size, seq_lens)
 
 
 def build_meta(spans: list[tuple[list[int], int, int]], page_size: int, device: torch.device) -> StepMeta:
@@ -74,10 +88,10 @@ def build_meta(spans: list[tuple[list[int], int, int]], page_size: int, device: 
     [start, start + n) of a sequence (tests, CUDA-graph capture; the engine uses its device table)."""
     kv_lens = [s + n for _, s, n in spans]
     width = max([pages_for(kv, page_size) for kv in kv_lens] + [1])
-    table = torch.zeros(len(spans), width, dtype=torch.int64)
+    table = torch.zeros(len(spans), width, dtype=torch.int32)
     for row, (pages, start, n) in enumerate(spans):
         k = pages_for(start + n, page_size)
-        table[row, :k] = torch.tensor(pages[:k], dtype=torch.int64)
+        table[row, :k] = torch.tensor(pages[:k], dtype=torch.int32)
     positions = torch.tensor([p for _, s, n in spans for p in range(s, s + n)], dtype=torch.int64)
     rows = torch.arange(len(spans))
     token_rows = torch.repeat_interleave(rows, torch.tensor([n for *_, n in spans]))

@@ -70,7 +70,9 @@ class SharedGraphBuffers:
         self.logits = torch.zeros(max_batch, vocab, dtype=torch.float32, device=device)
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=device)  # sampling head outputs
         self.logprobs = torch.zeros(max_batch, dtype=torch.float32, device=device)
-        self.inputs = torch.zeros(2 * max_batch, dtype=torch.int64, device=device)  # size bs: slots, then lengths
+        # size bs: slots, then lengths, then the step's new page-table entries (a decode step grows each
+        # row by at most one page: room for max_batch of them, so the step's one copy lands here)
+        self.inputs = torch.zeros(4 * max_batch, dtype=torch.int64, device=device)
 
     def views(self, bs: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.ids[:bs], self.positions[:bs], self.logits[:bs]

@@ -128,7 +128,8 @@ class Engine:
         self.heads = (cfg.num_attention_heads // tp_size, cfg.num_key_value_heads // tp_size, cfg.head_dim)
         self.pool = PagePool(range(*model.layer_range), self._num_pages(), self.config.page_size,
                              self.heads[1], cfg.head_dim, self.dtype, self.device)
-        self.scheduler = Scheduler(self.pool, self.config.max_batch_tokens, self.config.max_running)
+        self.scheduler = Scheduler(self.pool, self.config.max_batch_tokens, self.config.max_running,
+                                   cfg.max_position_embeddings)
         self.runner = ModelRunner(model, self.pool, self.scheduler.tables, self.scheduler.max_running, self.config,
                                   self.tp, self.heads)
 

@@ -126,7 +126,9 @@ class GraphDecodeAttention:
         b = len(meta.q_lens)
         if b > self.batch_size or not meta.is_decode:
             raise ValueError(f"graph decode expects <= {self.batch_size} one-token rows, got q_lens={meta.q_lens}")
-        csr = pad_csr(meta.csr(), self.batch_size, self.pool.scratch_page)
+        # the page indices are gathered on the device straight into the wrapper's buffer, so its plan's
+        # copy of them is a no-op (same memory); indptr and last_page_len are host arrays its plan reads
+        csr = pad_csr(meta.csr(self.indices), self.batch_size, self.pool.scratch_page, self.indices)
         self.wrapper.plan(csr["kv_indptr"], csr["kv_indices"], csr["kv_last_page_len"], *self.heads,
                           meta.page_size, q_data_type=self.dtype, kv_data_type=self.dtype)
         self.slots.pages[:b].copy_(meta.slot_pages, non_blocking=True)
@@ -140,14 +142,21 @@ class GraphDecodeAttention:
         return self.wrapper.run(q.contiguous(), cache)
 
 
-def pad_csr(csr: dict[str, torch.Tensor], batch_size: int, scratch_page: int) -> dict[str, torch.Tensor]:
+def pad_csr(csr: dict[str, torch.Tensor], batch_size: int, scratch_page: int,
+            indices_buf: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Extend a decode step's page-table arrays to `batch_size` rows; each padding row attends to one
-    token on the scratch page (what it computes is never read)."""
+    token on the scratch page (what it computes is never read). With `indices_buf` (holding kv_indices
+    at its start) the padding indices are written after them in place."""
     pad = batch_size - len(csr["kv_last_page_len"])
     if pad <= 0:
         return csr
     indptr, indices = csr["kv_indptr"], csr["kv_indices"]
+    if indices_buf is not None:
+        indices_buf[len(indices):len(indices) + pad].fill_(scratch_page)
+        indices = indices_buf[:len(indices) + pad]
+    else:
+        indices = torch.cat([indices, indices.new_full((pad,), scratch_page)])
     return dict(qo_indptr=torch.arange(batch_size + 1, dtype=torch.int32),
                 kv_indptr=torch.cat([indptr, indptr[-1] + torch.arange(1, pad + 1, dtype=indptr.dtype)]),
-                kv_indices=torch.cat([indices, indices.new_full((pad,), scratch_page)]),
+                kv_indices=indices,
                 kv_last_page_len=torch.cat([csr["kv_last_page_len"], torch.ones(pad, dtype=torch.int32)]))

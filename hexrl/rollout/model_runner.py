@@ -2,9 +2,10 @@
 sampler, and hands the sampled tokens back (as nano-vllm's model_runner.py; the scheduler decides,
 the engine loop appends).
 
-A step's host inputs go over in one int64 host-to-device copy through a pinned buffer. Everything
-derived from them is computed on the device: positions, token ids of decodes (each slot's last
-sample, never read back), sampling offsets and per-row sampling parameters. On a CUDA-graph decode
+A step's host inputs, with the page table's new entries, go over in one int64 host-to-device copy
+through a pinned buffer. Everything derived from them is computed on the device: positions, token ids
+of decodes (each slot's last sample, never read back), the table update and its page-index gathers,
+sampling offsets and per-row sampling parameters. On a CUDA-graph decode
 step that arithmetic is itself captured (`cuda_graph.DecodeGraphs`): prologue, forward and
 sampling head are three graph replays. `launch` returns at once with a `Pending` result whose
 device-to-host copy is in flight; `Pending.read()` waits for it, so the engine can schedule the
@@ -81,6 +82,7 @@ class ModelRunner:
         self._pinned_in = self._h2d_done = self._plan_done = None
         self._pinned_out: list[torch.Tensor] = []  # two buffers: one step's copy in flight while one is read
         self._out_turn = 0
+        self.uploads = 0  # host-to-device copies of step inputs made so far (one per step)
         self.backend, self.graphs = self._make_backend()
         # on CPU, linears run through oneDNN over prepacked weights, faster than F.linear's BLAS call
         self.packed = pack_linears(model) if self.device.type == "cpu" else []
@@ -125,17 +127,18 @@ class ModelRunner:
     # ------------------------------------------------------------------ inputs
 
     def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
-        """A decode step's inputs: slots and lengths in one host-to-device copy (padded to the graph's
-        batch size when one will replay it); ids and positions are derived on the device."""
+        """A decode step's inputs: slots, lengths and the page table's new entries in one host-to-device
+        copy (padded to the graph's batch size when one will replay it); ids, positions and page indices
+        are derived on the device."""
         b, kv_lens = len(seqs), [len(s.tokens) for s in seqs]
         mode = sampling_mode(seqs)
         size = self._graph_size(b)
         pad = max(size - b, 0)
-        host = [s.slot for s in seqs] + [self.params.pad_slot] * pad + kv_lens + [1] * pad
+        host = [s.slot for s in seqs] + [self.params.pad_slot] * pad + kv_lens + [1] * pad + self.tables.take()
         dev = self._h2d(host, self.graphs.buffers.inputs if size else None)
         rows_d, kv_d = dev[:b], dev[b + pad:2 * b + pad]
-        positions = kv_d - 1
-        meta = step_meta(self.pool.page_size, [1] * b, kv_lens, self.tables.flush(), rows_d, positions)
+        table = self.tables.apply(dev[2 * (b + pad):])
+        meta = step_meta(self.pool.page_size, [1] * b, kv_lens, table, rows_d, kv_d - 1, seq_lens=kv_d)
         ids = None if size else self.params.last_token[rows_d]
         return StepInputs(meta, ids, seqs, rows_d, kv_d, None, mode, size)
 
@@ -152,12 +155,13 @@ class ModelRunner:
             positions += range(c.start, c.start + c.n)
         picks = [i for i, c in enumerate(chunks) if c.start + c.n == len(c.seq.tokens)]
         t = len(ids)
-        host = ids + positions + [c.seq.slot for c in chunks] + ns + kv_lens + picks
-        ids_d, pos_d, rows_d, ns_d, kv_d, picks_d = self._h2d(host).split([t, t, b, b, b, len(picks)])
+        host = ids + positions + [c.seq.slot for c in chunks] + ns + kv_lens + picks + self.tables.take()
+        ids_d, pos_d, rows_d, ns_d, kv_d, picks_d, entries = self._h2d(host).split(
+            [t, t, b, b, b, len(picks), len(host) - 2 * t - 3 * b - len(picks)])
         token_rows = torch.repeat_interleave(rows_d, ns_d, output_size=t)
         if PENDING in ids:  # a decode chunk of a sequence whose last token is still on the device
             ids_d = torch.where(ids_d == PENDING, self.params.last_token[token_rows], ids_d)
-        meta = step_meta(self.pool.page_size, ns, kv_lens, self.tables.flush(), rows_d, pos_d, token_rows)
+        meta = step_meta(self.pool.page_size, ns, kv_lens, self.tables.apply(entries), rows_d, pos_d, token_rows, kv_d)
         last = (torch.cumsum(ns_d, 0) - 1)[picks_d]  # each sampling chunk's last token
         sampling = [chunks[i].seq for i in picks]
         return StepInputs(meta, ids_d, sampling, rows_d[picks_d], kv_d[picks_d], last, sampling_mode(sampling))
@@ -172,6 +176,7 @@ class ModelRunner:
     def _h2d(self, values: list[int], into: torch.Tensor | None = None) -> torch.Tensor:
         """One int64 host-to-device copy (through a reused pinned buffer on CUDA), into `into` if given."""
         host = torch.from_numpy(np.array(values, dtype=np.int64))
+        self.uploads += 1
         if self.device.type != "cuda":
             return host
         if self._pinned_in is None or len(self._pinned_in) < len(values):
@@ -180,8 +185,11 @@ class ModelRunner:
             self._h2d_done.synchronize()  # the last copy out of the buffer has finished
         buf = self._pinned_in[:len(values)]
         buf.copy_(host)
-        out = into[:len(values)] if into is not None else torch.empty_like(buf, device=self.device)
+        fits = into is not None and len(into) >= len(values)
+        out = into[:len(values)] if fits else torch.empty_like(buf, device=self.device)
         out.copy_(buf, non_blocking=True)
+        if into is not None and not fits:  # rare: more new pages than `into` has room for
+            into.copy_(out[:len(into)])
         self._h2d_done = torch.cuda.Event()
         self._h2d_done.record()
         return out

@@ -71,36 +71,44 @@ class PagePool:
 
 
 class BlockTable:
-    """The device-side page table: row r holds the pages of the sequence in slot r.
+    """The device-side page table: row r holds the pages of the sequence in slot r, as int32.
 
-    The scheduler appends pages as it grows a sequence (`append`); `flush` writes everything
-    appended since the last flush in one indexed copy, so a step never rebuilds the table from
-    host lists. Entries past a sequence's length are stale and never read. The width doubles
-    when a sequence outgrows it (rare: only long sequences)."""
+    Fixed width (`max_pages_per_seq`), allocated once: its address never changes, so the page-index
+    gathers of a step are device ops over it. The scheduler appends pages as it grows a sequence
+    (`append`); the model runner sends the pending entries with the step's other inputs in its one
+    host-to-device copy (`take` -> flat indices and pages) and scatters them in (`apply`). Freed
+    pages need no clearing: entries past a sequence's length are stale and never read."""
 
-    def __init__(self, rows: int, device: str | torch.device, width: int = 64):
-        self.table = torch.zeros(rows, width, dtype=torch.int64, device=device)
-        self._rows: list[int] = []
-        self._cols: list[int] = []
+    def __init__(self, rows: int, device: str | torch.device, width: int):
+        if not isinstance(width, int) or width < 1:
+            raise ValueError(f"BlockTable: width must be a positive integer, got {width!r}")
+        self.width = width
+        self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self._index: list[int] = []  # flat positions row * width + col
         self._pages: list[int] = []
 
     def append(self, row: int, col: int, pages: list[int]) -> None:
-        """Pages `pages` go to row `row` from column `col` on (applied at the next flush)."""
-        n = len(pages)
-        self._rows += [row] * n
-        self._cols += range(col, col + n)
+        """Pages `pages` go to row `row` from column `col` on (applied with the next step's inputs)."""
+        if col + len(pages) > self.width:
+            raise ValueError(f"BlockTable: row {row} needs {col + len(pages)} pages, the table holds {self.width}")
+        start = row * self.width + col
+        self._index += range(start, start + len(pages))
         self._pages += pages
 
-    def flush(self) -> torch.Tensor:
-        """Apply the pending appends; returns the table."""
-        if self._pages:
-            need = max(self._cols) + 1
-            if need > self.table.shape[1]:
-                wider = self.table.new_zeros(self.table.shape[0], max(need, 2 * self.table.shape[1]))
-                wider[:, :self.table.shape[1]] = self.table
-                self.table = wider
-            idx = torch.tensor([self._rows, self._cols, self._pages], dtype=torch.int64)
-            idx = idx.to(self.table.device, non_blocking=True)
-            self.table[idx[0], idx[1]] = idx[2]
-            self._rows, self._cols, self._pages = [], [], []
+    def take(self) -> list[int]:
+        """The pending entries as one host list `[flat indices..., pages...]` (cleared here); its
+        device copy goes to `apply`."""
+        out = self._index + self._pages
+        self._index, self._pages = [], []
+        return out
+
+    def apply(self, entries: torch.Tensor) -> torch.Tensor:
+        """Scatter `take()`'s entries (on the table's device, any int dtype) into the table; returns it."""
+        if len(entries):
+            index, pages = entries.view(2, -1)
+            self.table.view(-1)[index] = pages.to(torch.int32)
         return self.table
+
+    def flush(self) -> torch.Tensor:
+        """Apply the pending entries with a copy of their own (for callers outside the model runner)."""
+        return self.apply(torch.tensor(self.take(), dtype=torch.int64).to(self.table.device))

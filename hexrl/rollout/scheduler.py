@@ -34,12 +34,14 @@ class Chunk:
 class Scheduler:
     """Waiting queue + running set over one page pool."""
 
-    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int):
+    def __init__(self, pool: PagePool, max_batch_tokens: int, max_running: int, max_seq_len: int | None = None):
+        """`max_seq_len` (tokens a sequence may reach; None: the whole pool) sizes the page table's width."""
         self.pool, self.max_batch_tokens = pool, max_batch_tokens
         self.max_running = min(max_running, max_batch_tokens)  # so every running sequence decodes each step
         self.waiting: deque[Sequence] = deque()
         self.running: dict[Sequence, None] = {}  # an ordered set, in admission order: the newest last
-        self.tables = BlockTable(self.max_running, pool.kv[0].device)
+        width = pool.num_pages if max_seq_len is None else min(pool.num_pages, pages_for(max_seq_len, pool.page_size))
+        self.tables = BlockTable(self.max_running, pool.kv[0].device, width)
         self.admitted: list[Sequence] = []  # sequences given a slot by the last schedule()
         self._all_decoding = True  # after the last step, every running sequence has one uncached token
         self.preemptions = 0

@@ -38,6 +38,9 @@ class TorchPagedAttention:
         if self.decode and len(set(meta.kv_lens)) == 1:  # equal contexts: slice off the padding, no mask
             self.keep = meta.kv_lens[0]
             return
+        if self.decode:  # each row sees its context: a mask from the device lengths, no host copy
+            self.mask = (torch.arange(span, device=dev) < meta.seq_lens[:, None])[:, None, None, :]
+            return
         q_lens, kv_lens = torch.tensor(meta.q_lens), torch.tensor(meta.kv_lens)
         j, i = torch.arange(span), torch.arange(max_q)
         qpos = (kv_lens - q_lens)[:, None] + i[None, :]  # [B, max_q] position of each new token

@@ -1,0 +1,89 @@
+"""A decode step's host-to-device traffic on the torch-paged path: its inputs (slots, lengths and the
+page table's new entries) go over in exactly one upload, and nothing else in the step builds a tensor
+from host data (on a GPU each such tensor is one more host-to-device copy)."""
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.tiny import make_tiny_model
+from hexrl.rollout import Engine, EngineConfig, Request
+
+HOST_DATA = {"tensor", "as_tensor"}  # tensors built from Python data: on a GPU, a host-to-device copy each
+FACTORIES = {"arange", "zeros", "ones", "full", "empty", "randint", "rand", "randn"}
+
+
+class HostTensors(TorchFunctionMode):
+    """Records torch calls that make a tensor on the host: from Python data, or a factory with no device."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name in HOST_DATA or (name in FACTORIES and kwargs.get("device") is None):
+            self.calls.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_decode_step_makes_one_upload_and_no_other_host_tensor(tmp_path, overlap):
+    path = make_tiny_model(tmp_path / "m", vocab=64, tie=False)
+    engine = Engine(load_pretrained(path), EngineConfig(page_size=4, max_pages=64, max_running=4, overlap=overlap),
+                    eos_ids=[])
+    modes = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9)]
+    for i, n in enumerate([3, 9, 5, 6]):  # unequal contexts: the masked decode path; pages fill at different steps
+        engine.add(Request(i, list(range(1, n + 1)), max_new_tokens=9, seed=i, ignore_eos=True, **modes[i % 3]))
+    runner, entries, kinds = engine.runner, [], []
+    take = engine.scheduler.tables.take
+    engine.scheduler.tables.take = lambda: entries.append(take()) or entries[-1]
+    prepare_decode = runner.prepare_decode
+    runner.prepare_decode = lambda seqs: kinds.append("decode") or prepare_decode(seqs)
+    decode_steps = 0
+    while engine.has_work():
+        kinds.clear()
+        uploads = runner.uploads
+        with HostTensors() as host:
+            engine.step()
+        if kinds == ["decode"]:
+            decode_steps += 1
+            assert runner.uploads - uploads == 1, f"decode step {decode_steps}: {runner.uploads - uploads} uploads"
+            assert host.calls == [], f"decode step {decode_steps} built host tensors: {host.calls}"
+    assert engine.stats.mixed_steps == 1 and decode_steps == 8  # one prefill of all four, then decodes only
+    assert sum(1 for e in entries if e) >= 3, "some decode steps should have carried new page-table entries"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["torch", "flashinfer"])
+def test_gpu_decode_step_host_to_device_copies(tmp_path, attention):
+    """Counts the HtoD memcpys the CUDA profiler sees in steady decode steps. Torch-paged: exactly one per
+    step, from pinned memory. FlashInfer with graphs: ours plus what its plan() copies (indptr and
+    last_page_len from the host, its plan info), printed; at most 4."""
+    from torch.profiler import ProfilerActivity, profile
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if attention == "flashinfer":
+        pytest.importorskip("flashinfer")
+    path = make_tiny_model(tmp_path / "m", vocab=64, tie=False)
+    cfg = EngineConfig(page_size=4, max_pages=64, max_running=4, attention=attention, overlap=False,
+                       cuda_graphs=attention == "flashinfer")
+    engine = Engine(load_pretrained(path, dtype=torch.float16, device="cuda"), cfg, eos_ids=[])
+    for i, n in enumerate([3, 9, 5, 6]):
+        engine.add(Request(i, list(range(1, n + 1)), max_new_tokens=12, temperature=0.0, ignore_eos=True))
+    for _ in range(3):  # prefill, then warm decodes
+        engine.step()
+    steps = 4
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    h2d = [e.name for e in prof.events() if "HtoD" in e.name]
+    print(f"{attention}: {len(h2d)} HtoD copies in {steps} decode steps: {sorted(set(h2d))}")
+    assert engine.stats.mixed_steps == 1
+    if attention == "torch":
+        assert len(h2d) == steps and all("Pinned" in name for name in h2d), h2d
+    else:
+        assert steps <= len(h2d) <= 4 * steps, h2d
