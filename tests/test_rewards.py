@@ -133,6 +133,8 @@ def test_answers_match_is_symmetric_and_reflexive_on_random_latex():
     ("#### 73\nor rather\n#### 72", "72", 0.0),  # the last `####` alone used to count
     (f"#### 72\nso {B}{{72}}", "72", 1.0),
     ("#### 72\n#### 72.0", "72", 1.0),
+    (f"#### Step 1: add\n3 + 4 = 7\n#### Step 2\n{B}{{7}}", "7", 1.0),  # markdown headings state no answer
+    ("#### Step 1: add\n3 + 4 = 7\n#### 7", "7", 1.0),
 ])
 def test_boxed_answers_must_agree(completion, answer, expected):
     assert math_reward(completion, answer) == expected

@@ -4,9 +4,9 @@ Conventions (documented choices):
 - the answer is the LAST well-formed `\\boxed{...}` / `\\fbox{...}`, else the text after the
   last `####` (GSM8K), else the last "the (final) answer is X", else none (reward 0) unless
   `last_number_fallback=True`;
-- every answer a completion states with a marker (each `\\boxed{...}`, each `####` line) must be
-  equivalent to the final one, else the reward is 0 (`\\boxed{1} or \\boxed{2}`, or `\\boxed{1}`
-  then `#### 2`, is a hedge); one answer repeated still scores;
+- every answer a completion states with a marker (each `\\boxed{...}`, each `####` line holding a
+  number) must be equivalent to the final one, else the reward is 0 (`\\boxed{1} or \\boxed{2}`,
+  or `\\boxed{1}` then `#### 2`, is a hedge); one answer repeated still scores;
 - percent signs are dropped: `50\\%` equals `50` (and does NOT equal `0.5`);
 - units (`\\text{cm}`, `^\\circ`, `5 inches`) are dropped after a number;
 - `1,000` equals `1000` only when the whole answer is a thousands-grouped number, so the
@@ -88,16 +88,18 @@ def find_boxed(text: str) -> str | None:
 
 
 def hedged(text: str) -> bool:
-    """True when the answers the text states with a marker (its boxes, then its `####` lines) are
-    not all the final one (the last box, else the last `####`): `\\boxed{1} or \\boxed{2}`, or
-    `\\boxed{1}` then `#### 2`. A model that lists candidates must not be rewarded for the one that
-    is right. The same answer repeated, or written in equivalent forms, is not a hedge; more than
-    _MAX_STATED different answers always is (each needs a comparison)."""
-    boxes, hashes = find_all_boxed(text), find_all_hash_answers(text)
-    if not boxes and not hashes:
+    """True when the answers the text states with a marker (its boxes, then its `####` lines that
+    hold a number: a `#### Step 1` markdown heading states none) are not all the final one (the last
+    box, else the last `####`): `\\boxed{1} or \\boxed{2}`, or `\\boxed{1}` then `#### 2`. A model
+    that lists candidates must not be rewarded for the one that is right. The same answer repeated,
+    or written in equivalent forms, is not a hedge; more than _MAX_STATED different answers always
+    is (each needs a comparison)."""
+    boxes = [b.strip() for b in find_all_boxed(text)]
+    final = boxes[-1] if boxes else find_hash_answer(text)
+    if final is None:
         return False
-    final = (boxes or hashes)[-1].strip()
-    stated = list(dict.fromkeys(a.strip() for a in boxes + hashes))
+    numbers = [a for a in dict.fromkeys(find_all_hash_answers(text)) if _plain_number(normalize_answer(a))]
+    stated = list(dict.fromkeys(boxes + numbers))
     if len(stated) > _MAX_STATED:
         return True
     return any(not answers_match(a, final) for a in stated if a != final)
