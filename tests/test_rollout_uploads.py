@@ -8,6 +8,8 @@ from torch.overrides import TorchFunctionMode
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
+from hexrl.rollout.sampler import SlotParams
+from hexrl.rollout.sequence import Sequence
 
 HOST_DATA = {"tensor", "as_tensor"}  # tensors built from Python data: on a GPU, a host-to-device copy each
 FACTORIES = {"arange", "zeros", "ones", "full", "empty", "randint", "rand", "randn"}
@@ -36,23 +38,44 @@ def test_a_decode_step_makes_one_upload_and_no_other_host_tensor(tmp_path, overl
     modes = [dict(temperature=0.0), dict(temperature=1.0), dict(temperature=0.8, top_k=5, top_p=0.9)]
     for i, n in enumerate([3, 9, 5, 6]):  # unequal contexts: the masked decode path; pages fill at different steps
         engine.add(Request(i, list(range(1, n + 1)), max_new_tokens=9, seed=i, ignore_eos=True, **modes[i % 3]))
-    runner, entries, kinds = engine.runner, [], []
+    runner, entries, kinds, admitted = engine.runner, [], [], []
     take = engine.scheduler.tables.take
     engine.scheduler.tables.take = lambda: entries.append(take()) or entries[-1]
     prepare_decode = runner.prepare_decode
-    runner.prepare_decode = lambda seqs: kinds.append("decode") or prepare_decode(seqs)
+    runner.prepare_decode = lambda seqs, admitted=(): kinds.append("decode") or prepare_decode(seqs, admitted)
+    prepare = runner.prepare
+    runner.prepare = lambda chunks, new=(): kinds.append("any") or admitted.append(len(new)) or prepare(chunks, new)
     decode_steps = 0
     while engine.has_work():
         kinds.clear()
         uploads = runner.uploads
         with HostTensors() as host:
             engine.step()
+        if kinds:  # a step was launched: the prefill, with its admissions, too makes one upload
+            assert runner.uploads - uploads == 1
         if kinds == ["decode"]:
             decode_steps += 1
             assert runner.uploads - uploads == 1, f"decode step {decode_steps}: {runner.uploads - uploads} uploads"
             assert host.calls == [], f"decode step {decode_steps} built host tensors: {host.calls}"
     assert engine.stats.mixed_steps == 1 and decode_steps == 8  # one prefill of all four, then decodes only
     assert sum(1 for e in entries if e) >= 3, "some decode steps should have carried new page-table entries"
+    assert admitted[0] == 4  # the prefill admitted all four
+
+
+def test_admission_parameters_travel_as_one_int_list_and_land_exactly():
+    params = SlotParams(4, torch.device("cpu"))
+    reqs = [Request("a", [5, 6], temperature=0.7, top_k=3, top_p=0.35, seed=11),
+            Request("b", [9], temperature=0.0, top_p=1.0, seed=(1 << 31) - 1)]
+    seqs = [Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids)) for r in reqs]
+    seqs[0].slot, seqs[1].slot = 2, 0
+    values = params.admission(seqs)
+    assert all(isinstance(v, int) for v in values) and len(values) == 7 * 2
+    params.admit_from(torch.tensor(values, dtype=torch.int64))
+    want_t, want_p = torch.tensor([0.0, 0.7], dtype=torch.float32), torch.tensor([1.0, 0.35], dtype=torch.float32)
+    assert torch.equal(params.temperature[[0, 2]], want_t) and torch.equal(params.top_p[[0, 2]], want_p)
+    assert params.top_k[[0, 2]].tolist() == [0, 3] and params.seed[[0, 2]].tolist() == [(1 << 31) - 1, 11]
+    assert params.num_prompt[[0, 2]].tolist() == [1, 2] and params.last_token[[0, 2]].tolist() == [9, 6]
+    assert params.temperature[[1, 3, 4]].tolist() == [0.0] * 3  # other slots untouched
 
 
 @pytest.mark.gpu

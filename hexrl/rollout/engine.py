@@ -310,9 +310,7 @@ class Engine:
             if self.scheduler.has_work():  # requests are checked to fit the pool, so the oldest can always run
                 raise RuntimeError("the scheduler made no progress with work queued (a bug)")
             return None
-        if self.scheduler.admitted:
-            self.params.admit(self.scheduler.admitted)
-        step = self.runner.prepare(chunks)
+        step = self.runner.prepare(chunks, self.scheduler.admitted)
         self.stats.mixed_steps += step.last is not None
         for c in chunks:  # sampling sequences are marked cached at launch
             if c.start + c.n < len(c.seq.tokens):

@@ -126,27 +126,30 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ inputs
 
-    def prepare_decode(self, seqs: list[Sequence]) -> StepInputs:
-        """A decode step's inputs: slots, lengths and the page table's new entries in one host-to-device
-        copy (padded to the graph's batch size when one will replay it); ids, positions and page indices
-        are derived on the device."""
+    def prepare_decode(self, seqs: list[Sequence], admitted: list[Sequence] = ()) -> StepInputs:
+        """A decode step's inputs: slots, lengths, the page table's new entries and the sampling parameters of
+        sequences admitted this step in one host-to-device copy (padded to the graph's batch size when one
+        will replay it); ids, positions and page indices are derived on the device."""
         b, kv_lens = len(seqs), [len(s.tokens) for s in seqs]
         mode = sampling_mode(seqs)
         size = self._graph_size(b)
         pad = max(size - b, 0)
-        host = [s.slot for s in seqs] + [self.params.pad_slot] * pad + kv_lens + [1] * pad + self.tables.take()
+        entries, admission = self.tables.take(), self.params.admission(admitted) if admitted else []
+        host = [s.slot for s in seqs] + [self.params.pad_slot] * pad + kv_lens + [1] * pad + entries + admission
         dev = self._h2d(host, self.graphs.buffers.inputs if size else None)
         rows_d, kv_d = dev[:b], dev[b + pad:2 * b + pad]
-        table = self.tables.apply(dev[2 * (b + pad):])
+        table = self.tables.apply(dev[2 * (b + pad):2 * (b + pad) + len(entries)])
+        self.params.admit_from(dev[len(host) - len(admission):])
         meta = step_meta(self.pool.page_size, [1] * b, kv_lens, table, rows_d, kv_d - 1, seq_lens=kv_d)
         ids = None if size else self.params.last_token[rows_d]
         return StepInputs(meta, ids, seqs, rows_d, kv_d, None, mode, size)
 
-    def prepare(self, chunks: list[Chunk]) -> StepInputs:
-        """Any step's inputs from its chunks (host lists -> one host-to-device copy). A token not yet
+    def prepare(self, chunks: list[Chunk], admitted: list[Sequence] = ()) -> StepInputs:
+        """Any step's inputs from its chunks, with the page table's new entries and the sampling parameters
+        of the sequences `admitted` this step (host lists -> one host-to-device copy). A token not yet
         read back (PENDING, the last of its sequence) is its slot's last sample, already on the device."""
         if all(c.n == 1 and c.start + 1 == len(c.seq.tokens) for c in chunks):
-            return self.prepare_decode([c.seq for c in chunks])
+            return self.prepare_decode([c.seq for c in chunks], admitted)
         b, ns = len(chunks), [c.n for c in chunks]
         kv_lens = [c.start + c.n for c in chunks]
         ids, positions = [], []
@@ -155,13 +158,16 @@ class ModelRunner:
             positions += range(c.start, c.start + c.n)
         picks = [i for i, c in enumerate(chunks) if c.start + c.n == len(c.seq.tokens)]
         t = len(ids)
-        host = ids + positions + [c.seq.slot for c in chunks] + ns + kv_lens + picks + self.tables.take()
-        ids_d, pos_d, rows_d, ns_d, kv_d, picks_d, entries = self._h2d(host).split(
-            [t, t, b, b, b, len(picks), len(host) - 2 * t - 3 * b - len(picks)])
+        entries, admission = self.tables.take(), self.params.admission(admitted) if admitted else []
+        host = ids + positions + [c.seq.slot for c in chunks] + ns + kv_lens + picks + entries + admission
+        ids_d, pos_d, rows_d, ns_d, kv_d, picks_d, entries_d, admission_d = self._h2d(host).split(
+            [t, t, b, b, b, len(picks), len(entries), len(admission)])
+        self.params.admit_from(admission_d)
         token_rows = torch.repeat_interleave(rows_d, ns_d, output_size=t)
         if PENDING in ids:  # a decode chunk of a sequence whose last token is still on the device
             ids_d = torch.where(ids_d == PENDING, self.params.last_token[token_rows], ids_d)
-        meta = step_meta(self.pool.page_size, ns, kv_lens, self.tables.apply(entries), rows_d, pos_d, token_rows, kv_d)
+        meta = step_meta(self.pool.page_size, ns, kv_lens, self.tables.apply(entries_d), rows_d, pos_d, token_rows,
+                         kv_d)
         last = (torch.cumsum(ns_d, 0) - 1)[picks_d]  # each sampling chunk's last token
         sampling = [chunks[i].seq for i in picks]
         return StepInputs(meta, ids_d, sampling, rows_d[picks_d], kv_d[picks_d], last, sampling_mode(sampling))

@@ -9,6 +9,7 @@ filters, else the full kernel.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from kernels.reference import GREEDY_EPS, greedy_torch, sample_torch
@@ -68,17 +69,33 @@ class SlotParams:
         self.num_prompt = torch.zeros(n, dtype=torch.int64, device=device)
         self.last_token = torch.zeros(n, dtype=torch.int64, device=device)
 
-    def admit(self, seqs: list[Sequence]) -> None:
-        """Write the parameters of newly admitted sequences into their slots (one copy per column)."""
+    def admission(self, seqs: list[Sequence]) -> list[int]:
+        """The parameters of newly admitted sequences as one host list for `admit_from`: slots,
+        temperatures, top-k, top-p, seeds, prompt lengths, last tokens (floats as float32 bits)."""
         if any(s.tokens[-1] == PENDING for s in seqs):
             raise RuntimeError("admitting a sequence whose last token was not read back yet (a bug)")
-        rows = torch.tensor([s.slot for s in seqs]).to(self.seed.device, non_blocking=True)
         reqs = [s.req for s in seqs]
-        for t, values in ((self.temperature, [r.temperature for r in reqs]), (self.top_k, [r.top_k for r in reqs]),
-                          (self.top_p, [r.top_p for r in reqs]), (self.seed, [s.seed for s in seqs]),
-                          (self.num_prompt, [s.num_prompt for s in seqs]),
-                          (self.last_token, [s.tokens[-1] for s in seqs])):
-            t[rows] = torch.tensor(values, dtype=t.dtype).to(t.device, non_blocking=True)
+
+        def bits(xs: list[float]) -> list[int]:
+            return np.array(xs, dtype=np.float32).view(np.int32).tolist()
+
+        return ([s.slot for s in seqs] + bits([r.temperature for r in reqs]) + [r.top_k for r in reqs]
+                + bits([r.top_p for r in reqs]) + [s.seed for s in seqs] + [s.num_prompt for s in seqs]
+                + [s.tokens[-1] for s in seqs])
+
+    def admit_from(self, values: torch.Tensor) -> None:
+        """Scatter `admission()`'s list, uploaded as int64 to the device, into the admitted slots."""
+        if not len(values):
+            return
+        rows, temperature, top_k, top_p, seed, num_prompt, last = values.view(7, -1)
+        self.temperature[rows] = temperature.to(torch.int32).view(torch.float32)
+        self.top_p[rows] = top_p.to(torch.int32).view(torch.float32)
+        for t, v in ((self.top_k, top_k), (self.seed, seed), (self.num_prompt, num_prompt), (self.last_token, last)):
+            t[rows] = v
+
+    def admit(self, seqs: list[Sequence]) -> None:
+        """Write the parameters of newly admitted sequences into their slots (one copy of their own)."""
+        self.admit_from(torch.tensor(self.admission(seqs), dtype=torch.int64).to(self.seed.device))
 
     def sample(self, logits: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, mode: int = FILTERED):
         """Sample one token per logits row (row i belongs to slot rows[i] and has kv_lens[i] tokens),
