@@ -35,6 +35,11 @@ class GPU:
     # per trajectory the controller receives (seal checked, decoded, admitted, filed): its thread
     # shares trainer rank 0's core, so at eta >= 1 this slows training (bench_kernels measures it)
     control_s_per_sample: float = 5e-5
+    # fixed seconds of one training micro-batch, beside its FLOPs (launches, small-batch idle): the
+    # intercept of fwd+bwd time vs tokens, and of a forward-only pass, fitted by bench_kernels. Optional
+    # profile keys: absent -> 0, so the shipped H100.json and every plan priced without them are unchanged
+    train_overhead_s: float = 0.0
+    train_fwd_overhead_s: float = 0.0
     mem_util: float = 0.90  # fraction of HBM the engines may use
     train_scale_loss: float = 0.0  # training efficiency lost per doubling of the trainer past one node
 

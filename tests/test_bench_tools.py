@@ -24,7 +24,7 @@ from hexrl.gpus import CATALOGUE, GPU, SHIPPED_PROFILES, gpu, read_profile  # no
 from hexrl.plan.cost import CostModel  # noqa: E402
 
 PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
-                "train_mfu", "host_s_per_sample", "control_s_per_sample"}
+                "train_mfu", "host_s_per_sample", "control_s_per_sample", "train_overhead_s", "train_fwd_overhead_s"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,18 @@ def test_bench_kernels_writes_a_profile_the_planner_reads(cpu_profile, monkeypat
     assert planned.control_s_per_sample == pytest.approx(profile["control"]["s_per_sample"])
     assert 0 < planned.control_s_per_sample < 0.01 and profile["control"]["samples"] == 1024
     assert gpu("cpu", use_profiles=False) == CATALOGUE["cpu"]
+    # a training micro-batch's fixed cost: the intercepts of time vs tokens over the grid's points
+    fit = profile["train_overhead"]
+    assert [(r["seq_len"], r["tokens"] // r["seq_len"]) for r in fit["points"]] == list(grid.overhead)
+    assert planned.train_overhead_s == profile["train_overhead_s"] == max(0.0, fit["fit"]["a"]) >= 0
+    assert planned.train_fwd_overhead_s == profile["train_fwd_overhead_s"] == max(0.0, fit["fit"]["forward_a"]) >= 0
+    assert all(r["seconds"] > 0 and r["forward_s"] > 0 for r in fit["points"])
+
+
+def test_line_fit_by_hand():
+    """The overhead fit: y = 2 + 3x exactly, and a least-squares line through (0, 1), (1, 2), (2, 4)."""
+    assert bench_kernels.line_fit([1.0, 4.0, 10.0], [5.0, 14.0, 32.0]) == pytest.approx((2.0, 3.0))
+    assert bench_kernels.line_fit([0.0, 1.0, 2.0], [1.0, 2.0, 4.0]) == pytest.approx((5 / 6, 1.5))
 
 
 def test_compare_cost_model_prints_errors(cpu_profile, capsys):

@@ -277,6 +277,27 @@ def test_the_one_gpu_config_plans_both_roles_on_an_h100():
     assert plan.predicted["colocate"]["stretch"] >= 1 and plan.predicted["step_time_s"] > 0
 
 
+def test_a_measured_train_overhead_prices_the_one_gpu_plan(tmp_path, monkeypatch):
+    """The one-GPU config (64 x 8 samples of 6 + 3 tokens, 4 PPO minibatches of 1152 tokens: one
+    micro-batch each, fwd+bwd and the proximal forward) planned with an H100 profile that has
+    train_overhead_s 0.05 and train_fwd_overhead_s 0.02 trains 4 x 0.07 s longer than with the same
+    profile without them; the report names the keys that priced it."""
+    job = json.loads((ROOT / "tools" / "configs" / "one_gpu.json").read_text())
+    job["model"] = {"preset": "tiny"}
+    shipped = json.loads((ROOT / "hexrl" / "profiles" / "H100.json").read_text())
+    monkeypatch.setenv("HEXRL_PROFILES", str(tmp_path))
+    train_s = []
+    for extra in ({}, {"train_overhead_s": 0.05, "train_fwd_overhead_s": 0.02}):
+        (tmp_path / "H100.json").write_text(json.dumps({**shipped, **extra}))
+        train_s.append(plan_job(load_job(job)).predicted["breakdown"]["train_s"])
+    assert train_s[1] - train_s[0] == pytest.approx(4 * 0.07, abs=2e-4)  # the breakdown is rounded to 0.1 ms
+    line = one_gpu.priced_by("H100")
+    assert f"the measured profile {tmp_path / 'H100.json'}" in line and "train_overhead_s=0.05" in line, line
+    (tmp_path / "H100.json").write_text(json.dumps(shipped))
+    assert "catalogue: " in one_gpu.priced_by("H100") and "train_overhead_s" in one_gpu.priced_by("H100").split(
+        "catalogue: ")[1]
+
+
 @pytest.mark.slow
 def test_gpu_e2e_script_cpu_mode(tmp_path):
     """tools/gpu_e2e.sh --cpu: the whole pipeline as a smoke run (a minute or two on a quiet 2-core box)."""

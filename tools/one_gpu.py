@@ -15,13 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hexrl.control.metrics import read_metrics  # noqa: E402
 from hexrl.control.summary import read_evals, summarize  # noqa: E402
-from hexrl.gpus import canonical_name, profile_dir  # noqa: E402
+from hexrl.gpus import GPU, canonical_name, profile_path, read_profile  # noqa: E402
 
 WARMUP = 2  # steps left out of the measured step time, as `hexrl.plan simulate --warmup` does
 TARGETS = {"wall_s": 240.0, "heldout_gain": 0.10, "step_error": 0.15}
@@ -82,6 +83,18 @@ def _read_json(path: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
+def priced_by(gpu_type: str) -> str:
+    """Which profile (the one hexrl.gpus.gpu reads) and which of its keys priced the plan; the rest
+    are catalogue figures (train_overhead_s among them: 0 when the profile lacks it)."""
+    path = profile_path(gpu_type)
+    if path is None:
+        return "cost model: catalogue figures (no profile: tools/bench/bench_kernels.py writes one)"
+    keys = read_profile(gpu_type)
+    rest = sorted({f.name for f in fields(GPU)} - {"name"} - set(keys))
+    return (f"cost model: the measured profile {path}, keys " + ", ".join(f"{k}={v:.4g}" for k, v in keys.items())
+            + f"; catalogue: {', '.join(rest)}")
+
+
 def measurements(run: Path, plan, rows: list[dict], step: float | None) -> list[str]:
     """Step time, decode tokens/s, trainer MFU, weight-sync seconds, predicted vs measured step."""
     engine = _read_json(run / "engine" / "replica0.json") or {}
@@ -102,9 +115,7 @@ def measurements(run: Path, plan, rows: list[dict], step: float | None) -> list[
     lines.append(f"per step, measured vs planned: train {sum(r['train_s'] for r in after) / len(after):.4f} s vs "
                  f"{b['train_s']:.4f} s, waiting for rollouts {sum(r['wait_s'] for r in after) / len(after):.4f} s "
                  f"(planned rollout {b['rollout_s']:.4f} s), sync vs {b['weight_sync_s']:.4f} s")
-    profile = profile_dir() / f"{plan.ranks[0].gpu_type}.json"
-    lines.append(f"cost model: the measured profile {profile}" if profile.is_file() else
-                 "cost model: catalogue figures (no profile: tools/bench/bench_kernels.py writes one)")
+    lines.append(priced_by(plan.ranks[0].gpu_type))
     sim = _read_json(run / "simulate.json")
     if sim and step:
         lines.append(f"predicted vs measured step: cost model {sim['predicted_step_s']:.3f} s, simulator "

@@ -204,7 +204,10 @@ class CostModel:
                 dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / nic
         opt_per_param = 2 * 16 / tp / g.hbm_Bps  # read + write weights, grads, Adam state
         per_layer = bubble * (compute + tp_comm) + k * (dp_per_param + opt_per_param) * self.layer_params
-        fixed = 0.0
+        # each micro-batch's fixed cost beside its FLOPs (measured train_overhead_s per fwd+bwd, and per
+        # forward-only pass: proximal/reference log-probs, recompute), k * mb of them; 0 without a profile
+        # that has them. Measured on a whole model: a pipeline stage holding fewer layers errs slow
+        fixed = bubble * k * mb * (g.train_overhead_s + (w.extra_fwd + int(recompute)) * g.train_fwd_overhead_s)
         if index == pp - 1:  # output head (vocab-parallel) and its log-softmax
             fixed += bubble * passes * 2 * self.head_params() * tok / flops
         edge_params = self.edge_params(index, pp)

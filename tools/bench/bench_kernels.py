@@ -11,7 +11,9 @@ sampling and log-prob kernels. Prints a table (measured, roofline, ratio) and wr
 `<out>/<gpu>.json` with the hardware name, software versions, date, every raw measurement, and
 the catalogue keys the planner reads (hexrl/plan/catalogue.py: measured hbm_TBps, bf16_tflops,
 hbm_GB, and hbm_efficiency / decode_mfu / decode_overhead_s / prefill_mfu / train_mfu fitted
-through the planner's own cost model by tools/bench/compare_cost_model.py). On CPU the profile is
+through the planner's own cost model by tools/bench/compare_cost_model.py; train_overhead_s and
+train_fwd_overhead_s, a training micro-batch's fixed cost: the intercepts of fwd+bwd and forward
+time against tokens). On CPU the profile is
 written only when --out is given; the CPU "bf16" peak is an fp32 matmul (the CPU path runs fp32).
 """
 from __future__ import annotations
@@ -66,21 +68,26 @@ class Grid:
     copy_bytes: int
     matmul_n: int
     batch_tokens: int = 8192  # engine tokens per forward pass (its default)
+    # (seq_len, sequences) at one seq_len, few to many tokens: time = a + b * tokens, the intercept a is a
+    # micro-batch's fixed cost (train_overhead_s; forward-only: train_fwd_overhead_s)
+    overhead: tuple[tuple[int, int], ...] = ()
 
 
 GRIDS = {
     # 4 x 3 decode points: 1.8M prompt tokens of prefill in all, ~1 min on an H100
     "cuda": Grid((1, 16, 64, 256), (256, 1024, 4096), 8, 24, ((16, 512), (8, 2048)), ((1024, 8), (4096, 2)),
-                 (1, 64, 256), (256, 8192), 1 << 30, 8192),
-    "cuda-quick": Grid((1, 64), (256, 1024), 4, 12, ((8, 512),), ((1024, 4),), (64,), (1024,), 1 << 28, 4096),
-    "cpu": Grid((1, 4), (16, 48), 2, 4, ((4, 32),), ((32, 2),), (4,), (64,), 1 << 24, 256, 256),
+                 (1, 64, 256), (256, 8192), 1 << 30, 8192, overhead=((256, 1), (256, 4), (256, 16))),
+    "cuda-quick": Grid((1, 64), (256, 1024), 4, 12, ((8, 512),), ((1024, 4),), (64,), (1024,), 1 << 28, 4096,
+                       overhead=((256, 1), (256, 8))),
+    "cpu": Grid((1, 4), (16, 48), 2, 4, ((4, 32),), ((32, 2),), (4,), (64,), 1 << 24, 256, 256,
+                overhead=((16, 1), (16, 4), (16, 16))),
     # the learning experiment's operating range (short arithmetic prompts and answers, up to
     # 512 sequences decoding; 128 packed sequences per PPO mini-batch): tools/experiments/learning_run.py --study.
     # Prompts of 4 and 8 are timed at contexts of about 10 and 14, inside one 16-token page as
     # the study's sequences are (prompt ~10 + answer ~5); a longer point crosses into a second
     # page, whose extra gather the linear context term then spreads over every context
     "cpu-rl": Grid((1, 32, 128, 512), (4, 8), 2, 6, ((64, 8), (512, 8)), ((12, 128),), (512,), (4096,),
-                   1 << 24, 256, 4096),
+                   1 << 24, 256, 4096, overhead=((12, 1), (12, 16), (12, 128))),
 }
 
 
@@ -260,8 +267,9 @@ def prefill_point(model: Decoder, batch: int, prompt_len: int, grid: Grid, atten
 
 # ----------------------------------------------------------------------------- trainer, kernels
 
-def train_point(model: Decoder, seq_len: int, n_seqs: int) -> dict:
-    """Forward+backward seconds per token of a packed batch: stage -> logits -> token_logprobs -> backward."""
+def train_point(model: Decoder, seq_len: int, n_seqs: int, backward: bool = True) -> dict:
+    """Forward+backward seconds per token of a packed batch: stage -> logits -> token_logprobs -> backward
+    (backward=False: the forward alone, under no_grad, as the trainer's proximal log-probs run)."""
     device = next(model.parameters()).device
     n = seq_len * n_seqs
     g = torch.Generator().manual_seed(seq_len)
@@ -272,13 +280,35 @@ def train_point(model: Decoder, seq_len: int, n_seqs: int) -> dict:
 
     def step():
         model.zero_grad(set_to_none=True)
-        logits = model.logits(model.stage(ids, positions, attn))
-        (-token_logprobs(logits, targets, check=False).mean()).backward()
+        with torch.set_grad_enabled(backward):
+            logp = token_logprobs(model.logits(model.stage(ids, positions, attn)), targets, check=False)
+        if backward:
+            (-logp.mean()).backward()
 
     seconds = timed(step, device, warmup=2, reps=5)
     model.zero_grad(set_to_none=True)
     free_memory(device)
     return {"seq_len": seq_len, "tokens": n, "seconds": seconds, "s_per_token": seconds / n}
+
+
+def line_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(a, b) of the least-squares line y = a + b x (two or more distinct xs)."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def overhead_points(model: Decoder, points: tuple[tuple[int, int], ...]) -> dict:
+    """A training micro-batch's fixed seconds: fwd+bwd and forward-only time at a few token counts
+    (one seq_len), each fitted to a + b * tokens; the intercepts, clamped at 0 (timing noise can push
+    a tiny one below), are train_overhead_s and train_fwd_overhead_s."""
+    rows = [train_point(model, s, n) | {"forward_s": train_point(model, s, n, backward=False)["seconds"]}
+            for s, n in points]
+    tokens = [float(r["tokens"]) for r in rows]
+    a, b = line_fit(tokens, [r["seconds"] for r in rows])
+    af, bf = line_fit(tokens, [r["forward_s"] for r in rows])
+    return {"points": rows, "fit": {"a": a, "b": b, "forward_a": af, "forward_b": bf},
+            "train_overhead_s": max(0.0, a), "train_fwd_overhead_s": max(0.0, af)}
 
 
 class _Chars:
@@ -431,6 +461,12 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
                 f"({decode[-1]['attention']}, {decode[-1]['graph_steps']} graph steps)")
     train = [train_point(model, s, n) for s, n in grid.train]
     log("train: " + ", ".join(f"seq {r['seq_len']} {r['s_per_token'] * 1e6:.3f} us/token" for r in train))
+    overhead = optional("overhead", lambda: [overhead_points(model, grid.overhead)] if grid.overhead else [],
+                        errors, log)
+    if overhead:
+        log(f"training micro-batch fixed cost: fwd+bwd {overhead[0]['train_overhead_s'] * 1e3:.3f} ms, "
+            f"forward {overhead[0]['train_fwd_overhead_s'] * 1e3:.3f} ms (intercepts over "
+            f"{[r['tokens'] for r in overhead[0]['points']]} tokens)")
     optimizer = optional("optimizer", lambda: optimizer_point(model), errors, log)
     host = optional("host", host_point, errors, log)
     if host:
@@ -445,7 +481,8 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     logprob = optional("logprob", lambda: logprob_points(grid.logprob_tokens, cfg.vocab_size, dtype, device),
                        errors, log)
     return {"copy_Bps": bw, "matmul_flops": peak, "decode": decode, "prefill": prefill, "train": train,
-            "optimizer": optimizer, "host": host, "control": control, "sampling": sampling, "logprob": logprob,
+            "overhead": overhead[0] if overhead else None, "optimizer": optimizer, "host": host, "control": control,
+            "sampling": sampling, "logprob": logprob,
             "errors": errors}
 
 
@@ -552,6 +589,10 @@ def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelCon
         "prefill_tokens_per_s": statistics.median(r["tokens_per_s"] for r in m["prefill"]) if m["prefill"] else None,
         "sampling": m["sampling"], "logprob": m["logprob"], "errors": m["errors"],
     }
+    if m.get("overhead"):
+        profile["train_overhead"] = m["overhead"]  # raw points and fit
+        profile["train_overhead_s"] = m["overhead"]["train_overhead_s"]
+        profile["train_fwd_overhead_s"] = m["overhead"]["train_fwd_overhead_s"]
     if m["host"]:
         profile["host_s_per_sample"] = m["host"]["s_per_sample"]
     if m["control"]:
@@ -607,8 +648,8 @@ def main(argv: list[str] | None = None) -> int:
     for what, point, meas, roof, ratio in table(m, cfg, dtype.itemsize, datasheet):
         print(f"{what:<18}{point:<22}{meas:>18}{roof:>26}{ratio:>9.1%}")
     keys = {k: profile[k] for k in ("hbm_GB", "hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu",
-                                    "decode_overhead_s", "prefill_mfu", "train_mfu", "host_s_per_sample",
-                                    "control_s_per_sample")
+                                    "decode_overhead_s", "prefill_mfu", "train_mfu", "train_overhead_s",
+                                    "train_fwd_overhead_s", "host_s_per_sample", "control_s_per_sample")
             if k in profile}
     print("planner keys: " + ", ".join(f"{k}={v:.4g}" for k, v in keys.items()))
     out = args.out or ("profiles" if cuda else None)

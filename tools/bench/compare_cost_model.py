@@ -10,7 +10,8 @@ planner uses). It prints predicted vs measured per point, the relative errors, t
 worst, and the leave-one-out errors of a re-fit (the calibration predicting points it never saw).
 
 `calibrate(profile)` is also here: `tools/bench/bench_kernels.py` calls it to turn its measurements into
-the planner's keys (hbm_efficiency, decode_mfu, decode_overhead_s, prefill_mfu, train_mfu).
+the planner's keys (hbm_efficiency, decode_mfu, decode_overhead_s, prefill_mfu, train_mfu; train_mfu
+net of the measured train_overhead_s, which the cost model adds per micro-batch).
 """
 from __future__ import annotations
 
@@ -150,6 +151,7 @@ def predict_train_step_s(model_config: dict, g: GPU, seq_len: int, n_seqs: int, 
     sequences of `seq_len` tokens: one fwd+bwd of all of them and one optimizer step."""
     job = probe_job(model_config, host, max(1, seq_len - 1), 1.0, batch_size=1, group_size=n_seqs)
     cm = cost_model(job, g)
+    cm.w = replace(cm.w, micro_tokens=max(cm.w.micro_tokens, seq_len * n_seqs))  # bench_kernels: one micro-batch
     sc = cm.stage_coeffs(host, 1, 1, 1, 0, 1, None, False)
     return sc.per_layer * cm.m.num_hidden_layers + sc.fixed, int(round(cm.w.tokens))
 
@@ -217,6 +219,15 @@ def calibrate_decode(profile: dict, base: GPU) -> tuple[DecodeFit, list[float]]:
     return fit, loo
 
 
+def net_s_per_token(profile: dict, r: dict) -> float:
+    """A train row's seconds per token less the measured fixed cost of its one micro-batch
+    (train_overhead_s, which the cost model adds apart): what train_mfu prices."""
+    overhead, seconds = float(profile.get("train_overhead_s", 0.0)), r.get("seconds")
+    if not overhead or seconds is None or seconds <= overhead:
+        return float(r["s_per_token"])
+    return (float(seconds) - overhead) / float(r["tokens"])
+
+
 def calibrate(profile: dict) -> dict[str, float]:
     """The planner's keys fitted to a profile's measurements (relative to its measured peaks):
     decode_overhead_s, hbm_efficiency and decode_mfu from the decode grid; prefill_mfu and
@@ -236,7 +247,8 @@ def calibrate(profile: dict) -> dict[str, float]:
             predict_prefill_s(context_job(cfg, host, r["prompt_len"]), ideal, r["batch"]) / r["seconds"]
             for r in profile["prefill"])
     out["train_mfu"] = statistics.median(
-        predict_train_s_per_token(cfg, ideal, int(r["seq_len"]), host) / r["s_per_token"] for r in profile["train"])
+        predict_train_s_per_token(cfg, ideal, int(r["seq_len"]), host) / net_s_per_token(profile, r)
+        for r in profile["train"])
     return {k: float(f"{v:.6g}") for k, v in out.items()}
 
 
@@ -267,10 +279,11 @@ def compare(profile: dict, path: str | Path | None = None) -> list[Row]:
         job = context_job(cfg, host, float(r["prompt_len"]))
         rows.append(Row("prefill", f"batch {r['batch']:>4} len {r['prompt_len']:>7}", float(r["seconds"]),
                         predict_prefill_s(job, cat, r["batch"]), predict_prefill_s(job, prof, r["batch"])))
-    for r in profile["train"]:
-        s = int(r["seq_len"])
+    for r in profile["train"]:  # the measured batch was one micro-batch: its fixed cost spread over its tokens
+        s, n = int(r["seq_len"]), float(r.get("tokens", r["seq_len"]))
         rows.append(Row("train", f"seq_len {s:>6} (s/token)", float(r["s_per_token"]),
-                        predict_train_s_per_token(cfg, cat, s, host), predict_train_s_per_token(cfg, prof, s, host)))
+                        predict_train_s_per_token(cfg, cat, s, host) + cat.train_overhead_s / n,
+                        predict_train_s_per_token(cfg, prof, s, host) + prof.train_overhead_s / n))
     opt = profile.get("optimizer") or []
     for r in profile["train"] if opt else []:  # a whole step: fwd+bwd of the batch, then the optimizer
         s, n = int(r["seq_len"]), max(1, int(r.get("tokens", r["seq_len"])) // int(r["seq_len"]))
