@@ -8,6 +8,8 @@ from torch.overrides import TorchFunctionMode
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
+from hexrl.rollout.attention import build_meta, decode_slots
+from hexrl.rollout.flashinfer_backend import pad_csr
 from hexrl.rollout.sampler import SlotParams
 from hexrl.rollout.sequence import Sequence
 
@@ -110,3 +112,36 @@ def test_gpu_decode_step_host_to_device_copies(tmp_path, attention):
         assert len(h2d) == steps and all("Pinned" in name for name in h2d), h2d
     else:
         assert steps <= len(h2d) <= 4 * steps, h2d
+
+
+def test_the_graph_prologue_gathers_the_slots_the_eager_step_would(tmp_path):
+    """`decode_slots` (what the CUDA-graph prologue runs) over the padded rows of a decode step: the real
+    rows get the step's slot pages and offsets, the padding rows the table's padding row (scratch page)."""
+    path = make_tiny_model(tmp_path / "m", vocab=64, tie=False)
+    engine = Engine(load_pretrained(path), EngineConfig(page_size=4, max_pages=64, max_running=4), eos_ids=[])
+    for i, n in enumerate([3, 8, 6]):
+        engine.add(Request(i, list(range(1, n + 1)), max_new_tokens=9, temperature=0.0, ignore_eos=True))
+    for _ in range(3):
+        engine.step()
+    step = engine._decode_inputs(engine.scheduler.decode_only())
+    pad = engine.params.pad_slot
+    rows = torch.cat([step.rows, torch.tensor([pad])])
+    kv_lens = torch.cat([step.kv_lens, torch.tensor([1])])
+    positions, pages, offsets = torch.zeros(4, dtype=torch.int64), torch.zeros(4, dtype=torch.int32), torch.zeros(4)
+    decode_slots(engine.scheduler.tables.table, rows, kv_lens, 4, positions, pages, offsets)
+    meta = step.meta
+    assert positions.tolist() == meta.positions.tolist() + [0]
+    assert pages.tolist() == meta.slot_pages.tolist() + [engine.pool.scratch_page]
+    assert offsets.tolist() == meta.slot_offsets.tolist() + [0]
+    assert len(set(meta.slot_pages.tolist())) == 3  # three sequences, three different pages
+
+
+def test_graph_plan_gathers_page_indices_into_the_wrappers_buffer():
+    """What GraphDecodeAttention.plan hands FlashInfer: the same arrays as the copying path, with
+    kv_indices a view of the static indices buffer (so FlashInfer's copy into that buffer is a no-op)."""
+    meta = build_meta([([5, 6, 7], 0, 9), ([2], 0, 3), ([8, 9], 0, 5)], 4, torch.device("cpu"))
+    buf = torch.full((16,), -1, dtype=torch.int32)
+    got, want = pad_csr(meta.csr(buf), 5, 63, buf), pad_csr(meta.csr(), 5, 63)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert got["kv_indices"].tolist() == [5, 6, 7, 2, 8, 9, 63, 63]
+    assert got["kv_indices"].data_ptr() == buf.data_ptr() and buf[8:].tolist() == [-1] * 8

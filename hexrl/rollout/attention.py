@@ -9,6 +9,7 @@ them); the page table and per-token tensors live on the device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from itertools import accumulate
 
 import torch
@@ -26,9 +27,19 @@ class StepMeta:
     table: torch.Tensor  # [R, W] int32 page table on the device: row rows[b] starts with sequence b's pages
     rows: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [T] int64, on the device
-    slot_pages: torch.Tensor  # [T] int32: the page each new token's k/v goes to
-    slot_offsets: torch.Tensor  # [T] int64: its offset in that page
     seq_lens: torch.Tensor  # [B] int64: kv_lens on the device
+    token_rows: torch.Tensor  # [T] int64: each token's row of the table
+
+    @cached_property
+    def slot_pages(self) -> torch.Tensor:
+        """[T] int32: the page each new token's k/v goes to (gathered when first asked: a graph decode
+        step's prologue gathers its own)."""
+        return self.table[self.token_rows, self.positions // self.page_size]
+
+    @cached_property
+    def slot_offsets(self) -> torch.Tensor:
+        """[T] int64: each new token's offset in its page."""
+        return self.positions % self.page_size
 
     @property
     def block_table(self) -> torch.Tensor:
@@ -79,8 +90,16 @@ def step_meta(page_size: int, q_lens: list[int], kv_lens: list[int], table: torc
     token_rows = rows if token_rows is None else token_rows
     if seq_lens is None:
         seq_lens = torch.tensor(kv_lens, dtype=torch.int64).to(positions.device)
-    return StepMeta(page_size, q_lens, kv_lens, table, rows, positions, table[token_rows, positions // page_size],
-                    positions % page_size, seq_lens)
+    return StepMeta(page_size, q_lens, kv_lens, table, rows, positions, seq_lens, token_rows)
+
+
+def decode_slots(table: torch.Tensor, rows: torch.Tensor, kv_lens: torch.Tensor, page_size: int,
+                 positions: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor) -> None:
+    """A decode step's positions and k/v slots written in place from the device table, the rows and their
+    lengths (graph-capturable: the CUDA-graph prologue runs it)."""
+    positions.copy_(kv_lens - 1)
+    pages.copy_(table[rows, positions // page_size])
+    offsets.copy_(positions % page_size)
 
 
 def build_meta(spans: list[tuple[list[int], int, int]], page_size: int, device: torch.device) -> StepMeta:

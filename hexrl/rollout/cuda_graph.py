@@ -11,17 +11,18 @@ size list), and all graphs share one memory pool, one float and one int FlashInf
 Only one graph replays at a time, so sharing is safe.
 
 A decode step replays three graphs of its size: the prologue (token ids = each slot's last sample,
-positions = context lengths - 1, from the step's one host-to-device copy of slots and lengths
-into `inputs`), the forward pass (into the logits buffer), and a sampling head: argmax for
-all-greedy steps, else the sampler without or with its top-k/top-p search (sampler.GREEDY /
-PLAIN / FILTERED), which also records each slot's new last token. Padding rows use the sampling
-parameters' scratch slot. `run(meta, ids)` replays the forward pass alone, from given ids.
+positions = context lengths - 1 and the k/v slots gathered from the fixed-width page table, from
+the step's one host-to-device copy of slots and lengths into `inputs`), the forward pass (into the
+logits buffer), and a sampling head: argmax for all-greedy steps, else the sampler without or with
+its top-k/top-p search (sampler.GREEDY / PLAIN / FILTERED), which also records each slot's new last
+token. Padding rows use the sampling parameters' scratch slot and the table's padding row (the
+scratch page). `run(meta, ids)` replays the forward pass alone, from given ids.
 """
 from __future__ import annotations
 
 import torch
 
-from .attention import StepMeta, build_meta
+from .attention import StepMeta, build_meta, decode_slots
 from .flashinfer_backend import GraphDecodeAttention
 from .pages import PagePool
 from .sampler import FILTERED, GREEDY, PLAIN, SlotParams
@@ -90,8 +91,11 @@ class DecodeGraphs:
     """Captured decode graphs for a whole model (TP = 1) over one page pool."""
 
     def __init__(self, model: torch.nn.Module, pool: PagePool, heads: tuple[int, int, int],
-                 workspace: torch.Tensor, int_workspace: torch.Tensor, batch_sizes: list[int], params: SlotParams):
-        self.model, self.pool, self.heads, self.params = model, pool, heads, params
+                 workspace: torch.Tensor, int_workspace: torch.Tensor, batch_sizes: list[int], params: SlotParams,
+                 table: torch.Tensor):
+        """`table`: the engine's fixed-width page table (`pages.BlockTable.table`, with its padding row at
+        `params.pad_slot`); the prologue gathers each step's k/v slots from it."""
+        self.model, self.pool, self.heads, self.params, self.table = model, pool, heads, params, table
         self.workspace, self.int_workspace = workspace, int_workspace
         self.batch_sizes = sorted(set(batch_sizes))
         vocab = model.lm_head.weight.shape[0]  # this rank's vocab slice
@@ -118,7 +122,8 @@ class DecodeGraphs:
 
         def prologue() -> None:
             ids.copy_(self.params.last_token[rows])
-            positions.copy_(kv_lens - 1)
+            decode_slots(self.table, rows, kv_lens, self.pool.page_size, positions, attn.slots.pages,
+                         attn.slots.offsets)
 
         def head(mode: int):
             def sample() -> None:
@@ -156,8 +161,9 @@ class DecodeGraphs:
         return self.buffers.logits[:b]
 
     def plan(self, meta: StepMeta, bs: int) -> None:
-        """Plan the attention of size bs's graph for this decode step (before `replay`)."""
-        self.graphs[bs][1].plan(meta)
+        """Plan the attention of size bs's graph for this decode step (before `replay`, whose prologue
+        writes the k/v slots)."""
+        self.graphs[bs][1].plan(meta, slots=False)
 
     def replay(self, bs: int, b: int, mode: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A planned decode step of b <= bs sequences whose slots and lengths are already in

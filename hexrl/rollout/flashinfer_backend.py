@@ -120,9 +120,10 @@ class GraphDecodeAttention:
         )
         self.wrapper.reset_workspace_buffer(workspace, int_workspace)
 
-    def plan(self, meta: StepMeta) -> None:
+    def plan(self, meta: StepMeta, slots: bool = True) -> None:
         """Point the static buffers at this step's decode batch (B <= batch_size rows; the rest are
-        padding on the pool's scratch page); call before replaying the graph."""
+        padding on the pool's scratch page); call before replaying the graph. `slots=False`: the graph's
+        prologue writes the k/v slots itself (`attention.decode_slots`)."""
         b = len(meta.q_lens)
         if b > self.batch_size or not meta.is_decode:
             raise ValueError(f"graph decode expects <= {self.batch_size} one-token rows, got q_lens={meta.q_lens}")
@@ -131,10 +132,11 @@ class GraphDecodeAttention:
         csr = pad_csr(meta.csr(self.indices), self.batch_size, self.pool.scratch_page, self.indices)
         self.wrapper.plan(csr["kv_indptr"], csr["kv_indices"], csr["kv_last_page_len"], *self.heads,
                           meta.page_size, q_data_type=self.dtype, kv_data_type=self.dtype)
-        self.slots.pages[:b].copy_(meta.slot_pages, non_blocking=True)
-        self.slots.pages[b:].fill_(self.pool.scratch_page)
-        self.slots.offsets[:b].copy_(meta.slot_offsets, non_blocking=True)
-        self.slots.offsets[b:].zero_()
+        if slots:
+            self.slots.pages[:b].copy_(meta.slot_pages, non_blocking=True)
+            self.slots.pages[b:].fill_(self.pool.scratch_page)
+            self.slots.offsets[:b].copy_(meta.slot_offsets, non_blocking=True)
+            self.slots.offsets[b:].zero_()
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         cache = self.pool.layer(layer)

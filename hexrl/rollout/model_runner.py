@@ -116,7 +116,7 @@ class ModelRunner:
             sizes = self.config.graph_batch_sizes or default_batch_sizes(self.max_running)
             with torch.no_grad():
                 graphs = DecodeGraphs(self.model, self.pool, self.heads, workspace, backend.int_workspace,
-                                      list(sizes), self.params)
+                                      list(sizes), self.params, self.tables.table)
         return backend, graphs
 
     def drop_packed(self) -> None:

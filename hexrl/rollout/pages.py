@@ -79,11 +79,14 @@ class BlockTable:
     host-to-device copy (`take` -> flat indices and pages) and scatters them in (`apply`). Freed
     pages need no clearing: entries past a sequence's length are stale and never read."""
 
-    def __init__(self, rows: int, device: str | torch.device, width: int):
+    def __init__(self, rows: int, device: str | torch.device, width: int, pad_page: int | None = None):
+        """`pad_page`: add one more row (index `rows`), all `pad_page`: the pages of CUDA-graph padding rows."""
         if not isinstance(width, int) or width < 1:
             raise ValueError(f"BlockTable: width must be a positive integer, got {width!r}")
         self.width = width
-        self.table = torch.zeros(rows, width, dtype=torch.int32, device=device)
+        self.table = torch.zeros(rows + (pad_page is not None), width, dtype=torch.int32, device=device)
+        if pad_page is not None:
+            self.table[rows] = pad_page
         self._index: list[int] = []  # flat positions row * width + col
         self._pages: list[int] = []
 

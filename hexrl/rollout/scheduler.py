@@ -41,7 +41,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[Sequence, None] = {}  # an ordered set, in admission order: the newest last
         width = pool.num_pages if max_seq_len is None else min(pool.num_pages, pages_for(max_seq_len, pool.page_size))
-        self.tables = BlockTable(self.max_running, pool.kv[0].device, width)
+        self.tables = BlockTable(self.max_running, pool.kv[0].device, width, pad_page=pool.scratch_page)
         self.admitted: list[Sequence] = []  # sequences given a slot by the last schedule()
         self._all_decoding = True  # after the last step, every running sequence has one uncached token
         self.preemptions = 0
