@@ -194,6 +194,19 @@ def test_resume_with_other_stages_is_refused_before_launch(tmp_path, capsys):
     assert len(found) == 1 and "saved with stages" in found[0], found
 
 
+@pytest.mark.parametrize("layout", [{"dp": 10 ** 9, "stages": [{"tp": 1}]}, {"dp": 1, "stages": [{"tp": 0}]},
+                                    {"dp": -1, "stages": [{"tp": 1}]}])
+def test_a_damaged_layout_is_named_not_expanded(tmp_path, layout):
+    """A meta.json whose layout claims a billion ranks (or none) is corrupt: named at once, never
+    turned into a billion file names."""
+    d = tmp_path / "step00000001"
+    d.mkdir()
+    (d / "meta.json").write_text(json.dumps({"version": 1, "layout": layout}))
+    (d / "extra.json").write_text(json.dumps({"step": 1}))
+    found = ckpt.incomplete(d)
+    assert len(found) == 1 and "meta.json" in found[0] and "malformed" in found[0], found
+
+
 def damage_header(path: Path) -> None:
     path.write_bytes((10 ** 15).to_bytes(8, "little") + path.read_bytes()[8:])
 

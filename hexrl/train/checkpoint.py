@@ -227,6 +227,9 @@ def _torch_load(path: Path, **kw):
         raise CheckpointError(f"{path}: corrupt or truncated ({type(e).__name__}: {str(e)[:200]})") from None
 
 
+MAX_RANKS = 1 << 16  # a saved layout with more trainer ranks is damaged (and would list billions of files)
+
+
 def expected_files(layout) -> list[str]:
     """The shard and RNG files of a checkpoint saved with `layout` (its meta.json's "layout");
     ValueError when that is malformed."""
@@ -234,6 +237,8 @@ def expected_files(layout) -> list[str]:
         dp, stages = int(layout["dp"]), [int(st["tp"]) for st in layout["stages"]]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"layout {str(layout)[:200]} is malformed ({type(e).__name__}: {e})") from None
+    if not 1 <= dp * sum(stages) <= MAX_RANKS or min(stages, default=0) < 1:  # a damaged file, not a job
+        raise ValueError(f"layout dp={dp}, stage tp={stages[:8]} is malformed (1 to {MAX_RANKS} ranks expected)")
     return [f for s, tp in enumerate(stages) for t in range(tp)
             for f in [f"model-s{s}-tp{t}.pt"] + [f"rng-s{s}-dp{d}-tp{t}.pt" for d in range(dp)]]
 
