@@ -40,6 +40,7 @@ class GPU:
     # profile keys: absent -> 0, so the shipped H100.json and every plan priced without them are unchanged
     train_overhead_s: float = 0.0
     train_fwd_overhead_s: float = 0.0
+    optimizer_overhead_s: float = 0.0  # fixed seconds of one optimizer step (the same: fitted, optional)
     mem_util: float = 0.90  # fraction of HBM the engines may use
     train_scale_loss: float = 0.0  # training efficiency lost per doubling of the trainer past one node
 

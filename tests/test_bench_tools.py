@@ -24,7 +24,8 @@ from hexrl.gpus import CATALOGUE, GPU, SHIPPED_PROFILES, gpu, read_profile  # no
 from hexrl.plan.cost import CostModel  # noqa: E402
 
 PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
-                "train_mfu", "host_s_per_sample", "control_s_per_sample", "train_overhead_s", "train_fwd_overhead_s"}
+                "train_mfu", "host_s_per_sample", "control_s_per_sample", "train_overhead_s", "train_fwd_overhead_s",
+                "optimizer_overhead_s"}
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +69,22 @@ def test_bench_kernels_writes_a_profile_the_planner_reads(cpu_profile, monkeypat
     assert planned.train_overhead_s == profile["train_overhead_s"] == max(0.0, fit["fit"]["a"]) >= 0
     assert planned.train_fwd_overhead_s == profile["train_fwd_overhead_s"] == max(0.0, fit["fit"]["forward_a"]) >= 0
     assert all(r["seconds"] > 0 and r["forward_s"] > 0 for r in fit["points"])
+    # an optimizer step's: the whole model's, then its first layer's
+    full, layer = profile["optimizer"]
+    assert full["params"] > layer["params"] > 0 and full["seconds"] > 0 and layer["seconds"] > 0
+    assert planned.optimizer_overhead_s == profile["optimizer_overhead_s"] == bench_kernels.optimizer_fit(
+        profile["optimizer"]) >= 0
 
 
 def test_line_fit_by_hand():
     """The overhead fit: y = 2 + 3x exactly, and a least-squares line through (0, 1), (1, 2), (2, 4)."""
     assert bench_kernels.line_fit([1.0, 4.0, 10.0], [5.0, 14.0, 32.0]) == pytest.approx((2.0, 3.0))
     assert bench_kernels.line_fit([0.0, 1.0, 2.0], [1.0, 2.0, 4.0]) == pytest.approx((5 / 6, 1.5))
+    # the optimizer's: 1 ms + 1 ns a parameter through 1e6 and 1e5 parameters; a negative intercept is 0
+    rows = [{"params": 10**6, "seconds": 2e-3}, {"params": 10**5, "seconds": 1.1e-3}]
+    assert bench_kernels.optimizer_fit(rows) == pytest.approx(1e-3)
+    assert bench_kernels.optimizer_fit([{"params": 10**6, "seconds": 2e-3}, {"params": 10**5, "seconds": 1e-4}]) == 0
+    assert bench_kernels.optimizer_fit(rows[:1]) == 0
 
 
 def test_compare_cost_model_prints_errors(cpu_profile, capsys):

@@ -152,11 +152,13 @@ def test_training_flops_and_time_by_hand():
 
 def test_a_measured_train_overhead_adds_its_seconds_per_micro_batch_pass(tmp_path, monkeypatch):
     """A profile's train_overhead_s (per fwd+bwd of a micro-batch) and train_fwd_overhead_s (per
-    forward-only pass) add exactly that per micro-batch to a stage's time; without them, nothing.
+    forward-only pass) add exactly that per micro-batch to a stage's time, optimizer_overhead_s that
+    per optimizer step (one per PPO minibatch, on every stage); without them, nothing.
     40192 tokens a step (8 x 4 x 1256), 4 PPO minibatches, micro-batches of 4096 tokens: per minibatch
     ceil(10048 / 4096) = 3 on one replica, ceil(5024 / 4096) = 2 on each of 2 DP replicas; each runs
     fwd+bwd and the proximal forward (and with recompute one forward more); pp 2 adds its bubble slot."""
-    (tmp_path / "H20.json").write_text(json.dumps({"train_overhead_s": 0.01, "train_fwd_overhead_s": 0.004}))
+    keys = {"train_overhead_s": 0.01, "train_fwd_overhead_s": 0.004, "optimizer_overhead_s": 0.003}
+    (tmp_path / "H20.json").write_text(json.dumps(keys))
     monkeypatch.setenv("HEXRL_PROFILES", str(tmp_path))
     j = fixed_job("H20", 256, 1000)
     plain, measured = CostModel(j, use_profiles=False), CostModel(j)
@@ -167,21 +169,23 @@ def test_a_measured_train_overhead_adds_its_seconds_per_micro_batch_pass(tmp_pat
         assert b.per_layer == a.per_layer and b.max_layers == a.max_layers
         return b.fixed - a.fixed
 
-    assert extra(1, 1, 1, 0, 1, None, False) == pytest.approx(4 * 3 * (0.01 + 0.004), rel=1e-12)
-    assert extra(1, 1, 1, 0, 1, None, True) == pytest.approx(4 * 3 * (0.01 + 2 * 0.004), rel=1e-12)
-    assert extra(1, 2, 1, 0, 1, None, False) == pytest.approx(4 * 2 * (0.01 + 0.004), rel=1e-12)
-    assert extra(1, 1, 2, 0, 1, 450.0, False) == pytest.approx(4 * (3 + 1) * (0.01 + 0.004), rel=1e-12)
+    opt = 4 * 0.003  # 4 optimizer steps
+    assert extra(1, 1, 1, 0, 1, None, False) == pytest.approx(4 * 3 * (0.01 + 0.004) + opt, rel=1e-12)
+    assert extra(1, 1, 1, 0, 1, None, True) == pytest.approx(4 * 3 * (0.01 + 2 * 0.004) + opt, rel=1e-12)
+    assert extra(1, 2, 1, 0, 1, None, False) == pytest.approx(4 * 2 * (0.01 + 0.004) + opt, rel=1e-12)
+    assert extra(1, 1, 2, 0, 1, 450.0, False) == pytest.approx(4 * (3 + 1) * (0.01 + 0.004) + opt, rel=1e-12)
+    assert extra(1, 1, 2, 1, 1, None, False) == pytest.approx(4 * (3 + 1) * (0.01 + 0.004) + opt, rel=1e-12)
     # no proximal forward (decoupled off): fwd+bwd only
     naive, naive_measured = CostModel(fixed_job("H20", 256, 1000, decoupled=False), use_profiles=False), CostModel(
         fixed_job("H20", 256, 1000, decoupled=False))
     a, b = (cm.stage_coeffs("H20", 1, 1, 1, 0, 1, None, False) for cm in (naive, naive_measured))
-    assert b.fixed - a.fixed == pytest.approx(4 * 3 * 0.01, rel=1e-12)
+    assert b.fixed - a.fixed == pytest.approx(4 * 3 * 0.01 + opt, rel=1e-12)
 
 
 def test_profiles_without_a_train_overhead_price_training_as_before():
     """The shipped H100 profile has no train_overhead_s: the planner reads none, the GPU's is 0."""
     assert "train_overhead_s" not in read_profile("H100", SHIPPED_PROFILES)
-    assert gpu("H100").train_overhead_s == 0 == gpu("H100").train_fwd_overhead_s
+    assert gpu("H100").train_overhead_s == gpu("H100").train_fwd_overhead_s == gpu("H100").optimizer_overhead_s == 0
 
 
 def test_a_tied_model_on_one_stage_holds_one_matrix_for_embedding_and_head():

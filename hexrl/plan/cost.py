@@ -208,6 +208,7 @@ class CostModel:
         # forward-only pass: proximal/reference log-probs, recompute), k * mb of them; 0 without a profile
         # that has them. Measured on a whole model: a pipeline stage holding fewer layers errs slow
         fixed = bubble * k * mb * (g.train_overhead_s + (w.extra_fwd + int(recompute)) * g.train_fwd_overhead_s)
+        fixed += k * g.optimizer_overhead_s  # and each of the k optimizer steps' (measured, else 0)
         if index == pp - 1:  # output head (vocab-parallel) and its log-softmax
             fixed += bubble * passes * 2 * self.head_params() * tok / flops
         edge_params = self.edge_params(index, pp)

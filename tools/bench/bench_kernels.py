@@ -13,7 +13,7 @@ the catalogue keys the planner reads (hexrl/plan/catalogue.py: measured hbm_TBps
 hbm_GB, and hbm_efficiency / decode_mfu / decode_overhead_s / prefill_mfu / train_mfu fitted
 through the planner's own cost model by tools/bench/compare_cost_model.py; train_overhead_s and
 train_fwd_overhead_s, a training micro-batch's fixed cost: the intercepts of fwd+bwd and forward
-time against tokens). On CPU the profile is
+time against tokens; optimizer_overhead_s, an optimizer step's, against parameters). On CPU the profile is
 written only when --out is given; the CPU "bf16" peak is an fp32 matmul (the CPU path runs fp32).
 """
 from __future__ import annotations
@@ -373,11 +373,25 @@ def host_point(groups: int = 64, group: int = 8, prompt_len: int = 12, out_len: 
 
 def optimizer_point(model: Decoder) -> list[dict]:
     """Seconds of one trainer optimizer step (hexrl.train.optim.AdamW: fused AdamW on float32
-    masters from float32 main_grad, then the copy back into the compute-dtype weights)."""
+    masters from float32 main_grad, then the copy back into the compute-dtype weights): over the
+    whole model, then over its first layer alone (the two fit the step's fixed part, optimizer_fit)."""
+    first = next(iter(model.model.layers.values()))
+    return [_optimizer_seconds(list(model.parameters())), _optimizer_seconds(list(first.parameters()))]
+
+
+def optimizer_fit(rows: list[dict]) -> float:
+    """An optimizer step's fixed seconds: the intercept of time = a + b * params through the rows
+    (clamped at 0, timing noise can push a tiny one below); 0 with fewer than two sizes."""
+    if len({r["params"] for r in rows}) < 2:
+        return 0.0
+    return max(0.0, line_fit([float(r["params"]) for r in rows], [r["seconds"] for r in rows])[0])
+
+
+def _optimizer_seconds(params: list[torch.Tensor]) -> dict:
+    """{"params", "seconds"} of one AdamW step over `params` (zero float32 main_grads)."""
     from hexrl.train.optim import AdamW
 
-    device = next(model.parameters()).device
-    params = list(model.parameters())
+    device = params[0].device
     for p in params:
         p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=device)
     try:
@@ -389,7 +403,7 @@ def optimizer_point(model: Decoder) -> list[dict]:
             del p.main_grad
         opt = None
         free_memory(device)
-    return [{"params": n, "seconds": seconds}]
+    return {"params": n, "seconds": seconds}
 
 
 def sampling_points(batches, vocab: int, dtype: torch.dtype, device: torch.device) -> list[dict]:
@@ -508,7 +522,7 @@ def table(m: dict, cfg: ModelConfig, elem: int, datasheet) -> list[tuple[str, st
                      f"{roof * 1e6:.3f} us/tok", roof / r["s_per_token"]))
     for r in m["optimizer"]:
         roof = r["params"] * 32 / bw  # read + write fp32 master, grad, Adam m and v
-        rows.append(("optimizer step", f"{r['params'] / 1e6:.0f}M params", f"{r['seconds'] * 1e3:.2f} ms",
+        rows.append(("optimizer step", f"{r['params']:.3g} params", f"{r['seconds'] * 1e3:.2f} ms",
                      f"{roof * 1e3:.2f} ms", roof / r["seconds"]))
     for r in m["sampling"]:
         roof = r["batch"] * r["vocab"] * elem / bw
@@ -593,6 +607,8 @@ def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelCon
         profile["train_overhead"] = m["overhead"]  # raw points and fit
         profile["train_overhead_s"] = m["overhead"]["train_overhead_s"]
         profile["train_fwd_overhead_s"] = m["overhead"]["train_fwd_overhead_s"]
+    if m["optimizer"]:
+        profile["optimizer_overhead_s"] = optimizer_fit(m["optimizer"])
     if m["host"]:
         profile["host_s_per_sample"] = m["host"]["s_per_sample"]
     if m["control"]:
@@ -649,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{what:<18}{point:<22}{meas:>18}{roof:>26}{ratio:>9.1%}")
     keys = {k: profile[k] for k in ("hbm_GB", "hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu",
                                     "decode_overhead_s", "prefill_mfu", "train_mfu", "train_overhead_s",
-                                    "train_fwd_overhead_s", "host_s_per_sample", "control_s_per_sample")
+                                    "train_fwd_overhead_s", "optimizer_overhead_s", "host_s_per_sample",
+                                    "control_s_per_sample")
             if k in profile}
     print("planner keys: " + ", ".join(f"{k}={v:.4g}" for k, v in keys.items()))
     out = args.out or ("profiles" if cuda else None)
