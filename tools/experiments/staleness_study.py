@@ -162,12 +162,11 @@ def targets(rows: dict[str, dict], lrs: list[float]) -> list[str]:
 
 
 def tables(rows: list[dict]) -> str:
-    n = rows[0]["seeds"]
     lines = [f"| config | seeds | held-out, last step | held-out, mean over the run | step / wall s to {TARGET:.0%} "
              "| trained traj/s | trainer wait | training s / step |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['name']} | {r['seeds']} | {fmt(r['final'])} | {fmt(r['average'])} | "
-                     f"{fmt(r['step_target'], '.0f', n)} / {fmt(r['wall_target'], '.0f', n)} | "
+                     f"{fmt(r['step_target'], '.0f', r['seeds'])} / {fmt(r['wall_target'], '.0f', r['seeds'])} | "
                      f"{fmt(r['traj_per_s'], '.0f')} | {fmt(r['trainer_wait'], '.2f')} | {fmt(r['train_s'], '.2f')} |")
     lag_head = " | ".join(f"lag {k}" for k in range(LAGS)) + f" | lag {LAGS}+"
     lines += ["", "Per-step staleness metrics, mean over the run (then over seeds): the trained tokens' lag "
