@@ -17,9 +17,14 @@ LOG_W_EDGES = (torch.arange(-300, 302, dtype=torch.float64) - 0.5) * BIN  # -3.0
 NUM_BINS = len(LOG_W_EDGES) + 1  # (-inf, e0), [e0, e1), ..., [e_last, inf)
 
 
+_EDGES: dict[torch.device, torch.Tensor] = {}  # the edges on each device, copied once
+
+
 def log_w_counts(w: torch.Tensor) -> torch.Tensor:
     """float64 counts of log(w) per bin (length NUM_BINS), on w's device, without a host sync."""
-    edges = LOG_W_EDGES.to(w.device)
+    edges = _EDGES.get(w.device)
+    if edges is None:
+        edges = _EDGES[w.device] = LOG_W_EDGES.to(w.device)
     index = torch.bucketize(w.detach().double().log(), edges, right=True)
     counts = torch.zeros(NUM_BINS, dtype=torch.float64, device=w.device)
     return counts.index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=torch.float64, device=w.device))
