@@ -202,3 +202,14 @@ def test_staleness_study_aggregates_lags_gaps_and_the_targets(tmp_path):
     assert "gap +1.0 points (within 2)" in text  # 0.90 - 0.89 at the last step
     assert "gap +5.0 points (NOT within 2)" in text  # 0.817 - 0.767 on average
     assert "4 vs 8, 0.50x (meets <= 0.7x)" in text
+
+
+@pytest.mark.gpu
+def test_gpu_log_w_counts_match_the_cpu_counts():
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    w = torch.exp(torch.randn(100_000, generator=torch.Generator().manual_seed(0)) * 0.3)
+    w[:10] = torch.tensor([0.0, 1e-3, 1e3, 1.0, 5.0, 5.0001, 0.5, 2.0, 1.005, 0.995])  # open bins and near edges
+    got = log_w_counts(w.cuda())
+    assert got.device.type == "cuda"
+    torch.testing.assert_close(got.cpu(), log_w_counts(w.double()), rtol=0, atol=0)
