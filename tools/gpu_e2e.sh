@@ -10,7 +10,9 @@
 #   bash tools/gpu_e2e.sh          # on the GPU machine (tools/gpu_check.sh's `e2e` stage runs it)
 #   bash tools/gpu_e2e.sh --cpu    # the same pipeline on CPU as a smoke run: two ranks declaring one device,
 #                                  # a short warm start, 4 steps of a small batch (one_gpu.py job --small)
-# Environment: RUN (run directory), STEPS (GRPO steps), PYTHON.
+# Environment: RUN (run directory), STEPS (GRPO steps), PYTHON; PROFILE=1 first measures the warm-started
+# model's own shape with bench_kernels --quick (its fixed per-pass costs dominate a tiny model's step) and
+# plans and simulates with that profile (RUN/profiles), at the price of the bench's time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 START=$(date +%s)
@@ -36,6 +38,11 @@ rm -rf "$RUN"
 mkdir -p "$RUN"
 echo "== warm start on $DEVICE ($(( $(date +%s) - START ))s)"
 "$PY" tools/warm_start.py "$RUN/model" --device "$DEVICE" "${WARM[@]}" | tail -3
+if [ "${PROFILE:-0}" = 1 ]; then
+  echo "== profile the model's own shape: bench_kernels --quick ($(( $(date +%s) - START ))s)"
+  "$PY" tools/bench/bench_kernels.py --config "$RUN/model" --quick --out "$RUN/profiles" | tail -2
+  export HEXRL_PROFILES=$RUN/profiles
+fi
 echo "== plan: trainer and rollout colocated on one $GPU ($(( $(date +%s) - START ))s)"
 "$PY" tools/one_gpu.py job tools/configs/one_gpu.json "$RUN" "$GPU" $( (( CPU )) && echo --small) >/dev/null
 "$PY" -m hexrl.plan "$RUN/job.json" -o "$RUN/plan.json"
