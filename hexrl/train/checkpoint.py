@@ -237,7 +237,7 @@ def expected_files(layout) -> list[str]:
         dp, stages = int(layout["dp"]), [int(st["tp"]) for st in layout["stages"]]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"layout {str(layout)[:200]} is malformed ({type(e).__name__}: {e})") from None
-    if not 1 <= dp * sum(stages) <= MAX_RANKS or min(stages, default=0) < 1:  # a damaged file, not a job
+    if dp < 1 or min(stages, default=1) < 1 or dp * sum(stages) > MAX_RANKS:  # a damaged file, not a job
         raise ValueError(f"layout dp={dp}, stage tp={stages[:8]} is malformed (1 to {MAX_RANKS} ranks expected)")
     return [f for s, tp in enumerate(stages) for t in range(tp)
             for f in [f"model-s{s}-tp{t}.pt"] + [f"rng-s{s}-dp{d}-tp{t}.pt" for d in range(dp)]]
