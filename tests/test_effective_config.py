@@ -10,8 +10,7 @@ from test_plan import hetero_job
 
 from hexrl.model.tiny import make_tiny_model
 from hexrl.plan.cost import MIN_MICRO_TOKENS, CostModel
-from hexrl.plan.fixed import plan_candidate
-from hexrl.plan.planner import plan_job
+from hexrl.plan.planner import plan_candidate, plan_job
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.train import TrainConfig
 

@@ -135,7 +135,7 @@ def test_a_plan_recosts_to_its_own_prediction(eta):
     the planner's own prediction. (At eta = 1 it did not: each replica's running batch was capped
     at an even part of the gate's (eta + 1) * B * G, not its share, so the 2-GPU H800 replica was
     costed at 114 running sequences instead of the 256 the planner gave it.)"""
-    from hexrl.plan.fixed import plan_candidate
+    from hexrl.plan.planner import plan_candidate
     plan = plan_job(load_job(hetero_job(eta)), use_profiles=False)
     cand = plan_candidate(CostModel(plan.job, use_profiles=False), plan)
     assert cand.step_s == pytest.approx(plan.predicted["step_time_s"], rel=1e-3)

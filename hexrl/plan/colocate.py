@@ -148,10 +148,9 @@ def colocated_candidate(cm: CostModel, gpu_type: str, layers: list[int] | None =
     return Candidate((1,), train, roll, train.time_s, gen, reward, sync, step, stretch=k, device_busy=u)
 
 
-def plan_colocated(job: Job, use_profiles: bool = True):
-    """The colocated plan: the memory split with the fastest predicted step."""
-    from hexrl.plan.planner import colocated_plan  # materialize lives with the planner
-
+def best_colocated(job: Job, use_profiles: bool = True) -> tuple[CostModel, Candidate, Job]:
+    """The memory split with the fastest predicted step: its cost model, candidate, and the job with
+    its colocate section filled in (hexrl/plan/planner.py turns them into the plan)."""
     p = job_problems(job)
     if p:
         raise ConfigError(p, "invalid colocated job")
@@ -170,7 +169,7 @@ def plan_colocated(job: Job, use_profiles: bool = True):
     if best is None:
         raise ConfigError([_no_fit(job, gpu_type)], "infeasible job")
     cm, split, cand = best
-    return colocated_plan(cm, cand, replace(job, colocate=split.colocate()))
+    return cm, cand, replace(job, colocate=split.colocate())
 
 
 def _no_fit(job: Job, gpu_type: str) -> str:
@@ -183,7 +182,7 @@ def _no_fit(job: Job, gpu_type: str) -> str:
             "model, a GPU with more memory, or other fractions")
 
 
-def plan_candidate(cm: CostModel, plan) -> Candidate:
+def recost(cm: CostModel, plan) -> Candidate:
     """The candidate a colocated plan describes (to simulate it): its split, its layers."""
     col = plan.job.colocate
     apply_split(cm, Split(col.kv_fraction, col.train_fraction, col.rollout_fraction))

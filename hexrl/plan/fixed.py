@@ -32,12 +32,8 @@ def fixed_candidate(cm: CostModel, layout: dict) -> Candidate:
     return candidate(cm, per_node, tplan, rplan)
 
 
-def plan_candidate(cm: CostModel, plan: Plan) -> Candidate:
-    """The candidate a finished plan describes, to cost (or simulate) exactly this placement."""
-    if plan.job.colocate is not None:
-        from hexrl.plan.colocate import plan_candidate as colocated  # it builds on this module
-
-        return colocated(cm, plan)
+def recost(cm: CostModel, plan: Plan) -> Candidate:
+    """The candidate a finished (not colocated) plan describes, to cost exactly this placement."""
     t, p = plan.trainer, []
     chunks = [(st.gpu_type, st.tp, [divmod(r, cm.gpn) for r in t.stage_ranks(s)]) for s, st in enumerate(t.stages)]
     tplan = _train_plan(cm, chunks, t.dp, [b - a for a, b in (st.layers for st in t.stages)], p)

@@ -1,12 +1,10 @@
 """The planner: job -> plan. Checks feasibility, runs the two-phase search (or a baseline,
 or fills in a user-fixed layout) and writes ranks, trainer grid, replicas and predictions."""
 
-from hexrl.plan import baselines, partition
+from hexrl.plan import baselines, colocate, fixed, partition
 from hexrl.plan.budget import affordable_subsets
 from hexrl.plan.candidate import Candidate, Evaluator
-from hexrl.plan.colocate import plan_colocated
 from hexrl.plan.cost import CostModel
-from hexrl.plan.fixed import fixed_candidate
 from hexrl.plan.knobs import replica_knobs, train_knobs
 from hexrl.schema import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout
 
@@ -55,6 +53,11 @@ def search(cm: CostModel, method: str = "two-phase") -> tuple[Candidate, dict]:
     return best, info
 
 
+def plan_candidate(cm: CostModel, plan: Plan) -> Candidate:
+    """The candidate a finished plan describes, to cost (or simulate) exactly this placement."""
+    return colocate.recost(cm, plan) if plan.job.colocate is not None else fixed.recost(cm, plan)
+
+
 def plan_job(job: Job, method: str = "two-phase", use_profiles: bool = True) -> Plan:
     """Plan a job: a fixed layout if the job has one, else the search `method`.
 
@@ -65,7 +68,7 @@ def plan_job(job: Job, method: str = "two-phase", use_profiles: bool = True) -> 
         if job.budget is not None and job.price_per_hour() > job.budget + 1e-9:
             raise ConfigError([f"budget: the one GPU costs ${job.price_per_hour():.2f}/h, over the budget "
                                f"${job.budget:.2f}/h; raise the budget"], "infeasible job")
-        return plan_colocated(job, use_profiles)
+        return colocated_plan(*colocate.best_colocated(job, use_profiles))
     if job.budget is not None and job.price_per_hour() > job.budget + 1e-9:
         return _plan_within_budget(job, method, use_profiles)
     return _plan(job, method, use_profiles)
@@ -101,7 +104,7 @@ def _plan(job: Job, method: str, use_profiles: bool) -> Plan:
     if problems:
         raise ConfigError(problems, "infeasible job")
     if job.layout is not None:
-        cand, info = fixed_candidate(cm, job.layout), {"method": "fixed layout"}
+        cand, info = fixed.fixed_candidate(cm, job.layout), {"method": "fixed layout"}
     else:
         cand, info = search(cm, method)
     return materialize(cm, cand, info)

@@ -30,7 +30,7 @@ from hexrl.control.buffer import ReplayBuffer
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.plan.cost import CostModel
-from hexrl.plan.fixed import plan_candidate
+from hexrl.plan.planner import plan_candidate
 from hexrl.schema import Plan
 from hexrl.trajectory import Trajectory
 
