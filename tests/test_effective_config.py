@@ -84,7 +84,8 @@ def expected(plan: dict) -> dict:
     """What effective_config.json must hold: the plan's values under the plan's key names."""
     train = {k: plan["trainer"][k] for k in ("activation_checkpointing", "micro_batch_tokens", "dtype",
                                               "grad_reduce_dtype")}
-    train.update({k: plan["rl"][k] for k in ("lr", "grad_clip", "warmup_steps", "weight_decay", "ppo_minibatches")})
+    train.update({k: plan["rl"][k] for k in ("lr", "grad_clip", "warmup_steps", "lr_decay_steps", "lr_final_frac",
+                                           "weight_decay", "ppo_minibatches")})
     keys = ("id", "max_running", "max_batch_tokens", "kv_pages", "page_size", "dtype")
     return {"train": train, "rollout": {"replicas": [{k: r[k] for k in keys} for r in plan["rollout"]["replicas"]]},
             "groups": expected_groups(plan)}
@@ -106,7 +107,7 @@ def test_effective_config_equals_the_plan(tmp_path, which):
         path = demo_plan(tmp_path)
     else:
         path = write_job(tmp_path, runtime={"trainer": {"activation_checkpointing": True}}, warmup_steps=3,
-                         weight_decay=0.01, grad_clip=0.5)
+                         lr_decay_steps=20, lr_final_frac=0.25, weight_decay=0.01, grad_clip=0.5)
     plan = json.loads(path.read_text())
     assert (plan["trainer"]["activation_checkpointing"] is True) == (which == "activation checkpointing")
     run = tmp_path / "run"

@@ -1,7 +1,7 @@
 """The knob values a run actually uses, written to RUN_DIR/effective_config.json by global rank 0.
 
     {"train": {activation_checkpointing, micro_batch_tokens, dtype, grad_reduce_dtype,
-               lr, grad_clip, warmup_steps, weight_decay, ppo_minibatches},
+               lr, grad_clip, warmup_steps, lr_decay_steps, lr_final_frac, weight_decay, ppo_minibatches},
      "rollout": {"replicas": [{id, max_running, max_batch_tokens, kv_pages, page_size, dtype}]},
      "groups": [{name, ranks, backend, weights?}],  # every process group, as torch made it
      "colocate": {kv_fraction, train_fraction, rollout_fraction}}  # only where the roles share a GPU
@@ -36,6 +36,7 @@ def train_values(trainer) -> dict:
     return {"activation_checkpointing": c.activation_checkpointing, "micro_batch_tokens": c.micro_batch_tokens,
             "dtype": dtype_name(trainer.dtype), "grad_reduce_dtype": dtype_name(trainer.grads.reduce_dtype),
             "lr": opt.lr, "grad_clip": c.grad_clip, "warmup_steps": opt.warmup_steps,
+            "lr_decay_steps": opt.decay_steps, "lr_final_frac": opt.final_frac,
             "weight_decay": opt.opt.param_groups[0]["weight_decay"], "ppo_minibatches": c.ppo_minibatches}
 
 

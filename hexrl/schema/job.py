@@ -164,6 +164,8 @@ class RLSpec:
     lr: float = 1e-6
     grad_clip: float | None = 1.0  # max global gradient norm; None = off
     warmup_steps: int = 0  # linear lr warm-up, in optimizer steps (ppo_minibatches per step)
+    lr_decay_steps: int = 0  # after warm-up, linear lr decay over this many optimizer steps; 0 = constant lr
+    lr_final_frac: float = 0.0  # the decay's end (and floor after it), as a fraction of lr
     weight_decay: float = 0.0  # AdamW, on matrices only
     max_new_tokens: int = 256
     temperature: float = 1.0
@@ -204,6 +206,8 @@ def _read_rl(r: Reader, d) -> RLSpec:
     clip = r.num(d, "grad_clip", w, x.grad_clip, lo=0, lo_open=True, none_ok=True)
     x.grad_clip = float(clip) if clip is not None else None
     x.warmup_steps = r.num(d, "warmup_steps", w, x.warmup_steps, integer=True, lo=0)
+    x.lr_decay_steps = r.num(d, "lr_decay_steps", w, x.lr_decay_steps, integer=True, lo=0)
+    x.lr_final_frac = float(r.num(d, "lr_final_frac", w, x.lr_final_frac, lo=0, hi=1))
     x.weight_decay = float(r.num(d, "weight_decay", w, x.weight_decay, lo=0))
     x.max_new_tokens = r.num(d, "max_new_tokens", w, x.max_new_tokens, integer=True, lo=1)
     x.temperature = float(r.num(d, "temperature", w, x.temperature, lo=0))

@@ -1,4 +1,5 @@
-"""AdamW on float32 master weights with linear warm-up, and gradient clipping by the global norm.
+"""AdamW on float32 master weights with linear warm-up (and an optional linear decay), and gradient
+clipping by the global norm.
 
 The model may compute in bf16; the optimizer keeps float32 masters (the model's own
 parameters when it computes in float32) and reads gradients from `param.main_grad` (the
@@ -22,8 +23,9 @@ class AdamW:
 
     def __init__(self, params: list[torch.nn.Parameter], lr: float, warmup_steps: int = 0,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 masters: list[torch.Tensor] | None = None):
-        """`masters`: float32 copies to start from (taken before the model was cast to bf16)."""
+                 masters: list[torch.Tensor] | None = None, decay_steps: int = 0, final_frac: float = 0.0):
+        """`masters`: float32 copies to start from (taken before the model was cast to bf16);
+        `decay_steps` > 0: after warm-up, lr falls linearly to `final_frac` * lr over that many steps."""
         self.params = list({id(p): p for p in params}.values())
         if masters is None:
             masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
@@ -33,6 +35,7 @@ class AdamW:
         pairs = [(p, m) for p, m in zip(self.params, masters) if m is not p]
         self._copies = ([p for p, _ in pairs], [m for _, m in pairs]) if pairs else None  # masters -> model
         self.lr, self.warmup_steps, self.steps = lr, warmup_steps, 0
+        self.decay_steps, self.final_frac = decay_steps, final_frac
         decay = [m for m in self.master if m.dim() >= 2]
         no_decay = [m for m in self.master if m.dim() < 2]
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
@@ -40,8 +43,15 @@ class AdamW:
                                      lr=lr, betas=betas, eps=eps, fused=True)  # CPU and CUDA alike
 
     def lr_at(self, step: int) -> float:
-        """Linear warm-up over the first `warmup_steps` optimizer steps, then constant."""
-        return self.lr * min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps > 0 else self.lr
+        """Linear warm-up over the first `warmup_steps` optimizer steps (step 0 at lr / warmup_steps),
+        then lr at step `warmup_steps`, falling linearly to `final_frac` * lr at step
+        `warmup_steps + decay_steps` and staying there (constant when `decay_steps` is 0)."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        if self.decay_steps <= 0:
+            return self.lr
+        done = min(1.0, (step - self.warmup_steps) / self.decay_steps)
+        return self.lr * (1.0 - (1.0 - self.final_frac) * done)
 
     def step(self, divisor: torch.Tensor | None = None, skip: torch.Tensor | None = None) -> float:
         """Apply one update from `main_grad` divided by `divisor` (a 0-dim device tensor, None: 1),

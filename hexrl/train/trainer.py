@@ -55,6 +55,8 @@ class TrainConfig:
 
     lr: float = 1e-6
     warmup_steps: int = 0  # linear warm-up, in optimizer steps (ppo_minibatches per train step)
+    lr_decay_steps: int = 0  # then linear decay to lr_final_frac * lr over this many optimizer steps; 0 = off
+    lr_final_frac: float = 0.0
     weight_decay: float = 0.0  # on matrices only
     betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = 1e-8
@@ -81,9 +83,11 @@ class TrainConfig:
         for k in ("lr", "micro_batch_tokens", "ppo_minibatches", "temperature", "bucket_mb", "logprob_chunk_rows"):
             if not getattr(self, k) > 0:
                 p.append(f"train.{k}: must be > 0, got {getattr(self, k)!r}")
-        for k in ("clip_low", "clip_high", "kl_coef", "warmup_steps", "weight_decay"):
+        for k in ("clip_low", "clip_high", "kl_coef", "warmup_steps", "lr_decay_steps", "weight_decay"):
             if not getattr(self, k) >= 0:
                 p.append(f"train.{k}: must be >= 0, got {getattr(self, k)!r}")
+        if not 0 <= self.lr_final_frac <= 1:
+            p.append(f"train.lr_final_frac: must be in [0, 1], got {self.lr_final_frac!r}")
         if self.clip_low >= 1:
             p.append(f"train.clip_low: must be < 1, got {self.clip_low}")
         if self.behav_cap is not None and not self.behav_cap > 0:
@@ -138,7 +142,8 @@ class Trainer:
             self.ref_model = self._load(model_path, self.dtype).requires_grad_(False)
         c = self.config
         self.grads = GradBuckets(self.params, self.grid.dp_group, c.bucket_mb, self.device)
-        self.optimizer = AdamW(self.params, c.lr, c.warmup_steps, c.betas, c.adam_eps, c.weight_decay, masters)
+        self.optimizer = AdamW(self.params, c.lr, c.warmup_steps, c.betas, c.adam_eps, c.weight_decay, masters,
+                               c.lr_decay_steps, c.lr_final_frac)
         self.version = 0
         self.last_logprobs: dict[int, torch.Tensor] = {}  # batch index -> θ log-probs (last stage)
         self._norm_params = self._counted_params()

@@ -70,10 +70,18 @@ def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a, seed: int |
         "rl": {"batch_size": a.batch, "group_size": a.group, "eta": eta, "lr": a.lr, "decoupled": decoupled,
                "ppo_minibatches": a.minibatches, "behav_cap": a.behav_cap,
                "max_new_tokens": ws["max_new_tokens"], "temperature": 1.0, "steps": a.steps,
-               "seed": a.seed if seed is None else seed, "eval_every": a.eval_every},
+               "seed": a.seed if seed is None else seed, "eval_every": a.eval_every,
+               **lr_decay(a)},
         **layout(a.shared_cores)[0],
         "out_dir": str(out / name),
     }
+
+
+def lr_decay(a) -> dict:
+    """--lr-final F: lr falls linearly to F * lr over the whole run (every optimizer step); none without it."""
+    if getattr(a, "lr_final", None) is None:
+        return {}
+    return {"lr_decay_steps": max(1, a.steps * a.minibatches - 1), "lr_final_frac": a.lr_final}
 
 
 def run_config(out: Path, job: dict, target: float, before=None) -> dict:
@@ -137,6 +145,7 @@ def main(argv=None) -> None:
     p.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps) per step")
     p.add_argument("--behav-cap", type=float, default=5.0, help="mask tokens with exp(p - b) above this")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr-final", type=float, help="decay lr linearly to this fraction of --lr by the last step")
     p.add_argument("--target", type=float, default=0.8, help="report the step and wall time to this accuracy")
     p.add_argument("--only", nargs="+", metavar="ETA:OBJ", help="run only these, e.g. 4:decoupled 0:naive")
     p.add_argument("--shared-cores", action="store_true",

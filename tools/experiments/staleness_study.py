@@ -253,6 +253,7 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps) per step")
     p.add_argument("--behav-cap", type=float, default=5.0)
+    p.add_argument("--lr-final", type=float, help="decay each LR linearly to this fraction of it by the last step")
     p.add_argument("--probe", type=int, default=32, help="held-out problems in the policy-KL probe (0 = off)")
     p.add_argument("--shared-cores", action="store_true", help="learning_run's old unpinned layout")
     p.add_argument("--smoke", action="store_true", help="8 steps, batch 16, one seed: checks the pipeline only")
@@ -285,7 +286,9 @@ def main(argv=None) -> None:
     by = {r["name"]: r for r in rows}
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
              else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, {a.minibatches} PPO mini-batches, "
-            f"clip 0.2, behaviour cap {a.behav_cap:g}, {lr.layout(a.shared_cores)[1]}; warm start "
+            f"clip 0.2, behaviour cap {a.behav_cap:g}, "
+            f"{f'lr decaying linearly to {a.lr_final:g} x lr by the last step, ' if a.lr_final is not None else ''}"
+            f"{lr.layout(a.shared_cores)[1]}; warm start "
             f"{ws['heldout_accuracy']:.3f} held-out ({ws.get('n_heldout', 500)} problems); mean [min-max] over seeds "
             f"{seeds}. Wall time excludes evaluation and the KL probe; trainer wait = time the trainer waited for a "
             "batch / wall.")
