@@ -224,3 +224,16 @@ def test_unsupported_architecture_is_refused_at_plan_time():
     gemma = {**PRESETS["tiny"], "architectures": ["GemmaForCausalLM"], "model_type": "gemma"}
     with pytest.raises(ConfigError, match=r"model.config.architectures: unsupported architecture 'GemmaForCausalLM'"):
         load_job(small_job(model={"config": gemma}))
+
+
+def test_lr_decay_fields_default_off_and_are_validated():
+    rl = load_job(small_job()).rl
+    assert (rl.lr_decay_steps, rl.lr_final_frac) == (0, 0.0)
+    d = small_job()
+    d["rl"] = {**d["rl"], "lr_decay_steps": 1200, "lr_final_frac": 0.25}
+    rl = load_job(d).rl
+    assert (rl.lr_decay_steps, rl.lr_final_frac) == (1200, 0.25)
+    d["rl"] = {**d["rl"], "lr_decay_steps": -1, "lr_final_frac": 1.5}
+    with pytest.raises(ConfigError) as e:
+        load_job(d)
+    assert [p.split(":")[0] for p in e.value.problems] == ["rl.lr_decay_steps", "rl.lr_final_frac"], e.value.problems
