@@ -3,6 +3,7 @@ improve a warm-started model, measured by sampled reward and by greedy held-out 
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path[:0] = [str(TOOLS), str(TOOLS / "experiments")]
@@ -47,3 +48,9 @@ def test_plot_run_reads_torn_lines_and_plots_when_matplotlib_is_there(tmp_path):
         assert path is None and not (run / "learning.png").exists()
     else:
         assert path == run / "learning.png" and path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_lr_final_decays_over_every_optimizer_step_of_the_run():
+    a = SimpleNamespace(steps=300, minibatches=4, lr_final=0.25)
+    assert learning_run.lr_decay(a) == {"lr_decay_steps": 1199, "lr_final_frac": 0.25}  # the last step at 0.25 lr
+    assert learning_run.lr_decay(SimpleNamespace(steps=300, minibatches=4, lr_final=None)) == {}
