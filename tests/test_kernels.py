@@ -106,18 +106,23 @@ def test_reference_kept_set_matches_plain_python():
             assert got == kept_by_hand(row.tolist(), temperature, k, p), (seed, temperature, k, p)
 
 
-def test_mixed_batch_several_blocks_matches_reference(monkeypatch):
-    monkeypatch.setattr(sampling_mod, "CPU_MAX_BLOCK", 64)  # V=200: 4 blocks, the last partial
-    n, vocab = 48, 200
-    g = torch.Generator().manual_seed(1)
+def mixed_batch(n: int, vocab: int, seed: int = 1):
+    """Rows mixing greedy, plain, top-k and top-p sampling, with their seeds and offsets."""
+    g = torch.Generator().manual_seed(seed)
     logits = torch.randn(n, vocab, generator=g) * 3
-    logits[5, 100:] = -torch.inf  # masked vocabulary entries are never drawn
     temp = torch.rand(n, generator=g) + 0.3
     temp[::7] = 0.0
     top_k = torch.randint(0, 30, (n,), generator=g) * (torch.arange(n) % 2)
     top_p = torch.where(torch.arange(n) % 3 == 0, 1.0, torch.rand(n, generator=g) * 0.9 + 0.05)
     seeds = torch.randint(0, 2**62, (n,), generator=g)
     offsets = torch.randint(0, 2**40, (n,), generator=g)
+    return logits, temp, top_k, top_p, seeds, offsets
+
+
+def test_mixed_batch_several_blocks_matches_reference(monkeypatch):
+    monkeypatch.setattr(sampling_mod, "CPU_MAX_BLOCK", 64)  # V=200: 4 blocks, the last partial
+    logits, temp, top_k, top_p, seeds, offsets = mixed_batch(48, 200)
+    logits[5, 100:] = -torch.inf  # masked vocabulary entries are never drawn
     tokens, logprobs = sample_triton(logits, temp, top_k, top_p, seeds, offsets)
     ref_tokens, ref_logprobs = sample_torch(logits, temp, top_k, top_p, seeds, offsets)
     assert torch.equal(tokens, ref_tokens)

@@ -2,7 +2,7 @@
 the sort-based reference and the one-program-per-row kernel: same kept sets, same (seed, i) draws."""
 import pytest
 import torch
-from test_kernels import chi2_critical, chi2_statistic, kept_by_hand, row_logits
+from test_kernels import chi2_critical, chi2_statistic, kept_by_hand, mixed_batch, row_logits
 
 import kernels.sampling_split as split
 from kernels import sample_torch, sampling_probs
@@ -13,18 +13,6 @@ from kernels.sampling_split import sample_split, sample_split_rows
 @pytest.fixture
 def small_chunks(monkeypatch):
     monkeypatch.setattr(split, "CPU_CHUNK", 64)  # several chunks per row, the last one partial
-
-
-def mixed_batch(n: int, vocab: int, seed: int = 1):
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(n, vocab, generator=g) * 3
-    temp = torch.rand(n, generator=g) + 0.3
-    temp[::7] = 0.0
-    top_k = torch.randint(0, 30, (n,), generator=g) * (torch.arange(n) % 2)
-    top_p = torch.where(torch.arange(n) % 3 == 0, 1.0, torch.rand(n, generator=g) * 0.9 + 0.05)
-    seeds = torch.randint(0, 2**62, (n,), generator=g)
-    offsets = torch.randint(0, 2**40, (n,), generator=g)
-    return logits, temp, top_k, top_p, seeds, offsets
 
 
 def test_mixed_batch_matches_the_reference_and_the_row_kernel(small_chunks):

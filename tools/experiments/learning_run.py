@@ -233,14 +233,7 @@ def study(a) -> None:
             f"included).")
     text = head + "\n\n" + ls.tables(rows)
     print(text)
-    (a.out / "study.md").write_text(text + "\n")
-    (a.out / "study.json").write_text(json.dumps({"rows": rows, "runs": stats}, indent=1, default=str))
-    png = ls.plot(rows, a.out)
-    if a.docs:
-        a.docs.mkdir(parents=True, exist_ok=True)
-        shutil.copy(a.out / "study.md", a.docs / "study.md")
-        if png:
-            shutil.copy(png, a.docs / "study.png")
+    ls.write_report(a.out, "study", text, {"rows": rows, "runs": stats}, ls.plot(rows, a.out), a.docs, "study")
 
 
 if __name__ == "__main__":

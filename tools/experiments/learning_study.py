@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -116,13 +117,30 @@ def rollout_time(run: Path, windows: list[dict]) -> list[dict] | None:
     return out
 
 
-def staleness(metrics: list[dict]) -> dict[int, int]:
-    """Trained trajectories by staleness (versions behind), summed over the steps' histograms."""
+def summed_hist(metrics: list[dict], key: str) -> dict[int, int]:
+    """The steps' histograms under `key` ({versions behind: count}), summed."""
     hist: dict[int, int] = {}
     for m in metrics:
-        for age, n in m["staleness_hist"].items():
+        for age, n in m[key].items():
             hist[int(age)] = hist.get(int(age), 0) + n
     return hist
+
+
+def staleness(metrics: list[dict]) -> dict[int, int]:
+    """Trained trajectories by staleness (versions behind), summed over the steps."""
+    return summed_hist(metrics, "staleness_hist")
+
+
+def write_report(out: Path, name: str, text: str, data: dict, png: Path | None, docs: Path | None,
+                 docs_name: str) -> None:
+    """OUT/<name>.md and .json; with `docs`, the .md and the plot copied there as <docs_name>.md / .png."""
+    (out / f"{name}.md").write_text(text + "\n")
+    (out / f"{name}.json").write_text(json.dumps(data, indent=1, default=str))
+    if docs:
+        docs.mkdir(parents=True, exist_ok=True)
+        shutil.copy(out / f"{name}.md", docs / f"{docs_name}.md")
+        if png:
+            shutil.copy(png, docs / f"{docs_name}.png")
 
 
 def mean_age(hist: dict[int, int]) -> float:

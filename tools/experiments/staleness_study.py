@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "experiments"))
 import learning_run as lr  # noqa: E402
-from learning_study import fmt, spread  # noqa: E402
+from learning_study import fmt, spread, summed_hist, write_report  # noqa: E402
 
 DEFAULT = ["1e-4:0:decoupled", "1e-4:4:decoupled", "1e-4:4:naive"]
 TARGET = 0.8
@@ -71,11 +70,7 @@ def mean_of(metrics: list[dict], key: str) -> float | None:
 
 def token_lags(metrics: list[dict]) -> dict[int, int]:
     """Trained completion tokens by lag (versions behind the trainer), summed over steps."""
-    out: dict[int, int] = {}
-    for m in metrics:
-        for lag, n in m["token_staleness_hist"].items():
-            out[int(lag)] = out.get(int(lag), 0) + n
-    return out
+    return summed_hist(metrics, "token_staleness_hist")
 
 
 def run_stats(run: Path) -> dict:
@@ -295,14 +290,8 @@ def main(argv=None) -> None:
     goals = targets(by, sorted({x for x, _, _ in configs}))
     text = head + "\n\n" + tables(rows) + ("\n\nThe issue's targets:\n\n" + "\n".join(goals) if goals else "")
     print(text)
-    (a.out / "staleness.md").write_text(text + "\n")
-    (a.out / "staleness.json").write_text(json.dumps({"rows": rows, "runs": stats}, indent=1, default=str))
-    png = plot(rows, runs, a.out)
-    if a.docs:
-        a.docs.mkdir(parents=True, exist_ok=True)
-        shutil.copy(a.out / "staleness.md", a.docs / "staleness-study.md")
-        if png:
-            shutil.copy(png, a.docs / "staleness-study.png")
+    write_report(a.out, "staleness", text, {"rows": rows, "runs": stats}, plot(rows, runs, a.out), a.docs,
+                 "staleness-study")
 
 
 if __name__ == "__main__":
