@@ -27,7 +27,7 @@ from hexrl.train.probe import PolicyProbe, policy_kl, probe_batch
 from hexrl.trajectory import Trajectory
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train_parallel import make_batch, seq_logprobs  # noqa: E402
+from test_train_parallel import CONFIG, make_batch, reference_step, seq_logprobs  # noqa: E402
 
 SINGLE = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}
 
@@ -90,6 +90,36 @@ def test_importance_weight_spread_and_cap_share_match_a_float64_forward(tmp_path
     for q in ("05", "50", "95"):  # the bin's centre: within half a bin (0.5%) of the exact quantile
         exact = np.quantile(w, int(q) / 100, method="inverted_cdf")
         assert abs(np.log(m[f"w_p{q}"]) - np.log(exact)) <= 0.005 + 1e-9, (q, m[f"w_p{q}"], exact)
+
+
+
+def test_proximal_per_minibatch_is_the_weights_each_minibatch_starts_from(tmp_path):
+    """rl.proximal = "minibatch", the study's ablation: each mini-batch's proximal log-probs come from
+    the weights the step's earlier mini-batches left, so its ratio starts at 1 and nothing is clipped;
+    the weights match a plain reference that recomputes them, and differ from AReaL's per-step proximal."""
+    path = make_tiny_model(tmp_path / "m", layers=2, tie=False)
+    cfg = dict(CONFIG, lr=3e-2)  # a large step: the per-step proximal clips in the second mini-batch
+    out = {}
+    for mode in ("step", "minibatch"):
+        trainer = Trainer(path, SINGLE, TrainConfig(proximal=mode, **cfg))
+        out[mode] = trainer.step(make_batch()), trainer.named_full_weights_for_stage()
+    assert out["minibatch"][0]["clip_frac"] == 0 < out["step"][0]["clip_frac"]
+    *_, ref = reference_step(path, make_batch(), TrainConfig(proximal="minibatch", **cfg))
+    for name, w in ref.items():  # 1e-4: 0.3% of one Adam step at this lr
+        torch.testing.assert_close(out["minibatch"][1][name], w, rtol=0, atol=1e-4,
+                                   msg=lambda m, name=name: f"{name}: {m}")
+    gap = max((out["step"][1][k] - w).abs().max().item() for k, w in ref.items())
+    assert gap > 1e-2, gap  # a third of a step (lr 3e-2): the per-step proximal moved the weights elsewhere
+
+
+def test_proximal_is_a_checked_job_field():
+    job = {"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 64}},
+           "cluster": {"nodes": [{"name": "a", "gpu_type": "cpu", "gpus": 2}]}, "rl": {"proximal": "minibatch"}}
+    assert load_job(job, check_paths=False).rl.proximal == "minibatch"
+    assert load_job({**job, "rl": {}}, check_paths=False).rl.proximal == "step"
+    with pytest.raises(ValueError, match="proximal"):
+        load_job({**job, "rl": {"proximal": "behaviour"}}, check_paths=False)
+    assert "train.proximal" in TrainConfig(proximal="x").problems()[0]
 
 
 def test_w_quantile_open_bins_and_no_tokens():

@@ -62,6 +62,9 @@ def reference_step(path, trajs, cfg: TrainConfig):
     losses, norms, logprobs = [], [], {}
     for step, plan in enumerate(plan_step(trajs, seqs, adv, cfg.ppo_minibatches, 1, 10**9)):
         members = [i for mb in plan.micro_batches[0] for i in mb.seqs]
+        if cfg.proximal == "minibatch":  # the weights as the earlier mini-batches left them
+            with torch.no_grad():
+                prox = {i: seq_logprobs(model, trajs[i]) for i in members}
         total = 0.0
         for i in members:
             t = trajs[i]

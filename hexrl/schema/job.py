@@ -151,6 +151,9 @@ def _read_reward(r: Reader, d, data: DataSpec) -> RewardSpec:
     return RewardSpec(name, float(timeout))
 
 
+PROXIMAL = ("step", "minibatch")  # hexrl/train/trainer.py: TrainConfig.proximal
+
+
 @dataclass
 class RLSpec:
     batch_size: int = 8  # prompts (groups) per training step
@@ -174,6 +177,8 @@ class RLSpec:
     clip_low: float = 0.2
     clip_high: float = 0.2
     decoupled: bool = True
+    # which weights give the proximal log-probs: the step's (AReaL's) or each mini-batch's own (an ablation)
+    proximal: str = "step"
     behav_cap: float = 5.0
     kl_coef: float = 0.0
     filter_equal_groups: bool = True
@@ -217,6 +222,7 @@ def _read_rl(r: Reader, d) -> RLSpec:
     x.clip_low = float(r.num(d, "clip_low", w, x.clip_low, lo=0, hi=1))
     x.clip_high = float(r.num(d, "clip_high", w, x.clip_high, lo=0))
     x.decoupled = r.boolean(d, "decoupled", w, True)
+    x.proximal = r.choice(d, "proximal", w, PROXIMAL, x.proximal)
     x.behav_cap = float(r.num(d, "behav_cap", w, x.behav_cap, lo=1))
     x.kl_coef = float(r.num(d, "kl_coef", w, x.kl_coef, lo=0))
     x.filter_equal_groups = r.boolean(d, "filter_equal_groups", w, True)

@@ -65,6 +65,9 @@ class TrainConfig:
     clip_high: float = 0.2
     behav_cap: float | None = 5.0  # mask tokens with exp(p − b) above this; None = off
     decoupled: bool = True  # False: naive PPO (p = b), no proximal forward pass
+    # "step": proximal log-probs from the weights before the step (AReaL's); "minibatch": from the weights
+    # before each mini-batch, so the ratio starts at 1 and the clip never engages (the staleness study's ablation)
+    proximal: str = "step"
     kl_coef: float = 0.0  # > 0 loads a frozen reference copy of this stage
     adv_eps: float = 1e-6
     filter_equal_groups: bool = True
@@ -90,6 +93,8 @@ class TrainConfig:
             p.append(f"train.lr_final_frac: must be in [0, 1], got {self.lr_final_frac!r}")
         if self.clip_low >= 1:
             p.append(f"train.clip_low: must be < 1, got {self.clip_low}")
+        if self.proximal not in ("step", "minibatch"):
+            p.append(f"train.proximal: must be 'step' or 'minibatch', got {self.proximal!r}")
         if self.behav_cap is not None and not self.behav_cap > 0:
             p.append(f"train.behav_cap: must be > 0 or None, got {self.behav_cap!r}")
         if self.dtype == "float16":
@@ -183,12 +188,17 @@ class Trainer:
         plans = [p for p in plan_step(trajectories, seqs, adv, c.ppo_minibatches, g.layout.dp, c.micro_batch_tokens)
                  if p.num_loss_tokens > 0]
         mine = [[mb.to(self.device) for mb in p.micro_batches[g.dp_rank]] for p in plans]
+        each = c.decoupled and c.proximal == "minibatch"
         with self._phase("proximal"):  # the forward-only passes: proximal and KL-reference log-probs
-            prox = self._forward_logprobs(self.model, mine) if c.decoupled else [[None] * len(m) for m in mine]
-            ref = self._forward_logprobs(self.ref_model, mine) if self.ref_model else [[None] * len(m) for m in mine]
+            none = [[None] * len(m) for m in mine]
+            prox = self._forward_logprobs(self.model, mine) if c.decoupled and not each else none
+            ref = self._forward_logprobs(self.ref_model, mine) if self.ref_model else none
         state = _StepState(torch.zeros(len(SUMS) + NUM_BINS, dtype=torch.float64, device=self.device))
         lr = self.optimizer.lr_at(self.optimizer.steps)
         for plan, mbs, p, r in zip(plans, mine, prox, ref):
+            if each:  # the weights as the step's earlier mini-batches left them
+                with self._phase("proximal"):
+                    p = self._forward_logprobs(self.model, [mbs])[0]
             lr = self._train_minibatch(mbs, p, r, plan.num_loss_tokens, state)
         self.version += 1
         sums, norms, self.last_logprobs = self._to_host(state)

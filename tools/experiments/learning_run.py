@@ -71,10 +71,20 @@ def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a, seed: int |
                "ppo_minibatches": a.minibatches, "behav_cap": a.behav_cap,
                "max_new_tokens": ws["max_new_tokens"], "temperature": 1.0, "steps": a.steps,
                "seed": a.seed if seed is None else seed, "eval_every": a.eval_every,
-               **lr_decay(a)},
+               **lr_decay(a), **objective(a)},
         **layout(a.shared_cores)[0],
         "out_dir": str(out / name),
     }
+
+
+def objective(a) -> dict:
+    """--clip and --proximal, only where they differ from the defaults (so earlier runs' job.json still match)."""
+    out = {}
+    if getattr(a, "clip", 0.2) != 0.2:
+        out.update(clip_low=a.clip, clip_high=a.clip)
+    if getattr(a, "proximal", "step") != "step":
+        out["proximal"] = a.proximal
+    return out
 
 
 def lr_decay(a) -> dict:
@@ -144,6 +154,9 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps) per step")
     p.add_argument("--behav-cap", type=float, default=5.0, help="mask tokens with exp(p - b) above this")
+    p.add_argument("--clip", type=float, default=0.2, help="PPO clip range (rl.clip_low and clip_high)")
+    p.add_argument("--proximal", choices=("step", "minibatch"), default="step",
+                   help="the proximal policy's weights: the step's (AReaL) or each mini-batch's (rl.proximal)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--lr-final", type=float, help="decay lr linearly to this fraction of --lr by the last step")
     p.add_argument("--target", type=float, default=0.8, help="report the step and wall time to this accuracy")

@@ -248,6 +248,9 @@ def main(argv=None) -> None:
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps) per step")
     p.add_argument("--behav-cap", type=float, default=5.0)
+    p.add_argument("--clip", type=float, default=0.2, help="PPO clip range (rl.clip_low and clip_high)")
+    p.add_argument("--proximal", choices=("step", "minibatch"), default="step",
+                   help="the proximal policy's weights: the step's (AReaL) or each mini-batch's (rl.proximal)")
     p.add_argument("--lr-final", type=float, help="decay each LR linearly to this fraction of it by the last step")
     p.add_argument("--probe", type=int, default=32, help="held-out problems in the policy-KL probe (0 = off)")
     p.add_argument("--shared-cores", action="store_true", help="learning_run's old unpinned layout")
@@ -281,7 +284,8 @@ def main(argv=None) -> None:
     by = {r["name"]: r for r in rows}
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
              else "") + f"{a.steps} steps of {a.batch} prompts x {a.group} samples, {a.minibatches} PPO mini-batches, "
-            f"clip 0.2, behaviour cap {a.behav_cap:g}, "
+            f"clip {a.clip:g}, behaviour cap {a.behav_cap:g}, "
+            f"{'proximal policy recomputed before every mini-batch, ' if a.proximal == 'minibatch' else ''}"
             f"{f'lr decaying linearly to {a.lr_final:g} x lr by the last step, ' if a.lr_final is not None else ''}"
             f"{lr.layout(a.shared_cores)[1]}; warm start "
             f"{ws['heldout_accuracy']:.3f} held-out ({ws.get('n_heldout', 500)} problems); mean [min-max] over seeds "
