@@ -3,6 +3,7 @@ the trained tokens' staleness histogram (by hand; it adds up to the trained toke
 importance weights' spread and the cap's share (a float64 forward per sequence), the policy
 change between versions (float64 KL of two separately loaded models; 0 for the same weights),
 and the share of groups filtered for equal rewards (a replay buffer's own counts)."""
+import argparse
 import json
 import random
 import sys
@@ -233,6 +234,35 @@ def test_staleness_study_aggregates_lags_gaps_and_the_targets(tmp_path):
     assert "gap +5.0 points (NOT within 2)" in text  # 0.817 - 0.767 on average
     assert "4 vs 8, 0.50x (meets <= 0.7x)" in text
 
+
+
+def test_causes_report_sets_each_cause_against_its_own_eta0(tmp_path):
+    """--causes --report: one row per cause (and per eta of the version-mix cause), from finished runs only;
+    the batch cause doubles the batch and halves the steps (equal trained samples)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
+    import staleness_study as st
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "warm_start.json").write_text(json.dumps(
+        {"data_synthetic": {"task": "arithmetic"}, "max_new_tokens": 8, "heldout_accuracy": 0.4}))
+    lags = [{"4": 10}] * 6
+    sync = ([0.4, 0.7, 0.85, 0.9], 2.0)
+    for cause, etas in (("base", {"4": ([0.4, 0.6, 0.81, 0.89], 1.0)}),
+                        ("eta", {"1": ([0.4, 0.7, 0.85, 0.88], 1.5), "4": ([0.4, 0.6, 0.81, 0.89], 1.0)}),
+                        ("clip0.1", {"4": ([0.4, 0.7, 0.75, 0.85], 1.0)})):
+        for eta, (accs, wall) in {"0": sync, **etas}.items():
+            run = fake_run(tmp_path / cause, f"{st.name_of(1e-4, eta, True)}-s0", accs, lags, wall)
+            (run / "final").mkdir()
+            (run / "final" / "config.json").write_text("{}")
+    st.main([str(tmp_path), "--causes", "--report", "--seeds", "1", "--configs", "1e-4:0:decoupled"])
+    rows = [x for x in (tmp_path / "causes.md").read_text().splitlines() if x.startswith("| ") and "---" not in x]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| base", "| eta, eta=1", "| eta, eta=4", "| clip0.1"]
+    assert "| base | the study's settings | +1.0 | +5.0 | 0.50x |" in rows[1]
+    assert "| +2.0 | +0.7 | 0.75x |" in rows[2]  # eta=1: 0.90 - 0.88; 80% at step 4 in 6 s against 8 s
+    assert "| +5.0 | +5.0 | 0.75x |" in rows[4]  # clip0.1: its eta=4 reaches 80% at step 6 (6 s)
+    args = st.cause_args(argparse.Namespace(batch=64, steps=400, eval_every=10, clip=0.2), st.CAUSES["batch128"][0])
+    assert (args.batch, args.steps, args.eval_every, args.clip) == (128, 200, 5, 0.2)
+    assert st.cause_args(args, st.CAUSES["clip0.1"][0]).clip == 0.1
 
 @pytest.mark.gpu
 def test_gpu_log_w_counts_match_the_cpu_counts():

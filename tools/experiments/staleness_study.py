@@ -3,6 +3,7 @@
     python tools/experiments/staleness_study.py OUT --docs docs  # lr 1e-4: eta 0, 4 decoupled, 4 naive; 2 seeds
     python tools/experiments/staleness_study.py OUT --configs 2.5e-4:0:decoupled 2.5e-4:4:decoupled --seeds 2
     python tools/experiments/staleness_study.py OUT --smoke         # 8 steps, batch 16, one seed: a pipeline check
+    python tools/experiments/staleness_study.py OUT --causes --eval-every 10  # each candidate cause vs eta=0
 
 Every configuration (LR:ETA:OBJ) runs from the same warm start (OUT/model, tools/warm_start.py)
 at every seed, through tools/experiments/learning_run.py's `run_config`: 1 trainer rank and 1
@@ -257,12 +258,24 @@ def main(argv=None) -> None:
     p.add_argument("--smoke", action="store_true", help="8 steps, batch 16, one seed: checks the pipeline only")
     p.add_argument("--report", action="store_true", help="tables from the finished runs only; start none")
     p.add_argument("--docs", type=Path, help="copy staleness.md / .png here as staleness-study.md / .png")
+    p.add_argument("--causes", action="store_true",
+                   help="every candidate cause in CAUSES against eta=0, each in OUT/<cause>, and OUT/causes.md")
     a = p.parse_args(argv)
     configs = parse_configs(a.configs, p)
     if a.smoke:
         a.steps, a.eval_every, a.seeds, a.batch = 8, 4, 1, 16
     a.out.mkdir(parents=True, exist_ok=True)
     ws = lr.warm_start(a.out, lr.SMOKE_WARM_START if a.smoke else ())
+    if a.causes:
+        return causes(a, configs[0][0], ws)
+    rows = study(a, configs, ws)
+    if not rows:
+        sys.exit("staleness_study: no finished run to report")
+
+
+def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict] | None:
+    """Run (or with --report, read) every configuration at every seed in a.out; write a.out/staleness.md
+    and .png; returns the rows by name (None if no run finished)."""
     stats: dict[str, list[dict]] = {}
     runs: dict[str, list[Path]] = {}
     seeds = list(range(a.first_seed, a.first_seed + a.seeds))
@@ -273,13 +286,15 @@ def main(argv=None) -> None:
             args.lr = x
             job = lr.job_for(a.out, ws, f"{name}-s{seed}", lr.ETAS[eta], decoupled, args, seed)
             job["rl"]["policy_kl_probe"] = a.probe
-            if a.report and not (Path(job["out_dir"]) / "final" / "config.json").exists():
-                continue  # --report: finished runs only
-            lr.run_config(a.out, job, TARGET)
-            runs.setdefault(name, []).append(Path(job["out_dir"]))
-            stats.setdefault(name, []).append(run_stats(runs[name][-1]))
+            run = Path(job["out_dir"])
+            if a.report and not (run / "final" / "config.json").exists():
+                continue  # --report: finished runs only, as they are (never re-run)
+            if not a.report:
+                lr.run_config(a.out, job, TARGET)
+            runs.setdefault(name, []).append(run)
+            stats.setdefault(name, []).append(run_stats(run))
     if not stats:
-        sys.exit("staleness_study: no finished run to report")
+        return None
     rows = [aggregate(name, s) for name, s in stats.items()]
     by = {r["name"]: r for r in rows}
     head = (("SMOKE RUN: a few steps and one seed to check the pipeline end to end; NOT a result.\n\n" if a.smoke
@@ -296,7 +311,76 @@ def main(argv=None) -> None:
     print(text)
     write_report(a.out, "staleness", text, {"rows": rows, "runs": stats}, plot(rows, runs, a.out), a.docs,
                  "staleness-study")
+    return by
 
+
+# ----------------------------------------------------------------------------- the candidate causes
+
+# Each changes one setting of the study's own (a constant lr, clip 0.2, cap 5, the proximal policy from the
+# step's weights, 64 prompts x 8 per step) and runs eta=0 and eta=4 decoupled at it: name -> (arguments, what).
+CAUSES = {
+    "base": ({}, "the study's settings"),
+    "eta": ({"etas": ("1", "2")}, "what the gate admits: eta = 1 and 2 (the version mix: lags up to 1, 2, 4)"),
+    "clip0.1": ({"clip": 0.1}, "the clip range: 0.1 instead of 0.2"),
+    "cap2": ({"behav_cap": 2.0}, "the behaviour cap: 2 instead of 5"),
+    "proximal-minibatch": ({"proximal": "minibatch"},
+                           "the proximal policy's version: recomputed before every mini-batch, not once per step"),
+    "batch128": ({"batch_x": 2}, "twice the batch (128 prompts x 8) at equal trained samples (half the steps)"),
+}
+
+
+def cause_args(a, change: dict):
+    """The study's arguments with one cause's change (batch_x: the batch times x, steps and evaluations / x)."""
+    args = copy.copy(a)
+    x = change.get("batch_x", 1)
+    args.batch, args.steps, args.eval_every = a.batch * x, a.steps // x, max(1, a.eval_every // x)
+    for k, v in change.items():
+        if k not in ("batch_x", "etas"):
+            setattr(args, k, v)
+    return args
+
+
+def causes(a, lr_: float, ws: dict) -> None:
+    """Every cause's sub-study in a.out/<cause> (sharing a.out/model), then a.out/causes.md: per cause, the
+    gap eta=0 minus eta=4 (decoupled) and what the per-step metrics say about the stale tokens."""
+    rows = []
+    for name, (change, what) in CAUSES.items():
+        sub = a.out / name
+        sub.mkdir(exist_ok=True)
+        if not (sub / "model").exists():
+            (sub / "model").symlink_to((a.out / "model").resolve())
+        args = cause_args(a, change)
+        args.out, args.docs = sub, None
+        etas = ("0", *change.get("etas", ()), "4")
+        by = study(args, [(lr_, e, True) for e in etas], ws)
+        for e in etas[1:]:
+            sync, dec = (by or {}).get(name_of(lr_, "0", True)), (by or {}).get(name_of(lr_, e, True))
+            if sync and dec:
+                rows.append(cause_row(f"{name}, eta={e}" if change.get("etas") else name, what, sync, dec))
+    head = (f"The candidate causes of eta=4's price (issue 36), one at a time, each against eta=0 at the same "
+            f"settings: lr {lr_:g} (constant unless --lr-final), {a.steps} steps of {a.batch} prompts x {a.group} "
+            f"unless the row says otherwise, {a.seeds} seed(s) from {a.first_seed}; each row's runs and tables are in "
+            "OUT/<cause>/staleness.md. Gap = eta=0 minus eta=N held-out accuracy, in points (mean over seeds); "
+            "wall ratio = eta=N's wall s to 80% over eta=0's; w std, policy KL, clipped and capped are eta=N's "
+            "means over the run.")
+    lines = [head, "", "| cause | what changes | gap, last step | gap, mean | wall ratio to 80% | mean lag | w std "
+             "| policy KL / step | clipped | capped |", "|---|---|---|---|---|---|---|---|---|---|"] + rows
+    text = "\n".join(lines)
+    print(text)
+    (a.out / "causes.md").write_text(text + "\n")
+    if a.docs:
+        a.docs.mkdir(parents=True, exist_ok=True)
+        (a.docs / "staleness-causes.md").write_text(text + "\n")
+
+
+def cause_row(name: str, what: str, sync: dict, dec: dict) -> str:
+    gap = [100 * (sync[k]["mean"] - dec[k]["mean"]) for k in ("final", "average")]
+    s, d = sync["wall_target"], dec["wall_target"]
+    ratio = f"{d['mean'] / s['mean']:.2f}x" if s and d and s["n"] == sync["seeds"] and d["n"] == dec["seeds"] \
+        else "not reached"
+    return (f"| {name} | {what} | {gap[0]:+.1f} | {gap[1]:+.1f} | {ratio} | {fmt(dec['mean_lag'], '.2f')} | "
+            f"{fmt(dec['w_std'], '.3f')} | {fmt(dec['policy_kl'], '.2e')} | {fmt(dec['clip_frac'], '.3f')} | "
+            f"{fmt(dec['capped_frac'], '.4f')} |")
 
 if __name__ == "__main__":
     main()
