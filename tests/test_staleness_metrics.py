@@ -33,14 +33,6 @@ from test_train_parallel import CONFIG, make_batch, reference_step, seq_logprobs
 SINGLE = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def stale_batch() -> list[Trajectory]:
     """make_batch with versions 0-3 per token (some trajectories mixing two versions) and behaviour
     log-probs near the model's (so w spreads around 1 with a tail past the cap)."""

@@ -25,14 +25,6 @@ SINGLE = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}
 CFG = dict(lr=1e-3, micro_batch_tokens=32, ppo_minibatches=2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture
 def model_path(tmp_path):
     return make_tiny_model(tmp_path / "m", layers=2, tie=False)
