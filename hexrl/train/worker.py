@@ -163,7 +163,6 @@ def run_trainer(ctx: RankContext, grid) -> None:
             # queued before the thread starts, so replicas load the weights before any prompt
             controller.publish_version(trainer.version)
         metrics = MetricsWriter(ctx.run_dir, resume_step=start_step if ctx.resume is not None else None)
-        controller.start()
     evaluator = HeldoutEval(ctx, heldout, tokenizer, job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
     probe = None
     if is_controller and job.rl.policy_kl_probe:  # the policy as it starts: the first step's KL is from it
@@ -171,6 +170,9 @@ def run_trainer(ctx: RankContext, grid) -> None:
         probe.measure(trainer)
     if start_step == 0:
         evaluator.maybe(trainer, 0)
+    if is_controller:  # after the untimed evaluation: the rollout starts with the run's clock
+        evaluator.start, evaluator.seconds = time.perf_counter(), 0.0
+        controller.start()
     rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
@@ -202,16 +204,18 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
     out = trainer.step(batch)
     t_train = time.perf_counter()
     last = step + 1 == job.rl.steps
+    # Untimed work (kept out of wall_s) runs before the rollout is told of the new version: at eta=0
+    # it waits for that version, so it cannot generate the next batch in time the run does not count.
+    t_probe = time.perf_counter()
+    policy_kl = probe.measure(trainer) if probe else None
+    evaluator.seconds += time.perf_counter() - t_probe
+    accuracy = evaluator.maybe(trainer, step + 1)
     sync_s = 0.0
     if not last:
         if controller:
             controller.publish_version(trainer.version)
             controller.wait_delivered(trainer.version)  # wakes, and raises, on a controller failure
         sync_s = sync_weights(ctx, trainer, dtype)
-    t_probe = time.perf_counter()  # after the weight sync, so the rollout never waits for it
-    policy_kl = probe.measure(trainer) if probe else None
-    evaluator.seconds += time.perf_counter() - t_probe  # kept out of wall_s, as evaluation is
-    accuracy = evaluator.maybe(trainer, step + 1)
     every = job.rl.checkpoint_every
     if last or (every and (step + 1) % every == 0):
         extra = {"step": step + 1, "controller": controller.state() if controller else None}
