@@ -239,8 +239,7 @@ def test_causes_report_sets_each_cause_against_its_own_eta0(tmp_path):
         {"data_synthetic": {"task": "arithmetic"}, "max_new_tokens": 8, "heldout_accuracy": 0.4}))
     lags = [{"4": 10}] * 6
     sync = ([0.4, 0.7, 0.85, 0.9], 2.0)
-    for cause, etas in (("base", {"4": ([0.4, 0.6, 0.81, 0.89], 1.0)}),
-                        ("eta", {"1": ([0.4, 0.7, 0.85, 0.88], 1.5), "4": ([0.4, 0.6, 0.81, 0.89], 1.0)}),
+    for cause, etas in (("base", {"1": ([0.4, 0.7, 0.85, 0.88], 1.5), "4": ([0.4, 0.6, 0.81, 0.89], 1.0)}),
                         ("clip0.1", {"4": ([0.4, 0.7, 0.75, 0.85], 1.0)})):
         for eta, (accs, wall) in {"0": sync, **etas}.items():
             run = fake_run(tmp_path / cause, f"{st.name_of(1e-4, eta, True)}-s0", accs, lags, wall)
@@ -248,10 +247,10 @@ def test_causes_report_sets_each_cause_against_its_own_eta0(tmp_path):
             (run / "final" / "config.json").write_text("{}")
     st.main([str(tmp_path), "--causes", "--report", "--seeds", "1", "--configs", "1e-4:0:decoupled"])
     rows = [x for x in (tmp_path / "causes.md").read_text().splitlines() if x.startswith("| ") and "---" not in x]
-    assert [r.split(" | ")[0] for r in rows[1:]] == ["| base", "| eta, eta=1", "| eta, eta=4", "| clip0.1"]
-    assert "| base | the study's settings | +1.0 | +5.0 | 0.50x |" in rows[1]
-    assert "| +2.0 | +0.7 | 0.75x |" in rows[2]  # eta=1: 0.90 - 0.88; 80% at step 4 in 6 s against 8 s
-    assert "| +5.0 | +5.0 | 0.75x |" in rows[4]  # clip0.1: its eta=4 reaches 80% at step 6 (6 s)
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| base, eta=1", "| base, eta=4", "| clip0.1, eta=4"]
+    assert "| +2.0 | +0.7 | 0.75x |" in rows[1]  # eta=1: 0.90 - 0.88; 80% at step 4 in 6 s against 8 s
+    assert "| +1.0 | +5.0 | 0.50x |" in rows[2]
+    assert "| +5.0 | +5.0 | 0.75x |" in rows[3]  # clip0.1: its eta=4 reaches 80% at step 6 (6 s)
     args = st.cause_args(argparse.Namespace(batch=64, steps=400, eval_every=10, clip=0.2), st.CAUSES["batch128"][0])
     assert (args.batch, args.steps, args.eval_every, args.clip) == (128, 200, 5, 0.2)
     assert st.cause_args(args, st.CAUSES["clip0.1"][0]).clip == 0.1

@@ -319,8 +319,7 @@ def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict
 # Each changes one setting of the study's own (a constant lr, clip 0.2, cap 5, the proximal policy from the
 # step's weights, 64 prompts x 8 per step) and runs eta=0 and eta=4 decoupled at it: name -> (arguments, what).
 CAUSES = {
-    "base": ({}, "the study's settings"),
-    "eta": ({"etas": ("1", "2")}, "what the gate admits: eta = 1 and 2 (the version mix: lags up to 1, 2, 4)"),
+    "base": ({"etas": ("1", "2")}, "the study's settings; eta 1 and 2: what the gate admits (the version mix)"),
     "clip0.1": ({"clip": 0.1}, "the clip range: 0.1 instead of 0.2"),
     "cap2": ({"behav_cap": 2.0}, "the behaviour cap: 2 instead of 5"),
     "proximal-minibatch": ({"proximal": "minibatch"},
@@ -356,7 +355,7 @@ def causes(a, lr_: float, ws: dict) -> None:
         for e in etas[1:]:
             sync, dec = (by or {}).get(name_of(lr_, "0", True)), (by or {}).get(name_of(lr_, e, True))
             if sync and dec:
-                rows.append(cause_row(f"{name}, eta={e}" if change.get("etas") else name, what, sync, dec))
+                rows.append(cause_row(f"{name}, eta={e}", what, sync, dec))
     head = (f"The candidate causes of eta=4's price (issue 36), one at a time, each against eta=0 at the same "
             f"settings: lr {lr_:g} (constant unless --lr-final), {a.steps} steps of {a.batch} prompts x {a.group} "
             f"unless the row says otherwise, {a.seeds} seed(s) from {a.first_seed}; each row's runs and tables are in "
