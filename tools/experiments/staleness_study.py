@@ -213,6 +213,8 @@ def tables(rows: list[dict]) -> str:
                      f"f {fmt(w['equal_reward_share'], '.2f')}" for w in r["windows"]]
             lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     steps = sorted(set.intersection(*(set(r["acc_by_step"]) for r in rows)))
+    if len(steps) > 17:  # frequent evaluations: every k-th, and the last (all of them are in staleness.json)
+        steps = sorted({*steps[::-(-(len(steps) - 1) // 16)], steps[-1]})
     lines += ["", "Held-out accuracy at fixed steps, mean [min-max] over seeds:", "",
               "| config | " + " | ".join(f"step {s}" for s in steps) + " |", "|---|" + "---|" * len(steps)]
     for r in rows:
