@@ -388,8 +388,10 @@ def causes(a, lr_: float, ws: dict) -> None:
             "OUT/<cause>/staleness.md. Gap = eta=0 minus eta=N held-out accuracy, in points (mean over seeds); "
             "wall ratio = eta=N's wall s to 80% over eta=0's; w std, policy KL, clipped and capped are eta=N's "
             "means over the run.")
-    lines = [head, "", "| cause | what changes | gap, last step | gap, mean | wall ratio to 80%, first / smoothed "
-             "| mean lag | w std | policy KL / step | clipped | capped |", "|---" * 10 + "|"] + rows
+    lines = [head, "", "| cause | what changes | eta=0: last step / mean | eta=N: last step / mean "
+             "| gap, last step | gap, mean | wall ratio to 80%, first / smoothed | mean lag | w std | policy KL / step "
+             "| clipped | capped |",
+             "|---" * 12 + "|"] + rows
     text = "\n".join(lines)
     print(text)
     (a.out / "causes.md").write_text(text + "\n")
@@ -402,7 +404,8 @@ def cause_row(name: str, what: str, sync: dict, dec: dict) -> str:
     gap = [100 * (sync[k]["mean"] - dec[k]["mean"]) for k in ("final", "average")]
     ratios = [wall_ratio(sync, dec, k) for k in ("wall_target", "wall_target_smooth")]
     ratio = " / ".join(f"{x:.2f}x" if x is not None else "not reached" for x in ratios)
-    return (f"| {name} | {what} | {gap[0]:+.1f} | {gap[1]:+.1f} | {ratio} | {fmt(dec['mean_lag'], '.2f')} | "
+    acc = " | ".join(f"{r['final']['mean']:.3f} / {r['average']['mean']:.3f}" for r in (sync, dec))
+    return (f"| {name} | {what} | {acc} | {gap[0]:+.1f} | {gap[1]:+.1f} | {ratio} | {fmt(dec['mean_lag'], '.2f')} | "
             f"{fmt(dec['w_std'], '.3f')} | {fmt(dec['policy_kl'], '.2e')} | {fmt(dec['clip_frac'], '.3f')} | "
             f"{fmt(dec['capped_frac'], '.4f')} |")
 
