@@ -151,7 +151,7 @@ def _read_reward(r: Reader, d, data: DataSpec) -> RewardSpec:
     return RewardSpec(name, float(timeout))
 
 
-PROXIMAL = ("step", "minibatch")  # hexrl/train/trainer.py: TrainConfig.proximal
+PROXIMAL = ("step", "minibatch")  # rl.proximal; hexrl/train/trainer.py checks TrainConfig.proximal against it
 
 
 @dataclass

@@ -28,6 +28,7 @@ from hexrl.model.attention import CausalAttention
 from hexrl.model.checkpoint import load_pretrained, save_state_dict
 from hexrl.model.config import ModelConfig
 from hexrl.runtime.dist_rules import warm_up
+from hexrl.schema.job import PROXIMAL
 from hexrl.schema.layout import TrainerLayout
 from hexrl.trajectory import Trajectory
 
@@ -93,8 +94,8 @@ class TrainConfig:
             p.append(f"train.lr_final_frac: must be in [0, 1], got {self.lr_final_frac!r}")
         if self.clip_low >= 1:
             p.append(f"train.clip_low: must be < 1, got {self.clip_low}")
-        if self.proximal not in ("step", "minibatch"):
-            p.append(f"train.proximal: must be 'step' or 'minibatch', got {self.proximal!r}")
+        if self.proximal not in PROXIMAL:
+            p.append(f"train.proximal: must be one of {PROXIMAL}, got {self.proximal!r}")
         if self.behav_cap is not None and not self.behav_cap > 0:
             p.append(f"train.behav_cap: must be > 0 or None, got {self.behav_cap!r}")
         if self.dtype == "float16":

@@ -89,6 +89,10 @@ class HeldoutEval:
         self.every, self.steps, self.max_new_tokens = every, steps, max_new_tokens
         self.start, self.seconds = time.perf_counter(), 0.0
 
+    def start_clock(self) -> None:
+        """The run's clock starts now: set-up and the step-0 evaluation before it are not counted."""
+        self.start, self.seconds = time.perf_counter(), 0.0
+
     def wall(self) -> float:
         """Seconds since the start of the run, evaluation excluded."""
         return time.perf_counter() - self.start - self.seconds
@@ -171,7 +175,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
     if start_step == 0:
         evaluator.maybe(trainer, 0)
     if is_controller:  # after the untimed evaluation: the rollout starts with the run's clock
-        evaluator.start, evaluator.seconds = time.perf_counter(), 0.0
+        evaluator.start_clock()
         controller.start()
     rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
     if ctx.resume is not None:  # rollout ranks still hold the initial weights

@@ -77,12 +77,24 @@ def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a, seed: int |
     }
 
 
+CLIP, PROXIMAL = 0.2, ("step", "minibatch")  # the job's defaults (rl.clip_low/high, rl.proximal) and choices
+
+
+def objective_args(p: argparse.ArgumentParser) -> None:
+    """The objective's and the schedule's options, shared with staleness_study.py."""
+    p.add_argument("--behav-cap", type=float, default=5.0, help="mask tokens with exp(p - b) above this")
+    p.add_argument("--clip", type=float, default=CLIP, help="PPO clip range (rl.clip_low and clip_high)")
+    p.add_argument("--proximal", choices=PROXIMAL, default=PROXIMAL[0],
+                   help="the proximal policy's weights: the step's (AReaL) or each mini-batch's (rl.proximal)")
+    p.add_argument("--lr-final", type=float, help="decay lr linearly to this fraction of it by the last step")
+
+
 def objective(a) -> dict:
     """--clip and --proximal, only where they differ from the defaults (so earlier runs' job.json still match)."""
     out = {}
-    if getattr(a, "clip", 0.2) != 0.2:
+    if getattr(a, "clip", CLIP) != CLIP:
         out.update(clip_low=a.clip, clip_high=a.clip)
-    if getattr(a, "proximal", "step") != "step":
+    if getattr(a, "proximal", PROXIMAL[0]) != PROXIMAL[0]:
         out["proximal"] = a.proximal
     return out
 
@@ -153,12 +165,8 @@ def main(argv=None) -> None:
     p.add_argument("--lr", type=float, default=2.5e-4)
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps) per step")
-    p.add_argument("--behav-cap", type=float, default=5.0, help="mask tokens with exp(p - b) above this")
-    p.add_argument("--clip", type=float, default=0.2, help="PPO clip range (rl.clip_low and clip_high)")
-    p.add_argument("--proximal", choices=("step", "minibatch"), default="step",
-                   help="the proximal policy's weights: the step's (AReaL) or each mini-batch's (rl.proximal)")
+    objective_args(p)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--lr-final", type=float, help="decay lr linearly to this fraction of --lr by the last step")
     p.add_argument("--target", type=float, default=0.8, help="report the step and wall time to this accuracy")
     p.add_argument("--only", nargs="+", metavar="ETA:OBJ", help="run only these, e.g. 4:decoupled 0:naive")
     p.add_argument("--shared-cores", action="store_true",

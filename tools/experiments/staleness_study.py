@@ -274,11 +274,7 @@ def main(argv=None) -> None:
     p.add_argument("--group", type=int, default=8, help="samples per prompt")
     p.add_argument("--eval-every", type=int, default=25)
     p.add_argument("--minibatches", type=int, default=4, help="PPO mini-batches (optimizer steps) per step")
-    p.add_argument("--behav-cap", type=float, default=5.0)
-    p.add_argument("--clip", type=float, default=0.2, help="PPO clip range (rl.clip_low and clip_high)")
-    p.add_argument("--proximal", choices=("step", "minibatch"), default="step",
-                   help="the proximal policy's weights: the step's (AReaL) or each mini-batch's (rl.proximal)")
-    p.add_argument("--lr-final", type=float, help="decay each LR linearly to this fraction of it by the last step")
+    lr.objective_args(p)  # --behav-cap, --clip, --proximal, --lr-final (each LR decays to that fraction of it)
     p.add_argument("--probe", type=int, default=32, help="held-out problems in the policy-KL probe (0 = off)")
     p.add_argument("--shared-cores", action="store_true", help="learning_run's old unpinned layout")
     p.add_argument("--smoke", action="store_true", help="8 steps, batch 16, one seed: checks the pipeline only")
@@ -394,10 +390,7 @@ def causes(a, lr_: float, ws: dict) -> None:
              "|---" * 12 + "|"] + rows
     text = "\n".join(lines)
     print(text)
-    (a.out / "causes.md").write_text(text + "\n")
-    if a.docs:
-        a.docs.mkdir(parents=True, exist_ok=True)
-        (a.docs / "staleness-causes.md").write_text(text + "\n")
+    write_report(a.out, "causes", text, {"rows": rows}, None, a.docs, "staleness-causes")
 
 
 def cause_row(name: str, what: str, sync: dict, dec: dict) -> str:
@@ -408,6 +401,7 @@ def cause_row(name: str, what: str, sync: dict, dec: dict) -> str:
     return (f"| {name} | {what} | {acc} | {gap[0]:+.1f} | {gap[1]:+.1f} | {ratio} | {fmt(dec['mean_lag'], '.2f')} | "
             f"{fmt(dec['w_std'], '.3f')} | {fmt(dec['policy_kl'], '.2e')} | {fmt(dec['clip_frac'], '.3f')} | "
             f"{fmt(dec['capped_frac'], '.4f')} |")
+
 
 if __name__ == "__main__":
     main()
