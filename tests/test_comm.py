@@ -301,3 +301,52 @@ def test_endpoint_exchange_through_hashstore():
     hash_store = dist.HashStore()
     store.publish_endpoint(hash_store, "replica-0", "tcp://10.0.0.1:5555")
     assert store.lookup_endpoint(hash_store, "replica-0", timeout_s=1) == "tcp://10.0.0.1:5555"
+
+
+FLOODER = """
+import sys, time, zmq
+endpoint, secret_len = sys.argv[1], int(sys.argv[2])
+socks = []
+for _ in range(4):
+    s = zmq.Context.instance().socket(zmq.DEALER)
+    s.setsockopt(zmq.LINGER, 0)
+    s.setsockopt(zmq.SNDHWM, 0)
+    s.connect(endpoint)
+    socks.append(s)
+# well-formed auth frames under a wrong secret: the costliest junk (each one is hashed)
+auth = bytes([9]) + b"replica-0" + (1).to_bytes(8, "big") + b"t" * 32
+payload, sent, stop = b"p" * 64, 0, time.monotonic() + 8.0  # bounded: stops by itself
+while time.monotonic() < stop:
+    for s in socks:
+        s.send_multipart([auth, payload])
+    sent += len(socks)
+    if sent == 20_000:
+        print("flooding", flush=True)
+"""
+
+
+def test_a_flood_of_junk_does_not_hold_a_receive_past_its_timeout():
+    """An outsider flooding the router's port (loopback, 8 s at most): each receive still returns
+    by its deadline while the flood goes on, the junk is counted as bad_auth, and a member's
+    message sent during the flood arrives within its receive's timeout."""
+    import subprocess
+    import sys
+
+    router, dealer = connected_pair()
+    flood = subprocess.Popen([sys.executable, "-c", FLOODER, router.endpoint, "32"], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert flood.stdout.readline().strip() == "flooding"
+        for _ in range(3):
+            assert router.recv(timeout_s=0.05) is None
+            assert flood.poll() is None  # returned while the flood goes on (before: drained it first)
+        assert router.rejected["bad_auth"] > 0 and set(router.rejected) == {"bad_auth"}
+        assert dealer.send(message("heartbeat", rank=0, time=7.0))
+        got = router.recv(timeout_s=2.0)  # the member's pipe is fair-queued with the flooder's
+        assert got is not None and got[0] == "replica-0" and got[1]["time"] == 7.0
+        assert flood.poll() is None  # the member got through during the flood
+    finally:
+        flood.kill()
+        flood.wait()
+        router.close()
+        dealer.close()
