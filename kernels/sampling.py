@@ -1,6 +1,6 @@
 """Fused temperature / top-k / top-p sampling in Triton, without sorting the vocabulary, one
 program per row (`sample_triton`; kept for comparison: `sample` runs the split-vocabulary
-kernel of `kernels/sampling_split.py`, which shares this file's jit helpers).
+kernel of `kernels/sampling_split.py`; both use the jit helpers of `kernels/sampling_common.py`).
 
 Per row (semantics in `kernels/reference.py`, which is the sort-based ground truth):
   pass 1   online max and sum-exp of x/T, min/max of the row, and the Gumbel-max winner for rows
@@ -24,83 +24,12 @@ import triton
 import triton.language as tl
 
 from kernels.reference import GREEDY_EPS, sample_args, sample_torch, use_triton
+from kernels.sampling_common import INT_MAX, INT_MIN, float_key, gumbel_block, search_threshold
+from kernels.sampling_split import sample_split
 
-_INT_MAX = tl.constexpr(2147483647)  # jit code may only read constexpr globals
-_INT_MIN = tl.constexpr(-2147483648)
 GPU_MAX_BLOCK = 512  # with 8 warps: ~106 registers on sm_90, no spills (ptxas -v)
 CPU_MAX_BLOCK = 1024  # tests lower it to exercise several blocks per row
 _NC = 16  # candidate thresholds per search round: 4 bits of the key per pass over the row
-
-
-@triton.jit
-def float_key(x):
-    """Order-preserving int32 key of float32 x; +0.0 and -0.0 share a key (they compare equal)."""
-    bits = x.to(tl.int32, bitcast=True)
-    key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-    return tl.where(x == 0.0, 0, key)
-
-
-@triton.jit
-def gumbel_block(seed, off, stream, start, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """[ROWS, BLOCK] Gumbel noise for vocab columns start..start+BLOCK (start % 4 == 0)."""
-    zero = tl.zeros([ROWS, BLOCK // 4], dtype=tl.uint32)
-    col = (start // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)
-    c0 = zero + col[None, :]
-    c1 = zero + (off & 0xFFFFFFFF).to(tl.uint32)[:, None]
-    c2 = zero + (stream & 0xFFFFFFFF).to(tl.uint32)[:, None]
-    c3 = zero + ((off >> 32) & 0xFFFFFFFF).to(tl.uint32)[:, None]
-    r0, r1, r2, r3 = tl.philox(seed[:, None], c0, c1, c2, c3)
-    # column 4n + q takes output q of counter n
-    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), [ROWS, BLOCK])
-    u = ((r >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1), never 0 or 1
-    return -tl.log(-tl.log(u))
-
-
-@triton.jit
-def search_threshold(row_ptr, rmask, V, t_eff, m, lo, hi, mbh, mass_lo, need_cnt, need_mass, active,
-                     ROWS: tl.constexpr, BLOCK: tl.constexpr, NC: tl.constexpr):
-    """Per row, the largest element key t with count(key >= t) >= need_cnt and
-    mass(key >= t) >= need_mass (mass = sum exp(x/T - m)); returns (t, mass(key >= t)).
-
-    Invariants: lo is an element key satisfying the predicate, hi > lo fails it, mbh is the
-    largest element key below hi; the row is done when mbh == lo.
-    """
-    j = tl.arange(0, NC)
-    done = (active == 0) | (mbh == lo)
-    it = 0
-    while (tl.sum(tl.where(done, 0, 1), 0) > 0) & (it < 40):
-        width = hi.to(tl.int64) - lo.to(tl.int64)  # may exceed int32
-        cand = (lo.to(tl.int64)[:, None] + (width[:, None] * j[None, :]) // NC).to(tl.int32)
-        cnt = tl.zeros([ROWS, NC], dtype=tl.int32)
-        mass = tl.zeros([ROWS, NC], dtype=tl.float32)
-        minge = tl.full([ROWS, NC], _INT_MAX, dtype=tl.int32)
-        maxlt = tl.full([ROWS, NC], _INT_MIN, dtype=tl.int32)
-        for start in range(0, V, BLOCK):
-            cols = start + tl.arange(0, BLOCK)
-            mask = rmask[:, None] & (cols < V)[None, :]
-            x = tl.load(row_ptr + cols[None, :], mask=mask, other=-float("inf")).to(tl.float32)
-            e = tl.exp(x / t_eff[:, None] - m[:, None])
-            key = tl.where(mask, float_key(x), _INT_MIN)  # padding is below every candidate
-            key3 = key[:, :, None]
-            ge = key3 >= cand[:, None, :]
-            cnt += tl.sum(ge.to(tl.int32), 1)
-            mass += tl.sum(tl.where(ge, e[:, :, None], 0.0), 1)
-            minge = tl.minimum(minge, tl.min(tl.where(ge, key3, _INT_MAX), 1))
-            maxlt = tl.maximum(maxlt, tl.max(tl.where(ge, _INT_MIN, key3), 1))
-        ok = (cnt >= need_cnt[:, None]) & (mass >= need_mass[:, None])
-        ok = ok | (cand == lo[:, None])  # lo satisfies the predicate by construction
-        jstar = tl.sum(ok.to(tl.int32), 1) - 1
-        sel = j[None, :] == jstar[:, None]
-        nxt = j[None, :] == jstar[:, None] + 1
-        upd = done == 0
-        narrow = upd & (jstar < NC - 1)
-        lo = tl.where(upd, tl.sum(tl.where(sel, minge, 0), 1), lo)
-        mass_lo = tl.where(upd, tl.sum(tl.where(sel, mass, 0.0), 1), mass_lo)
-        hi = tl.where(narrow, tl.sum(tl.where(nxt, cand, 0), 1), hi)
-        mbh = tl.where(narrow, tl.sum(tl.where(nxt, maxlt, 0), 1), mbh)
-        done = done | (mbh == lo)
-        it += 1
-    return lo, mass_lo
 
 
 @triton.jit
@@ -109,8 +38,8 @@ def stats_pass(row_ptr, rmask, V, t_eff, noisy, seed, off, stream,
     """Pass 1: max and sum-exp of x/T, min/max key, and the argmax of x/T (+ Gumbel where noisy)."""
     m = tl.full([ROWS], -3.0e38, dtype=tl.float32)  # finite so all -inf blocks give 0, not nan
     z = tl.zeros([ROWS], dtype=tl.float32)
-    kmin = tl.full([ROWS], _INT_MAX, dtype=tl.int32)
-    kmax = tl.full([ROWS], _INT_MIN, dtype=tl.int32)
+    kmin = tl.full([ROWS], INT_MAX, dtype=tl.int32)
+    kmax = tl.full([ROWS], INT_MIN, dtype=tl.int32)
     best = tl.full([ROWS], -float("inf"), dtype=tl.float32)
     tok = tl.zeros([ROWS], dtype=tl.int32)
     any_noise = tl.sum(noisy.to(tl.int32), 0) > 0
@@ -123,8 +52,8 @@ def stats_pass(row_ptr, rmask, V, t_eff, noisy, seed, off, stream,
         z = z * tl.exp(m - m_new) + tl.sum(tl.exp(s - m_new[:, None]), 1)
         m = m_new
         key = float_key(x)
-        kmin = tl.minimum(kmin, tl.min(tl.where(mask, key, _INT_MAX), 1))
-        kmax = tl.maximum(kmax, tl.max(tl.where(mask, key, _INT_MIN), 1))
+        kmin = tl.minimum(kmin, tl.min(tl.where(mask, key, INT_MAX), 1))
+        kmax = tl.maximum(kmax, tl.max(tl.where(mask, key, INT_MIN), 1))
         score = s
         if any_noise:
             score = s + tl.where(noisy[:, None], gumbel_block(seed, off, stream, start, ROWS, BLOCK), 0.0)
@@ -239,7 +168,6 @@ def sample(logits, temperature, top_k=0, top_p=1.0, seed=0, offset=0, check: boo
     their sampling parameters already; filtered=False promises no row uses top-k/top-p.
     """
     if use_triton(logits):
-        from kernels.sampling_split import sample_split  # it imports this module's jit helpers
 
         return sample_split(logits, temperature, top_k, top_p, seed, offset, check, filtered)
     return sample_torch(logits, temperature, top_k, top_p, seed, offset, check)

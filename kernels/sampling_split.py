@@ -14,7 +14,7 @@ and the whole sampler can sit in a CUDA graph:
            thresholds, the kept set's mass and the Gumbel-max winner come from these few
            candidates alone (`_cand_kernel`). Other rows fall back to the rounds below;
   rounds   2 x ROUNDS launches, same grid, only when some row filters: the NC-ary threshold search
-           of `sampling.search_threshold` (top-k, then top-p on the top-k mass), one round per
+           of `sampling_common.search_threshold` (top-k, then top-p on the top-k mass), one round per
            launch. Each program first narrows [lo, hi) itself from the previous round's per-chunk
            counts ([chunks, NC] values: every program of a row reduces them redundantly, so no
            separate reduce launch), then counts its own chunk. ROUNDS = 32 / log2(NC) narrowings
@@ -32,7 +32,9 @@ import triton
 import triton.language as tl
 
 from kernels.reference import GREEDY_EPS, sample_args
-from kernels.sampling import _INT_MAX, _INT_MIN, float_key, gumbel_block, search_threshold
+from kernels.sampling_common import INT_MAX as _INT_MAX
+from kernels.sampling_common import INT_MIN as _INT_MIN
+from kernels.sampling_common import float_key, gumbel_block, search_threshold
 
 NC = 16  # candidate thresholds per round: 4 bits of the key per round
 ROUNDS = 8  # 32 bits / 4 bits per round: every search has converged after this many narrowings
@@ -106,7 +108,7 @@ def _candidates(lo, hi, NC: tl.constexpr):
 def _narrow(st_ptr, part_ptr, buf, B, rows, rmask, need_cnt, need_mass, active, NB,
             NBP: tl.constexpr, NC: tl.constexpr):
     """One narrowing of the search state in buffer `buf` by that round's per-chunk counts
-    (as `sampling.search_threshold`'s loop body). Returns (lo, hi, mbh, mass_lo, zk)."""
+    (as `sampling_common.search_threshold`'s loop body). Returns (lo, hi, mbh, mass_lo, zk)."""
     s = st_ptr + buf * 5 * B + rows
     lo = tl.load(s, mask=rmask, other=0)
     hi = tl.load(s + B, mask=rmask, other=1)

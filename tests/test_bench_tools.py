@@ -7,21 +7,18 @@ compare_cost_model puts the planner's predictions next to it, gpu_check.sh is va
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
+import bench_kernels
+import compare_cost_model as ccm
 import pytest
+from bench_rollout import model_config
+from test_plan_cost import ATTN, HEAD, KV_BYTES, LAYER, MATMUL  # the 1.5B shape, by hand
+
+from hexrl.gpus import CATALOGUE, GPU, SHIPPED_PROFILES, gpu, read_profile
+from hexrl.plan.cost import CostModel
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools" / "bench"
-sys.path.insert(0, str(TOOLS))
-
-import bench_kernels  # noqa: E402
-import compare_cost_model as ccm  # noqa: E402
-from bench_rollout import model_config  # noqa: E402
-from test_plan_cost import ATTN, HEAD, KV_BYTES, LAYER, MATMUL  # noqa: E402  the 1.5B shape, by hand
-
-from hexrl.gpus import CATALOGUE, GPU, SHIPPED_PROFILES, gpu, read_profile  # noqa: E402
-from hexrl.plan.cost import CostModel  # noqa: E402
 
 PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
                 "train_mfu", "host_s_per_sample", "control_s_per_sample", "train_overhead_s", "train_fwd_overhead_s",

@@ -11,6 +11,7 @@ import signal
 import sys
 
 import msgpack
+import one_gpu
 import pytest
 import torch
 from runtime_utils import ROOT, metrics, torchrun, write_job
@@ -23,9 +24,6 @@ from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.schema.plan import _world_problems
-
-sys.path.insert(0, str(ROOT / "tools"))
-import one_gpu  # noqa: E402
 
 
 def colocated_job(tmp_path, gpu_type: str = "cpu", **colocate) -> dict:

@@ -1,5 +1,5 @@
-"""The house's shape: no import cycles (late imports included), a short top level, one meaning of `ctx`,
-and the torch.distributed store helpers usable without ZeroMQ."""
+"""The house's shape: no import cycles (late imports included) in hexrl/, kernels/ or tools/, a short top
+level, one meaning of `ctx`, and the torch.distributed store helpers usable without ZeroMQ."""
 import ast
 import subprocess
 import sys
@@ -7,14 +7,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hexrl"
+# tools' scripts import each other by file name (their folders are on pytest's pythonpath, pytest.ini)
+TOOL_DIRS = [ROOT / "tools", ROOT / "tools" / "bench", ROOT / "tools" / "experiments"]
 
 
 def module_names() -> dict[str, Path]:
-    """Dotted module name -> file, for every module of hexrl (a package by its __init__.py)."""
+    """Module name -> file, for every module of hexrl/ and kernels/ (dotted, packages by their
+    __init__.py) and every script of tools/ (by its file name, as they import each other)."""
     out = {}
-    for path in PACKAGE.rglob("*.py"):
+    for path in [*PACKAGE.rglob("*.py"), *(ROOT / "kernels").rglob("*.py")]:
         parts = path.relative_to(ROOT).with_suffix("").parts
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    for folder in TOOL_DIRS:
+        out.update({path.stem: path for path in folder.glob("*.py")})
     return out
 
 
@@ -76,6 +81,8 @@ def test_no_import_cycles_even_through_late_imports():
     modules = module_names()
     graph = {name: imports_of(name, path, modules) for name, path in modules.items()}
     assert "hexrl.data.datasets" in graph["hexrl.runtime.preflight"]  # the walk sees real imports
+    assert "kernels.sampling_split" in graph["kernels.sampling"]
+    assert "learning_run" in graph["staleness_study"]  # a tool importing a tool by file name
     assert cycles(graph) == []
 
 
@@ -105,3 +112,17 @@ def test_store_helpers_import_neither_zmq_nor_msgpack():
     code = "import sys, hexrl.comm.store; print(sorted({'zmq', 'msgpack'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_tests_reach_tools_through_pytest_ini_only():
+    """Tests import tools' scripts by name through pytest.ini's pythonpath, never by editing sys.path."""
+    edits = []
+    for path in (ROOT / "tests").glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            target = node.func.value if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) else None
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                target = (node.targets[0] if isinstance(node, ast.Assign) else node.target)
+                target = target.value if isinstance(target, ast.Subscript) else None
+            if target is not None and ast.unparse(target) == "sys.path":
+                edits.append(f"{path.name}:{node.lineno}")
+    assert edits == []

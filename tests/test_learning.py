@@ -1,14 +1,10 @@
 """A short version of the learning experiment (tools/experiments/learning_run.py): asynchronous GRPO must
 improve a warm-started model, measured by sampled reward and by greedy held-out accuracy."""
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path[:0] = [str(TOOLS), str(TOOLS / "experiments")]
-import learning_run  # noqa: E402
-import warm_start  # noqa: E402
+import learning_run
+import warm_start
 
 
 def test_async_grpo_improves_reward_and_heldout_accuracy(tmp_path):

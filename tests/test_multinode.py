@@ -13,12 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import warm_start  # noqa: E402
+import warm_start
 from dist_utils import free_port
 from runtime_utils import ROOT, metrics, torchrun, torchrun_node, wait_for, worker_pids, write_job
+from safetensors.torch import load_file
 
 from hexrl.runtime.nodes import address_problems, placement_problems, plan_digest
 from hexrl.runtime.watchdog import Watchdog

@@ -4,18 +4,14 @@ over every split, on random heterogeneous clusters drawn across the whole space 
 0.2-50 GB/s). CI runs the clusters whose exhaustive search is quick; the slow tests add the
 case the issue found 28% off and more clusters; `python tools/experiments/plan_quality.py` runs 200."""
 
-import sys
-from pathlib import Path
 
 import pytest
+from plan_quality import KNOWN_BAD, random_job
 
 from hexrl.plan.candidate import Evaluator
 from hexrl.plan.cost import CostModel
 from hexrl.plan.partition import exhaustive, n_splits, two_phase
 from hexrl.schema import load_job
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
-from plan_quality import KNOWN_BAD, random_job  # noqa: E402
 
 
 def seeds(max_splits: int, count: int, skip: int = 0) -> list[int]:

@@ -6,13 +6,13 @@ and the share of groups filtered for equal rewards (a replay buffer's own counts
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from test_train_parallel import CONFIG, make_batch, reference_step, seq_logprobs
 
 from hexrl.control.buffer import ReplayBuffer
 from hexrl.control.metrics import equal_reward_share, token_staleness_histogram
@@ -26,9 +26,6 @@ from hexrl.train import TrainConfig, Trainer
 from hexrl.train.importance import log_w_counts, w_quantile
 from hexrl.train.probe import PolicyProbe, policy_kl, probe_batch
 from hexrl.trajectory import Trajectory
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_train_parallel import CONFIG, make_batch, reference_step, seq_logprobs  # noqa: E402
 
 SINGLE = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}
 
@@ -208,7 +205,6 @@ def fake_run(root: Path, name: str, accs: list[float], lags: list[dict], wall_pe
 
 
 def test_staleness_study_aggregates_lags_gaps_and_the_targets(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
     import staleness_study as st
 
     sync = st.run_stats(fake_run(tmp_path, "s", [0.4, 0.7, 0.85, 0.9], [{"0": 10}] * 6, 2.0))
@@ -228,7 +224,6 @@ def test_staleness_study_aggregates_lags_gaps_and_the_targets(tmp_path):
 
 
 def test_the_smoothed_time_to_80_percent_is_not_one_lucky_evaluation():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
     import staleness_study as st
 
     accs = [0.70, 0.76, 0.81, 0.76, 0.78, 0.79, 0.80, 0.82, 0.81, 0.83]  # every 5 steps; a spike at step 10
@@ -242,7 +237,6 @@ def test_the_smoothed_time_to_80_percent_is_not_one_lucky_evaluation():
 def test_causes_report_sets_each_cause_against_its_own_eta0(tmp_path):
     """--causes --report: one row per cause (and per eta of the version-mix cause), from finished runs only;
     the batch cause doubles the batch and halves the steps (equal trained samples)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
     import staleness_study as st
 
     (tmp_path / "model").mkdir()

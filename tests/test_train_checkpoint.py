@@ -18,7 +18,6 @@ from hexrl.train import checkpoint as ckpt
 from hexrl.train.optim import AdamW
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))
 from test_train_parallel import make_batch  # noqa: E402
 
 SINGLE = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}

@@ -1,19 +1,15 @@
 """Held-out greedy evaluation (hexrl.data.heldout) and the supervised warm start (tools/warm_start.py)."""
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
+import warm_start
 
 from hexrl.data.datasets import make_arithmetic
 from hexrl.data.heldout import greedy_accuracy, prompt_ids
 from hexrl.data.tokenizer import CharTokenizer, load_tokenizer
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.rewards import exact_match_reward
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
-import warm_start  # noqa: E402
 
 TOK = CharTokenizer()
 
