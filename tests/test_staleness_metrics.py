@@ -302,3 +302,45 @@ def test_gpu_log_w_counts_match_the_cpu_counts():
     got = log_w_counts(w.cuda())
     assert got.device.type == "cuda"
     torch.testing.assert_close(got.cpu(), log_w_counts(w.double()), rtol=0, atol=0)
+
+
+def test_paired_gaps_match_seeds_and_carry_a_t_interval(tmp_path):
+    """Issue 47: the study's claims rest on per-seed differences, so the interval is a t-interval over those
+    differences (seeds matched by number, not by position), and a seed without its pair counts for nothing."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
+    import staleness_study as st
+
+    def stat(seed, final, wall, traj=100.0):
+        return {"seed": seed, "final": final, "average": final - 0.1, "wall_target": wall, "wall_target_smooth": None,
+                "traj_per_s": traj}
+
+    base = [stat(0, 0.90, 100), stat(1, 0.92, 100), stat(2, 0.88, 100), stat(3, 0.91, 100)]
+    other = [stat(3, 0.88, 60, 180), stat(1, 0.90, 70, 190), stat(0, 0.89, 50, 200), stat(2, 0.88, None, 170),
+             stat(9, 0.10, 10)]  # seed 9 has no eta=0 run: left out
+    d = st.paired(base, other)
+    assert sorted(d["seeds"]) == [0, 1, 2, 3]
+    g = d["gap_final"]  # points: 1, 2, 0, 3 -> mean 1.5, sd sqrt(5/3), t(3 df) = 3.182
+    assert g["mean"] == pytest.approx(1.5) and g["n"] == 4
+    assert g["half"] == pytest.approx(3.182 * (5 / 3) ** 0.5 / 2)
+    assert (g["low"], g["high"]) == pytest.approx((1.5 - g["half"], 1.5 + g["half"]))
+    assert d["wall_ratio"]["n"] == 3 and d["wall_ratio"]["mean"] == pytest.approx(0.6)  # seed 2 never reached 80%
+    assert d["wall_ratio_smooth"] is None and d["traj_ratio"]["mean"] == pytest.approx(1.85)
+    assert st.t_interval([2.0])["half"] is None and st.t_interval([None]) is None
+    lines = st.paired_targets({"x-etaauto-decoupled vs eta=0": d})
+    assert "within 1 points at the last step (upper bound +3.6): NOT met" in lines[0]
+    assert "not every seed reached 80%" in lines[2]
+
+
+def test_a_pair_that_differs_beyond_its_configuration_is_flagged(tmp_path):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
+    import staleness_study as st
+
+    job = {"name": "a-s0", "out_dir": "x/a-s0", "model": {"path": "m"}, "rl": {"eta": 0, "seed": 0, "lr": 1e-4}}
+    runs = []
+    for name, change in (("a", {}), ("b", {"eta": "auto", "eta_max": 8}), ("c", {"eta": 4, "seed": 1})):
+        (tmp_path / name).mkdir()
+        j = {**job, "name": name, "out_dir": name, "rl": {**job["rl"], **change}}
+        (tmp_path / name / "job.json").write_text(json.dumps(j))
+        runs.append(tmp_path / name)
+    assert st.unpaired_fields(runs[0], runs[1]) == []
+    assert st.unpaired_fields(runs[0], runs[2]) == ["rl.seed"]

@@ -4,6 +4,7 @@
     python tools/experiments/staleness_study.py OUT --configs 2.5e-4:0:decoupled 2.5e-4:4:decoupled --seeds 2
     python tools/experiments/staleness_study.py OUT --smoke         # 8 steps, batch 16, one seed: a pipeline check
     python tools/experiments/staleness_study.py OUT --causes --eval-every 10  # each candidate cause vs eta=0
+    python tools/experiments/staleness_study.py OUT --seeds 6 --background ...  # detached; log in OUT/study.log
 
 Every configuration (LR:ETA:OBJ) runs from the same warm start (OUT/model, tools/warm_start.py)
 at every seed, through tools/experiments/learning_run.py's `run_config`: 1 trainer rank and 1
@@ -14,14 +15,25 @@ shares, the share of groups filtered for equal rewards, and (rl.policy_kl_probe)
 consecutive policy versions on fixed held-out answers. OUT/staleness.md (tables, the issue's
 targets for each learning rate with an eta=0 run) and OUT/staleness.png (curves); `--docs DIR`
 copies them to DIR/staleness-study.md and .png. Finished runs are reused, so an interrupted
-study resumes, and a re-run with more configurations only adds what is missing.
+study resumes, and a re-run with more configurations only adds what is missing; a second invocation
+on the same OUT waits for the first (OUT/.study.lock), so configurations can be queued.
+
+Paired (issue 47): every configuration of a seed shares the warm start (OUT/model), the prompt order
+and the sampling noise (rl.seed: hexrl/control/dataset.py, the controller's per-group seeds); the
+report checks that each pair's job.json differ in nothing else, and gives every configuration's
+per-seed difference to eta=0 at its learning rate (OUT/paired.md, DIR/staleness-paired.md): the gap
+at the last step and over the run, the wall time to 80% as a ratio, with a 95% t-interval over seeds.
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import fcntl
 import json
+import math
+import os
 import statistics
+import subprocess
 import sys
 from pathlib import Path
 
@@ -86,7 +98,7 @@ def smooth_hit(evals: list[dict], half: int = SMOOTH) -> dict | None:
     return None
 
 
-def run_stats(run: Path) -> dict:
+def run_stats(run: Path, seed: int = 0) -> dict:
     """What the study reports for one finished run (metrics.jsonl and eval.jsonl)."""
     metrics, evals = read(run / "metrics.jsonl"), read(run / "eval.jsonl")
     last, wall = metrics[-1], metrics[-1]["wall_s"]
@@ -95,7 +107,7 @@ def run_stats(run: Path) -> dict:
     hit = next((e for e in evals if e["heldout_accuracy"] >= TARGET), None)
     smooth = smooth_hit(evals)
     equal = last["filtered_reasons"].get("equal_rewards", 0)
-    out = {"acc_by_step": {e["step"]: e["heldout_accuracy"] for e in evals},
+    out = {"seed": seed, "acc_by_step": {e["step"]: e["heldout_accuracy"] for e in evals},
            "wall_by_step": {e["step"]: e["wall_s"] for e in evals},
            "final": evals[-1]["heldout_accuracy"],
            "average": statistics.fmean(e["heldout_accuracy"] for e in evals[1:]),  # the evaluations after step 0
@@ -221,6 +233,143 @@ def tables(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | " + " | ".join(fmt(r["acc_by_step"][s]) for s in steps) + " |")
     return "\n".join(lines)
 
+# ----------------------------------------------------------------------------- paired differences (issue 47)
+
+# Student's t 97.5% quantiles for 1 .. 30 degrees of freedom (a table: no scipy dependency for 30 numbers)
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+# the job.json fields a pair may differ in: the configuration itself
+UNPAIRED = {("name",), ("out_dir",), ("rl", "eta"), ("rl", "eta_max"), ("rl", "lr_lag_scale")}
+
+
+def t_interval(values) -> dict | None:
+    """Mean and 95% t-interval over per-seed differences (None values dropped); half/low/high None below 2."""
+    v = [x for x in values if x is not None]
+    if not v:
+        return None
+    m, n = statistics.fmean(v), len(v)
+    half = T975[min(n - 1, len(T975)) - 1] * statistics.stdev(v) / math.sqrt(n) if n > 1 else None
+    low, high = (m - half, m + half) if half is not None else (None, None)
+    return {"mean": m, "n": n, "half": half, "low": low, "high": high, "values": v}
+
+
+def flat(d: dict, at: tuple = ()) -> dict:
+    return {k: v for key, x in d.items() for k, v in (flat(x, at + (key,)) if isinstance(x, dict)
+                                                      else {at + (key,): x}).items()}
+
+
+def unpaired_fields(a: Path, b: Path) -> list[str]:
+    """The job.json fields two runs of a pair differ in beyond the configuration itself (must be none)."""
+    if not ((a / "job.json").exists() and (b / "job.json").exists()):
+        return ["job.json (missing: cannot tell)"]
+    x, y = (flat(json.loads((r / "job.json").read_text())) for r in (a, b))
+    return [".".join(k) for k in sorted(set(x) | set(y)) if k not in UNPAIRED and x.get(k) != y.get(k)]
+
+
+def paired(base: list[dict], other: list[dict]) -> dict:
+    """Per-seed differences of `other` against `base` (matched by seed), each with its t_interval: the gap in
+    points (base minus other; positive = other is below) at the last step and over the run, the wall time to
+    TARGET (first and smoothed) and the trained traj/s as ratios other / base."""
+    by = {s["seed"]: s for s in base}
+    pairs = [(by[o["seed"]], o) for o in other if o["seed"] in by]
+
+    def ratio(b, o, k):
+        return o[k] / b[k] if b[k] and o[k] else None
+
+    return {"seeds": [o["seed"] for _, o in pairs],
+            "gap_final": t_interval(100 * (b["final"] - o["final"]) for b, o in pairs),
+            "gap_average": t_interval(100 * (b["average"] - o["average"]) for b, o in pairs),
+            **{k: t_interval(ratio(b, o, key) for b, o in pairs)
+               for k, key in (("wall_ratio", "wall_target"), ("wall_ratio_smooth", "wall_target_smooth"),
+                              ("traj_ratio", "traj_per_s"))}}
+
+
+def ci(t: dict | None, f: str = ".1f", of: int | None = None) -> str:
+    """'mean +- half [low, high] (width)' (and 'k/of seeds' when some seeds have no value)."""
+    if t is None:
+        return "-"
+    text = (f"{t['mean']:{f}} +- {t['half']:{f}} [{t['low']:{f}}, {t['high']:{f}}] (width {2 * t['half']:{f}})"
+            if t["half"] is not None
+            else f"{t['mean']:{f}} (one seed)")
+    return text + (f" ({t['n']}/{of} seeds)" if of and t["n"] < of else "")
+
+
+def paired_report(stats: dict[str, list[dict]], runs: dict[str, list[Path]]) -> tuple[str, dict]:
+    """The paired table: every configuration against eta=0 at its learning rate (and objective), and auto
+    against eta=4 for throughput; then the issue's targets read off the intervals."""
+    rows, data, bad = [], {}, []
+    for name in stats:
+        lr_, eta, obj = name.split("-eta")[0][2:], name.split("-eta")[1].split("-")[0], name.rsplit("-", 1)[1]
+        base = f"lr{lr_}-eta0-{obj}"
+        if eta == "0" or base not in stats:
+            continue
+        seed_run = {s["seed"]: r for s, r in zip(stats[base], runs[base])}
+        for st, o in zip(stats[name], runs[name]):
+            if st["seed"] in seed_run and unpaired_fields(seed_run[st["seed"]], o):
+                bad.append(f"{o.name}: {unpaired_fields(seed_run[st['seed']], o)}")
+        d = data[f"{name} vs eta=0"] = paired(stats[base], stats[name])
+        n = len(d["seeds"])
+        rows.append(f"| {name} vs eta=0 | {n} | {ci(d['gap_final'])} | {ci(d['gap_average'])} | "
+                    f"{ci(d['wall_ratio'], '.2f', n)} | {ci(d['wall_ratio_smooth'], '.2f', n)} | "
+                    f"{ci(d['traj_ratio'], '.2f')} |")
+    for name in stats:
+        four = name.replace("-etaauto-", "-eta4-")
+        if "-etaauto-" in name and four in stats:
+            d = data[f"{name} vs eta=4"] = paired(stats[four], stats[name])
+            rows.append(f"| {name} vs eta=4 | {len(d['seeds'])} | {ci(d['gap_final'])} | {ci(d['gap_average'])} | "
+                        f"{ci(d['wall_ratio'], '.2f', len(d['seeds']))} | "
+                        f"{ci(d['wall_ratio_smooth'], '.2f', len(d['seeds']))} | {ci(d['traj_ratio'], '.2f')} |")
+    if not rows:
+        return "", data
+    head = ("Paired over seeds (each seed's runs share the warm start, the prompt order and the sampling seeds): "
+            "per seed, the gap = reference minus configuration in held-out points (positive: the configuration is "
+            f"below), and the configuration's wall time to {TARGET:.0%} and trained traj/s over the reference's; "
+            "mean +- the 95% t-interval's half-width [low, high] over the seeds. A wall ratio counts the seeds "
+            "where both runs reached 80%.")
+    lines = [head, "", f"| comparison | seeds | gap at the last step | gap over the run | wall to {TARGET:.0%}, ratio "
+             f"| the same, smoothed +-{SMOOTH} steps | trained traj/s, ratio |", "|---|---|---|---|---|---|---|", *rows]
+    if bad:
+        lines += ["", "NOT PAIRED: these runs differ from their eta=0 run in more than the configuration: "
+                  + "; ".join(bad)]
+    goals = paired_targets(data)
+    return "\n".join(lines + (["", "The targets, read off the intervals:", "", *goals] if goals else [])), data
+
+
+def paired_targets(data: dict) -> list[str]:
+    """Issue 36's targets for eta=4 (within 2 points, <= 0.7x the wall time) and issue 47's for auto (within 1 point
+    with the interval, >= 90% of eta=4's traj/s, <= 0.7x eta=0's wall time), each judged on the interval's bound."""
+    out = []
+    for key, d in data.items():
+        if not key.endswith("vs eta=0") or d["gap_final"] is None or d["gap_final"]["half"] is None:
+            continue
+        auto = "-etaauto-" in key
+        pts = 1.0 if auto else 2.0
+        for k, what in (("gap_final", "at the last step"), ("gap_average", "over the run")):
+            t = d[k]
+            out.append(f"- {key}: within {pts:g} points {what} (upper bound {t['high']:+.1f}): {verdict(t, pts)}")
+        for k, what in (("wall_ratio", "first evaluation"), ("wall_ratio_smooth", "smoothed")):
+            t = d[k]
+            if t is None or t["n"] < len(d["seeds"]) or t["half"] is None:
+                out.append(f"- {key}: wall time to 80% ({what}) <= 0.7x: not every seed reached 80%, no verdict")
+            else:
+                out.append(f"- {key}: wall time to 80% ({what}) <= 0.7x: {t['mean']:.2f}x, upper bound "
+                           f"{t['high']:.2f}x: {verdict(t, 0.7)}")
+        if auto:
+            four = data.get(key.replace("vs eta=0", "vs eta=4"))
+            t = four and four["traj_ratio"]
+            if t and t["half"] is not None:
+                out.append(f"- {key}: trained traj/s >= 0.9x eta=4's: {t['mean']:.2f}x, lower bound {t['low']:.2f}x: "
+                           f"{verdict(t, 0.9, at_least=True)}")
+    return out
+
+
+def verdict(t: dict, bound: float, at_least: bool = False) -> str:
+    """A target is met when the whole 95% interval is on its side of the bound."""
+    sign = -1 if at_least else 1
+    if sign * t["low" if at_least else "high"] <= sign * bound:
+        return "met"
+    return "NOT met (the mean is, the interval is not)" if sign * t["mean"] <= sign * bound else "NOT met"
+
 
 def plot(rows: list[dict], runs: dict[str, list[Path]], out: Path) -> Path | None:
     """OUT/staleness.png: held-out accuracy vs step and vs wall time, policy KL per step (smoothed)."""
@@ -282,17 +431,34 @@ def main(argv=None) -> None:
     p.add_argument("--docs", type=Path, help="copy staleness.md / .png here as staleness-study.md / .png")
     p.add_argument("--causes", action="store_true",
                    help="every candidate cause in CAUSES against eta=0, each in OUT/<cause>, and OUT/causes.md")
+    p.add_argument("--background", action="store_true",
+                   help="detach (a new session, immune to hang-ups), log to OUT/study.log, print its pid; queued "
+                   "behind any study already running on OUT")
     a = p.parse_args(argv)
     configs = parse_configs(a.configs, p)
     if a.smoke:
         a.steps, a.eval_every, a.seeds, a.batch = 8, 4, 1, 16
     a.out.mkdir(parents=True, exist_ok=True)
+    if a.background:
+        return detach(a.out, [x for x in (argv if argv is not None else sys.argv[1:]) if x != "--background"])
+    if not a.report:  # one study at a time on OUT (both pin the same cores): a second one waits its turn
+        lock = open(a.out / ".study.lock", "w")
+        fcntl.flock(lock, fcntl.LOCK_EX)
     ws = lr.warm_start(a.out, lr.SMOKE_WARM_START if a.smoke else ())
     if a.causes:
         return causes(a, configs[0][0], ws)
     rows = study(a, configs, ws)
     if not rows:
         sys.exit("staleness_study: no finished run to report")
+
+
+def detach(out: Path, argv: list[str]) -> None:
+    """This command again, without --background, in its own session with its output appended to OUT/study.log."""
+    with open(out / "study.log", "a") as log:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv], stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                                cwd=os.getcwd())
+    print(f"staleness_study: running in the background, pid {proc.pid}, log {out / 'study.log'}")
 
 
 def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict] | None:
@@ -314,7 +480,7 @@ def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict
             if not a.report:
                 lr.run_config(a.out, job, TARGET)
             runs.setdefault(name, []).append(run)
-            stats.setdefault(name, []).append(run_stats(run))
+            stats.setdefault(name, []).append(run_stats(run, seed))
     if not stats:
         return None
     rows = [aggregate(name, s) for name, s in stats.items()]
@@ -333,6 +499,10 @@ def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict
     print(text)
     write_report(a.out, "staleness", text, {"rows": rows, "runs": stats}, plot(rows, runs, a.out), a.docs,
                  "staleness-study")
+    pair_text, pair_data = paired_report(stats, runs)
+    if pair_text:
+        print(pair_text)
+        write_report(a.out, "paired", head + "\n\n" + pair_text, pair_data, None, a.docs, "staleness-paired")
     return by
 
 
