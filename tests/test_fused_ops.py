@@ -146,11 +146,19 @@ class FakeFlashInfer:
 
     def silu_and_mul(self, x):
         self._count("silu_and_mul")
+        if x.shape[-1] * x.element_size() % 16:  # activation.py's check (its kernel loads 16-byte vectors)
+            raise ValueError("The pointers must be multiple of 16 bytes.")
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]
 
+    @staticmethod
+    def _dispatch_head_dim(head_dim):  # DISPATCH_HEAD_DIM in include/flashinfer/utils.cuh (0.5.3)
+        if head_dim not in (64, 128, 256, 512):
+            raise RuntimeError(f"Unsupported head_dim: {head_dim}")
+
     def apply_rope_with_cos_sin_cache_inplace(self, positions, query, key, head_size, cache, is_neox=True):
         self._count("rope")
+        self._dispatch_head_dim(head_size)
         assert is_neox and cache.dtype == torch.float32 and cache.is_contiguous() and positions.is_contiguous()
         half = cache.shape[1] // 2
         cos, sin = cache[positions, None, :half], cache[positions, None, half:]
@@ -163,6 +171,7 @@ class FakeFlashInfer:
     def append_paged_kv_cache(self, k, v, batch_indices, positions, cache, indices, indptr, last_page_len,
                               kv_layout="NHD"):
         self._count("append")
+        self._dispatch_head_dim(k.shape[-1])
         ints = (batch_indices, positions, indices, indptr, last_page_len)
         assert kv_layout == "NHD" and all(t.dtype == torch.int32 and t.is_contiguous() for t in ints)
         assert len(indptr) == len(last_page_len) + 1 and len(batch_indices) == len(positions) == k.shape[0]
@@ -176,12 +185,15 @@ class FakeFlashInfer:
 def fake_flashinfer(monkeypatch):
     fake = FakeFlashInfer()
     monkeypatch.setattr(ops, "_flashinfer", lambda: fake)
-    monkeypatch.setattr(ops, "use_flashinfer", lambda x: ops.FLASHINFER and not torch.is_grad_enabled())
+    monkeypatch.setattr(ops, "kernel_tensor", lambda x: ops.FLASHINFER and not torch.is_grad_enabled())
     return fake
 
 
+HD64 = dict(hidden=256, heads=4, kv_heads=2, intermediate=128)  # head_dim 64: one FlashInfer dispatches
+
+
 def test_the_flashinfer_call_sites_against_a_fake_with_its_semantics(fake_flashinfer, tmp_path):
-    path = make_tiny_model(tmp_path / "m", tie=False)
+    path = make_tiny_model(tmp_path / "m", tie=False, **HD64)
     model = load_pretrained(path, fused=True)
     ids = torch.randint(3, 64, (2, 7), generator=G)
     with torch.no_grad():
@@ -191,9 +203,9 @@ def test_the_flashinfer_call_sites_against_a_fake_with_its_semantics(fake_flashi
     assert fake_flashinfer.calls == {"rmsnorm": 1, "fused_add_rmsnorm": 2 * layers, "rope": layers,
                                      "silu_and_mul": layers}
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    cache = torch.zeros(6, 2, 4, 2, 8)
+    cache = torch.zeros(6, 2, 4, 2, 64)
     pages, offsets = torch.tensor([3, 0, 3, 5]), torch.tensor([1, 2, 3, 0])
-    k, v = rand(4, 2, 8), rand(4, 2, 8)
+    k, v = rand(4, 2, 64), rand(4, 2, 64)
     with torch.no_grad():
         ops.append_kv(cache, k, v, ops.KVSlots.of(pages, offsets))
     assert fake_flashinfer.calls["append"] == 1
@@ -202,8 +214,39 @@ def test_the_flashinfer_call_sites_against_a_fake_with_its_semantics(fake_flashi
     assert torch.equal(cache, want_cache)
 
 
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 96, 128, 256, 512])
+def test_head_dims_flashinfer_raises_on_take_the_torch_path_at_every_call_site(fake_flashinfer, head_dim):
+    """The one dispatch rule (ops.HEAD_DIMS): RoPE and the KV append (the fake raises as DISPATCH_HEAD_DIM
+    does) and the attention backend go to FlashInfer only for 64/128/256; norms have no head dim; SiLU
+    needs 16-byte rows. The tiny model's 16 and warm_start's 32 fall back instead of crashing."""
+    from hexrl.rollout.flashinfer_backend import flashinfer_problem
+
+    t, d = 3, head_dim
+    positions = torch.tensor([0, 5, 9])
+    rotary = Rotary(ModelConfig.from_hf(tiny_config(heads=2, kv_heads=1, hidden=2 * d)))
+    q, k = rand(t, 2 * d), rand(t, d)
+    cache = torch.zeros(4, 2, 4, 1, d)
+    with torch.no_grad():
+        ops.rope(q, k, positions, rotary, d)
+        ops.append_kv(cache, k.view(t, 1, d), k.view(t, 1, d), ops.KVSlots.of(torch.tensor([0, 1, 3]), positions % 4))
+    dispatched = d in (64, 128, 256)
+    assert fake_flashinfer.calls.get("rope", 0) == fake_flashinfer.calls.get("append", 0) == int(dispatched)
+    assert (ops.head_dim_problem(d) is None) == dispatched
+    if not dispatched:  # the backend refuses before importing flashinfer: torch paged attention, no graphs
+        problem = flashinfer_problem(torch.device("cuda"), torch.bfloat16, d)
+        assert f"head_dim {d} is not one FlashInfer dispatches" in problem
+
+
+def test_silu_and_mul_rows_flashinfer_cannot_load_take_the_torch_path(fake_flashinfer):
+    with torch.no_grad():
+        for width, called in ((12, 0), (8, 1)):  # 12 bf16 = 24 bytes per half: not a 16-byte multiple
+            x = rand(3, 2 * width).bfloat16()
+            ops.silu_and_mul(x)
+            assert fake_flashinfer.calls.get("silu_and_mul", 0) == called, width
+
+
 def test_greedy_engine_tokens_are_the_same_with_the_fake_kernels(fake_flashinfer, tmp_path):
-    path = make_tiny_model(tmp_path / "m", tie=False)
+    path = make_tiny_model(tmp_path / "m", tie=False, **HD64)
     reqs = [Request(i, [5 + i] * (2 + 3 * i), max_new_tokens=6, temperature=0.0, ignore_eos=True) for i in range(3)]
     outs, cfg = [], EngineConfig(page_size=4, max_pages=64)
     for on in (True, False):

@@ -132,3 +132,14 @@ def test_missing_flashinfer_on_cuda_warns_and_names_the_fallback(tmp_path, monke
     assert engine.backend.name == "torch" and engine.graphs is None
     with pytest.raises(ValueError, match="no flashinfer"):
         Engine(model, EngineConfig(max_pages=64, attention="flashinfer"))
+
+
+def test_a_head_dim_flashinfer_does_not_dispatch_falls_back_instead_of_crashing(tmp_path):
+    """head_dim 16 in bf16 (the CPU tiny model's shape): before the rule, Engine() died in graph warm-up."""
+    make_tiny_model(tmp_path / "m", vocab=512, tie=False)
+    model = load_pretrained(tmp_path / "m", dtype=torch.bfloat16, device=DEV)
+    with pytest.warns(RuntimeWarning, match="head_dim 16"):
+        engine = Engine(model, EngineConfig(max_pages=64))
+    assert engine.backend.name == "torch" and engine.graphs is None
+    out = engine.generate([Request(0, [5, 6, 7], max_new_tokens=5, temperature=0.0, ignore_eos=True)])[0]
+    assert len(out.token_ids) == 5

@@ -92,7 +92,8 @@ def test_gpu_decode_step_host_to_device_copies(tmp_path, attention):
         pytest.skip("needs CUDA")
     if attention == "flashinfer":
         pytest.importorskip("flashinfer")
-    path = make_tiny_model(tmp_path / "m", vocab=64, tie=False)
+    # head_dim 64: one FlashInfer dispatches (the default tiny model's 16 would take the torch path)
+    path = make_tiny_model(tmp_path / "m", vocab=64, tie=False, hidden=256, heads=4, kv_heads=2)
     cfg = EngineConfig(page_size=4, max_pages=64, max_running=4, attention=attention, overlap=False,
                        cuda_graphs=attention == "flashinfer")
     engine = Engine(load_pretrained(path, dtype=torch.float16, device="cuda"), cfg, eos_ids=[])

@@ -1,8 +1,9 @@
 """The rollout's fused small kernels: FlashInfer on the no-grad CUDA path, the same math in torch elsewhere.
 
 The fused (inference) layout of the decoder (`Decoder.fuse`) and the paged-KV backends call these. Each
-op picks per call: FlashInfer when the tensor is CUDA fp16/bf16, autograd is off and flashinfer
-imports; plain torch otherwise (CPU, fp32, anything differentiated). The torch versions compute what
+op picks per call: FlashInfer when the tensor is CUDA fp16/bf16, autograd is off, flashinfer imports and
+the shape is one its kernels dispatch (`HEAD_DIMS`, 16-byte rows for SiLU); plain torch otherwise (CPU,
+fp32, anything differentiated, a head dim FlashInfer raises on). The torch versions compute what
 the split training path computes, and the GPU tests hold the kernels to them. Per decode layer that is
 two fused add+RMSNorm, one in-place RoPE, one SiLU-and-mul and one KV append instead of ~17 kernels.
 """
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 
 FLASHINFER = True  # False: torch everywhere (to compare the two paths side by side)
 _DTYPES = (torch.float16, torch.bfloat16)
+# FlashInfer 0.5.3's RoPE and KV append go through DISPATCH_HEAD_DIM (include/flashinfer/utils.cuh), which
+# takes 64/128/256/512 and raises otherwise; 512 is left out as no attention module of ours is built or tested
+# for it. The one rule for every call site, the attention backend's included (`head_dim_problem`).
+HEAD_DIMS = (64, 128, 256)
 
 
 @functools.cache
@@ -31,10 +36,23 @@ def _flashinfer():
     return flashinfer
 
 
-def use_flashinfer(x: torch.Tensor) -> bool:
-    """Whether the ops run FlashInfer's kernels on `x` (CUDA fp16/bf16, no autograd, flashinfer present)."""
+def head_dim_problem(head_dim: int) -> str | None:
+    """Why FlashInfer's per-head kernels (RoPE, KV append, paged attention) cannot take `head_dim` (None: they can)."""
+    if head_dim in HEAD_DIMS:
+        return None
+    return f"head_dim {head_dim} is not one FlashInfer dispatches ({', '.join(map(str, HEAD_DIMS))})"
+
+
+def kernel_tensor(x: torch.Tensor) -> bool:
+    """Whether FlashInfer's kernels can take `x` at all (CUDA fp16/bf16, no autograd, flashinfer present)."""
     return (FLASHINFER and x.is_cuda and x.dtype in _DTYPES and not torch.is_grad_enabled()
             and _flashinfer() is not None)
+
+
+def use_flashinfer(x: torch.Tensor, head_dim: int | None = None) -> bool:
+    """Whether an op runs FlashInfer's kernel on `x`: `kernel_tensor(x)` and, for the per-head kernels,
+    a `head_dim` FlashInfer dispatches."""
+    return (head_dim is None or head_dim_problem(head_dim) is None) and kernel_tensor(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -64,7 +82,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[T, 2I] (gate then up, as the fused gate_up projection stacks them) -> silu(gate) * up, [T, I]."""
-    if use_flashinfer(x):
+    # FlashInfer's kernel loads 16-byte vectors from both halves: each half's row must be a multiple of 16 bytes
+    if use_flashinfer(x) and x.shape[-1] // 2 * x.element_size() % 16 == 0:
         return _flashinfer().silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
@@ -76,7 +95,7 @@ def rope(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, rotary: Rota
     FlashInfer rotates in place from `rotary.cos_sin_cache` (fp32 cos/sin of every position, the same
     numbers the torch path computes); torch returns new tensors (`rotary(x, positions)`)."""
     t = q.shape[0]
-    if use_flashinfer(q):
+    if use_flashinfer(q, head_dim):
         _flashinfer().apply_rope_with_cos_sin_cache_inplace(
             positions, q, k, head_dim, rotary.cos_sin_cache(q.device), is_neox=True)
         return q.view(t, -1, head_dim), k.view(t, -1, head_dim)
@@ -111,7 +130,7 @@ def write_kv(cache: torch.Tensor, pages: torch.Tensor, offsets: torch.Tensor, k:
 
 def append_kv(cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: KVSlots) -> None:
     """`write_kv` into the slots: one FlashInfer `append_paged_kv_cache` (k/v may be strided views)."""
-    if use_flashinfer(k) and k.dtype == cache.dtype:
+    if use_flashinfer(k, k.shape[-1]) and k.dtype == cache.dtype:
         _flashinfer().append_paged_kv_cache(k, v, slots.indptr[:-1], slots.offsets, cache, slots.pages,
                                             slots.indptr, slots.last_page_len, kv_layout="NHD")
         return

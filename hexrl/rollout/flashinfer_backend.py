@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from hexrl.model.ops import KVSlots, append_kv
+from hexrl.model.ops import KVSlots, append_kv, head_dim_problem
 
 from .attention import StepMeta
 from .pages import PagePool
@@ -40,12 +40,14 @@ def import_flashinfer():
     return flashinfer
 
 
-def flashinfer_problem(device: torch.device, dtype: torch.dtype) -> str | None:
+def flashinfer_problem(device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
     """Why the FlashInfer backend cannot run here (None when it can)."""
     if device.type != "cuda":
         return f"the model is on {device}, FlashInfer needs CUDA"
     if dtype not in SUPPORTED_DTYPES:
         return f"the model is {dtype}, FlashInfer needs float16 or bfloat16"
+    if problem := head_dim_problem(head_dim):
+        return problem
     try:
         import_flashinfer()
     except Exception as e:  # ImportError, or a broken install failing at import

@@ -93,7 +93,7 @@ class ModelRunner:
         from .flashinfer_backend import FlashInferAttention, flashinfer_problem, float_workspace_bytes
 
         kind, cuda = self.config.attention, self.device.type == "cuda"
-        problem = flashinfer_problem(self.device, self.dtype) if kind != "torch" else None
+        problem = flashinfer_problem(self.device, self.dtype, self.heads[2]) if kind != "torch" else None
         if kind == "flashinfer" and problem:
             raise ValueError(f"attention='flashinfer' needs a CUDA model in fp16/bf16 and the flashinfer package: "
                              f"{problem}")
