@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hexrl.comm.secret import job_secret
 from hexrl.runtime import affinity, dist_rules, effective
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import set_run_umask
@@ -220,10 +221,11 @@ def main(argv=None) -> None:
         publish_groups(store, rank, groups)
         info = plan.ranks[rank]
         run_dir = Path(args.run_dir or plan.job.out_dir)
+        secret = job_secret(store, rank, run_dir, multi_node=len(plan.job.cluster.nodes) > 1)
         ctx = RankContext(plan, rank, local_rank, device, run_dir, Path(args.resume) if args.resume else None,
                           store, plan.trainer, groups.sync,
                           groups.replica.get(info.replica) if role == "rollout" else None,
-                          watchdog, inputs, groups.sync_ipc, [name for name, _, _ in groups.described])
+                          watchdog, inputs, groups.sync_ipc, [name for name, _, _ in groups.described], secret)
         if role == "train":
             from hexrl.train.worker import run_trainer
 

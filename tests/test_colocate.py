@@ -167,6 +167,22 @@ def test_cuda_ipc_handle_is_checked_msgpack_never_pickle():
             cuda_ipc.decode(cuda_ipc.encode({**good, key: bad}))
     with pytest.raises(ValueError, match="fields"):
         cuda_ipc.decode(cuda_ipc.encode({**good, "rebuild": "os.system"}))
+
+
+def test_cuda_ipc_handle_of_wrong_types_or_past_its_storage_is_refused_before_mapping():
+    """Issue 44 item 3: unhashable dtypes gave a raw TypeError; a view past the storage was mapped."""
+    good = {"size": [4, 2], "stride": [2, 1], "offset": 0, "dtype": "bfloat16", "device": 0, "handle": b"h" * 64,
+            "storage_size": 16, "storage_offset": 0, "ref_handle": b"r" * 8, "ref_offset": 0,
+            "event_handle": None, "event_sync": False}
+    assert cuda_ipc.decode(cuda_ipc.encode({**good, "size": [0, 99], "stride": [99, 99]}))  # an empty view
+    for key, bad in [("dtype", ["bfloat16"]), ("dtype", {"a": 1}), ("dtype", None), ("size", [4, 3]),
+                     ("stride", [3, 1]), ("offset", 1), ("size", [4, 2, 1]), ("storage_size", 15),
+                     ("offset", 1 << 63), ("size", [1] * 100), ("storage_size", (1 << 64) - 1)]:
+        with pytest.raises(ValueError, match="CUDA IPC handle: bad field"):
+            cuda_ipc.decode(cuda_ipc.encode({**good, key: bad}))
+    for garbage in (b"\xc1", b"\x92\x01", b""):
+        with pytest.raises(ValueError, match="CUDA IPC handle"):
+            cuda_ipc.decode(garbage)
     import pickle
     with pytest.raises((ValueError, msgpack.exceptions.ExtraData, msgpack.exceptions.UnpackException)):
         cuda_ipc.decode(pickle.dumps(good))  # a pickle is not read as one

@@ -262,8 +262,6 @@ def test_endpoint_exchange_through_tcpstore():
     router = RouterChannel(SECRET)
     try:
         store.publish_endpoint(master, "controller", router.bind("127.0.0.1"))
-        store.publish_secret(master, SECRET)
-        assert store.lookup_secret(client, timeout_s=10) == SECRET
         endpoint = store.lookup_endpoint(client, "controller", timeout_s=10)
         assert endpoint == router.endpoint and endpoint.startswith("tcp://127.0.0.1:")
         dealer = DealerChannel("replica-2", SECRET)

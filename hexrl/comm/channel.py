@@ -10,8 +10,8 @@ are not thread-safe. Every received message is validated; a bad one is counted i
 
 Trust: any local process can connect to a TCP port, so every message carries an auth frame,
 `[len(name)][name][seq: 8 bytes][HMAC-SHA256(secret, everything before it + payload)]`, under a
-per-job secret that rank 0 generates and hands out through the torchrun store (never env or
-argv, which other local users can read). A peer's name is what its valid auth frame says, never
+per-job secret that never crosses the torchrun store (hexrl.comm.secret: a 0600 file in the run
+directory, or HEXRL_SECRET on every launcher). A peer's name is what its valid auth frame says, never
 its ZeroMQ routing id (no ROUTER_HANDOVER: a newcomer cannot take a replica's place); `seq` must
 grow per sender, so a replayed frame is refused. Frames are checked before msgpack sees them, and
 ZeroMQ's MAXMSGSIZE disconnects a peer that sends an oversize frame.
@@ -41,7 +41,7 @@ log = logging.getLogger("hexrl.comm")
 
 
 def new_secret() -> bytes:
-    """A fresh per-job secret (rank 0 makes it; `publish_secret` hands it to the job's ranks)."""
+    """A fresh per-job secret (rank 0 makes it; hexrl.comm.secret hands it to the job's ranks)."""
     return secrets.token_bytes(32)
 
 

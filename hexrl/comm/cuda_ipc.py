@@ -17,6 +17,7 @@ import torch
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _INTS = ("offset", "device", "storage_size", "storage_offset", "ref_offset")
 _BYTES = ("handle", "ref_handle")
+_MAX, _MAX_DIMS = 1 << 62, 64  # no integer near int64's end, no view of more dimensions than torch's
 FIELDS = frozenset((*_INTS, *_BYTES, "size", "stride", "dtype", "event_handle", "event_sync"))
 
 
@@ -40,25 +41,40 @@ def encode(fields: dict) -> bytes:
 
 
 def decode(payload: bytes) -> dict:
-    """The handle's fields, every one checked; ValueError naming what is wrong."""
-    d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    """The handle's fields, every one checked (types first, then that the view fits inside the
+    storage it maps, before anything is mapped); ValueError naming what is wrong."""
+    try:
+        d = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types on garbage
+        raise ValueError(f"CUDA IPC handle: not msgpack ({type(e).__name__})") from None
     if not isinstance(d, dict) or set(d) != FIELDS:
         got = sorted(d) if isinstance(d, dict) else type(d).__name__
         raise ValueError(f"CUDA IPC handle: fields must be {sorted(FIELDS)}, got {got}")
-    bad = [k for k in _INTS if not _is_int(d[k]) or d[k] < 0]
+    bad = [k for k in _INTS if not _is_int(d[k]) or not 0 <= d[k] < _MAX]
     bad += [k for k in _BYTES if not isinstance(d[k], bytes) or not d[k]]
-    bad += [k for k in ("size", "stride") if not isinstance(d[k], list) or not all(_is_int(v) and v >= 0 for v in d[k])]
-    if d["dtype"] not in DTYPES:
+    bad += [k for k in ("size", "stride") if not isinstance(d[k], list) or len(d[k]) > _MAX_DIMS
+            or not all(_is_int(v) and 0 <= v < _MAX for v in d[k])]
+    if not isinstance(d["dtype"], str) or d["dtype"] not in DTYPES:  # a list or map is not hashable
         bad.append("dtype")
     if d["event_handle"] is not None and not isinstance(d["event_handle"], bytes):
         bad.append("event_handle")
     if not isinstance(d["event_sync"], bool):
         bad.append("event_sync")
-    if isinstance(d["size"], list) and isinstance(d["stride"], list) and len(d["size"]) != len(d["stride"]):
+    if not bad and len(d["size"]) != len(d["stride"]):
         bad.append("size/stride (lengths differ)")
+    if not bad and (end := _end_bytes(d)) > d["storage_size"]:
+        bad.append(f"size/stride/offset (the view ends at byte {end}, past storage_size {d['storage_size']})")
     if bad:
         raise ValueError(f"CUDA IPC handle: bad field(s) {', '.join(bad)}")
     return d
+
+
+def _end_bytes(d: dict) -> int:
+    """One past the last byte of the storage the view (size, stride, offset) touches."""
+    if 0 in d["size"]:
+        return 0
+    last = d["offset"] + sum((n - 1) * s for n, s in zip(d["size"], d["stride"]))
+    return (last + 1) * DTYPES[d["dtype"]].itemsize
 
 
 def import_handle(payload: bytes) -> torch.Tensor:

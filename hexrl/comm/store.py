@@ -1,5 +1,6 @@
-"""torch.distributed store and broadcast helpers: the channel endpoints and the job's secret go
-through the torchrun store; `broadcast_bytes` sends raw bytes over a process group.
+"""torch.distributed store and broadcast helpers: the channel endpoints go through the torchrun
+store (never the job's secret: hexrl.comm.secret); `broadcast_bytes` sends raw bytes over a
+process group.
 
 Kept apart from the ZeroMQ channels (hexrl.comm.channel) so that users of these helpers alone
 (the rollout TP group, the weight sync) import neither zmq nor msgpack.
@@ -31,23 +32,6 @@ def lookup_endpoint(store, name: str, timeout_s: float = 60.0) -> str:
     except RuntimeError as e:  # DistStoreError is a RuntimeError
         raise TimeoutError(f"no endpoint {name!r} published within {timeout_s}s ({e})") from None
     return store.get(key).decode()
-
-
-_SECRET_KEY = "hexrl/secret"
-
-
-def publish_secret(store, secret: bytes) -> None:
-    """Hand the job's channel secret to its ranks through the torchrun store (rank 0 only)."""
-    store.set(_SECRET_KEY, secret)
-
-
-def lookup_secret(store, timeout_s: float = 300.0) -> bytes:
-    """The job's channel secret, waiting up to `timeout_s` for rank 0 to publish it."""
-    try:
-        store.wait([_SECRET_KEY], timedelta(seconds=timeout_s))
-    except RuntimeError as e:
-        raise TimeoutError(f"no channel secret published within {timeout_s}s ({e})") from None
-    return store.get(_SECRET_KEY)
 
 
 def broadcast_bytes(payload: bytes | None, src: int, group, device="cpu") -> bytes:

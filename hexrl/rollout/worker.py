@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from hexrl.comm.channel import DealerChannel
-from hexrl.comm.store import lookup_endpoint, lookup_secret
+from hexrl.comm.store import lookup_endpoint
 from hexrl.comm.wire import message, trajectory_to_msg
 from hexrl.rewards import RewardPool
 from hexrl.runtime import effective
@@ -84,11 +84,11 @@ def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device, ipc: bool
 class RolloutLeader:
     """Drives one replica's engine from controller messages; sends finished groups back."""
 
-    def __init__(self, engine: Engine, replica_id: int, rank: int, store, receive_weights,
+    def __init__(self, engine: Engine, replica_id: int, rank: int, store, secret: bytes, receive_weights,
                  reward: str, reward_timeout_s: float, tokenizer, reward_workers: int = 2,
                  trace: Path | None = None):
         self.engine, self.rank, self.receive_weights, self.tokenizer = engine, rank, receive_weights, tokenizer
-        self.channel = DealerChannel(f"replica-{replica_id}", lookup_secret(store, timeout_s=300))
+        self.channel = DealerChannel(f"replica-{replica_id}", secret)
         self.channel.connect(lookup_endpoint(store, "controller", timeout_s=300))
         self.reward_name = reward
         self.rewards = RewardPool(reward, workers=reward_workers, timeout_s=reward_timeout_s)
@@ -266,7 +266,7 @@ def run_rollout(ctx: RankContext) -> None:
         engine.follow(on_update=receive)
         return
     trace = Path(ctx.run_dir) / "engine" / f"replica{replica.id}.jsonl"
-    leader = RolloutLeader(engine, replica.id, ctx.rank, ctx.store, receive, job.reward.name,
+    leader = RolloutLeader(engine, replica.id, ctx.rank, ctx.store, ctx.secret, receive, job.reward.name,
                            job.reward.timeout_s, tokenizer, trace=trace)
     leader.run()
     write_engine_stats(ctx.run_dir, replica.id, engine.stats)

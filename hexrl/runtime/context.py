@@ -34,6 +34,7 @@ class RankContext:
     inputs: Inputs  # the checked, tokenized prompts (tokenized once, by the checks)
     sync_ipc: bool = False  # the weight sync groups share this GPU: weights go by CUDA IPC (hexrl/weights.py)
     groups: list[str] = field(default_factory=list)  # every group's name, in creation order (effective_config)
+    secret: bytes = b""  # the job's channel secret (hexrl.comm.secret), never sent through the store
 
     @property
     def info(self) -> RankInfo:

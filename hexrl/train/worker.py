@@ -14,8 +14,8 @@ import time
 import msgpack
 import torch
 
-from hexrl.comm.channel import RouterChannel, new_secret
-from hexrl.comm.store import broadcast_bytes, publish_endpoint, publish_secret
+from hexrl.comm.channel import RouterChannel
+from hexrl.comm.store import broadcast_bytes, publish_endpoint
 from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
@@ -52,9 +52,7 @@ def start_controller(ctx: RankContext, tokenizer, train: list) -> Controller:
     """Bind the controller's socket on this node's address from the plan (never a wildcard: only
     that interface listens) and publish it through the store."""
     plan, job = ctx.plan, ctx.plan.job
-    secret = new_secret()
-    publish_secret(ctx.store, secret)  # the rollout leaders read it from the store, never env/argv
-    router = RouterChannel(secret)
+    router = RouterChannel(ctx.secret)  # never through the store (hexrl.comm.secret)
     address = job.cluster.nodes[ctx.info.node].address
     endpoint = router.bind(bind_host(address), advertise=address)
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
