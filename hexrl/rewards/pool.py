@@ -1,9 +1,11 @@
-"""Reward pool: score completions in worker processes, with a per-call timeout.
+"""Worker pools: run calls in worker processes, with a per-call timeout.
 
-A reward that raises, returns garbage, crashes its process or hangs scores 0.0 and is counted
-in `pool.stats`; a hung or dead worker is killed and replaced, so the caller keeps going.
-`submit` + `finished` score without waiting (the rollout leader decodes on meanwhile);
-`score` waits for its batch.
+`WorkerPool` runs `fn(*args)` for queued items; a call that raises, returns garbage (its
+`check` raises), crashes its process or hangs fails with a status ("error" or "timeout") and is
+counted in `pool.stats`; a hung or dead worker is killed and replaced, so the caller keeps
+going. `submit` + `finished` run without waiting (the rollout leader decodes on meanwhile).
+`RewardPool` scores completions (a failure scores 0.0; `score` waits for its batch); the
+environments' calls (hexrl/envs/pool.py) use the same mechanism.
 
 An idle worker is handed a chunk of queued items in one message and streams a reply per item,
 so a worker keeps scoring while its caller decodes, however rarely the caller polls. Each item
@@ -43,7 +45,7 @@ def reward_fn_by_name(name: str) -> RewardFn:
 
 @dataclass
 class PoolStats:
-    """How reward calls ended (restarts counts replaced worker processes)."""
+    """How calls ended (restarts counts replaced worker processes)."""
 
     ok: int = 0
     error: int = 0
@@ -69,8 +71,20 @@ def _warm_up(fn: RewardFn) -> None:
 MAX_CHUNK = 32  # items handed to one worker at once: enough to outlast a decode step
 
 
-def _worker_main(conn: Connection, fn: RewardFn) -> None:
-    """Worker loop: a chunk of (job, completion, answer) in, one (job, "ok"|"error", value) out
+def _identity(value):
+    return value
+
+
+def _finite_float(value) -> float:
+    """A reward's check: a finite float, else ValueError."""
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"reward returned {value}")
+    return value
+
+
+def _worker_main(conn: Connection, fn: Callable, check: Callable) -> None:
+    """Worker loop: a chunk of (job, *args) in, one (job, "ok"|"error", check(fn(*args))) out
     per item, in order; None stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
     _warm_up(fn)
@@ -82,21 +96,18 @@ def _worker_main(conn: Connection, fn: RewardFn) -> None:
             return
         if chunk is None:
             return
-        for job, completion, answer in chunk:
+        for job, *args in chunk:
             try:
-                value = float(fn(completion, answer))
-                if not math.isfinite(value):
-                    raise ValueError(f"reward returned {value}")
-                conn.send((job, "ok", value))
-            except BaseException as e:  # SystemExit too: the worker must survive its reward
+                conn.send((job, "ok", check(fn(*args))))
+            except BaseException as e:  # SystemExit too: the worker must survive its call
                 conn.send((job, "error", f"{type(e).__name__}: {e}"[:300]))
 
 
 @dataclass
 class _Batch:
-    """One submitted batch: a reward per item (None until scored) and how many are still out."""
+    """One submitted batch: a result per item (None until done) and how many are still out."""
 
-    rewards: list[float | None]
+    results: list
     left: int
 
 
@@ -110,16 +121,19 @@ class _Worker:
     deadline: float = math.inf  # for the oldest item
 
 
-class RewardPool:
-    """Run `fn(completion, answer) -> float` in `workers` spawned processes.
+class WorkerPool:
+    """Run `check(fn(*args))` for each submitted item in `workers` spawned processes.
 
-    `fn` is a reward name ("math", "exact", "code") or a picklable module-level function.
-    Items are scored first in, first out, across batches; a lock makes the pool thread-safe.
+    `fn` and `check` are picklable module-level functions (or partials of them). Items run first
+    in, first out, across batches; a lock makes the pool thread-safe. A failed item's result is
+    `self.failed(status, message)` (subclasses choose it; here `(status, message)`).
     """
 
-    def __init__(self, fn: RewardFn | str, workers: int = 2, timeout_s: float = 10.0,
-                 start_timeout_s: float = 60.0):
-        self.fn = reward_fn_by_name(fn) if isinstance(fn, str) else fn
+    name = "WorkerPool"
+
+    def __init__(self, fn: Callable, workers: int = 2, timeout_s: float = 10.0,
+                 start_timeout_s: float = 60.0, check: Callable | None = None):
+        self.fn, self.check = fn, check or _identity
         problems = []
         if not callable(self.fn):
             problems.append(f"fn must be callable, got {type(self.fn).__name__}")
@@ -128,9 +142,7 @@ class RewardPool:
         if not timeout_s > 0:
             problems.append(f"timeout_s must be > 0, got {timeout_s!r}")
         if problems:
-            raise ValueError("RewardPool: " + "; ".join(problems))
-        if self.fn is code_reward:  # refuse now, loudly, rather than score every sample 0.0
-            check_isolation(unsafe_default())
+            raise ValueError(f"{self.name}: " + "; ".join(problems))
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.stats = PoolStats()
@@ -138,7 +150,7 @@ class RewardPool:
         self._ctx = mp.get_context("spawn")  # fork would copy the caller's threads and CUDA state
         self._lock = threading.Lock()
         self._closed = False
-        self._queue: deque[tuple[tuple[int, int], str, object]] = deque()  # ((ticket, i), completion, answer)
+        self._queue: deque[tuple] = deque()  # ((ticket, i), *args)
         self._batches: dict[int, _Batch] = {}
         self._tickets = itertools.count()
         self._workers = [self._start() for _ in range(workers)]
@@ -148,12 +160,12 @@ class RewardPool:
 
     def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.fn), daemon=True,
-                                 name="hexrl-reward")
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.fn, self.check), daemon=True,
+                                 name=f"hexrl-{self.name}")
         try:
             proc.start()
         except Exception as e:  # typically a lambda or a local function
-            raise ValueError(f"reward fn {self.fn!r} cannot be sent to a worker process "
+            raise ValueError(f"{self.name} fn {self.fn!r} cannot be sent to a worker process "
                              f"(use a module-level function): {e}") from e
         finally:
             child.close()
@@ -173,42 +185,46 @@ class RewardPool:
 
     # -- scoring ---------------------------------------------------------------
 
-    def submit(self, items: Iterable[tuple[str, object]]) -> int:
-        """Queue (completion, answer) pairs for scoring and return at once; the ticket names the
-        batch in what `finished` returns."""
+    def failed(self, status: str, message: str):
+        """The result of an item that failed with `status` ("error" or "timeout")."""
+        return (status, message)
+
+    def submit(self, items: Iterable[tuple]) -> int:
+        """Queue argument tuples and return at once; the ticket names the batch in what `finished`
+        returns."""
         if self._closed:
-            raise RuntimeError("RewardPool is closed")
+            raise RuntimeError(f"{self.name} is closed")
         items = list(items)
         with self._lock:
             ticket = next(self._tickets)
             self._batches[ticket] = _Batch([None] * len(items), len(items))
-            self._queue.extend(((ticket, i), c, a) for i, (c, a) in enumerate(items))
+            self._queue.extend(((ticket, i), *args) for i, args in enumerate(items))
             self._dispatch()
         return ticket
 
-    def finished(self, wait_s: float = 0.0) -> dict[int, list[float]]:
-        """Every submitted batch now fully scored, by ticket: its rewards in order, failures 0.0.
-        Waits up to `wait_s` for replies when items are out."""
+    def finished(self, wait_s: float = 0.0) -> dict[int, list]:
+        """Every submitted batch now complete, by ticket: its results in order. Waits up to
+        `wait_s` for replies when items are out."""
         with self._lock:
             if self._queue or any(w.jobs for w in self._workers):  # (a queue may wait on a restart)
                 self._poll(wait_s)
                 self._dispatch()
             done = [t for t, b in self._batches.items() if b.left == 0]
-            return {t: [0.0 if r is None else r for r in self._batches.pop(t).rewards] for t in done}
+            return {t: self._batches.pop(t).results for t in done}
 
     @property
     def pending(self) -> int:
         """Submitted batches not yet returned by `finished`."""
         return len(self._batches)
 
-    def score(self, items: Iterable[tuple[str, object]]) -> list[float]:
-        """Rewards for (completion, answer) pairs, in order, once all are scored; failures score 0.0."""
+    def run(self, items: Iterable[tuple]) -> list:
+        """The results of argument tuples, in order, once all are done."""
         ticket = self.submit(items)
         with self._lock:
             while self._batches[ticket].left:
                 self._poll(wait_s=1.0)
                 self._dispatch()
-            return [0.0 if r is None else r for r in self._batches.pop(ticket).rewards]
+            return self._batches.pop(ticket).results
 
     def _dispatch(self) -> None:
         """Share the queue among the idle workers, one chunk each (a busy worker gets nothing:
@@ -246,11 +262,11 @@ class RewardPool:
         now = time.monotonic()
         for i, w in enumerate(self._workers):
             if w.jobs and now >= w.deadline:
-                self._finish(w.jobs.popleft()[0], "timeout", f"no reward within {self.timeout_s}s")
+                self._finish(w.jobs.popleft()[0], "timeout", f"no result within {self.timeout_s}s")
                 self._requeue(w)
                 self._replace(i)
             elif not w.ready and now - w.started > self.start_timeout_s:
-                raise RuntimeError(f"reward worker did not start within {self.start_timeout_s}s")
+                raise RuntimeError(f"{self.name} worker did not start within {self.start_timeout_s}s")
 
     def _receive(self, i: int) -> bool:
         """Handle one message from worker i; False if it died (and was replaced)."""
@@ -261,7 +277,7 @@ class RewardPool:
             w.proc.join(timeout=1)
             code = w.proc.exitcode
             if not w.ready:
-                raise RuntimeError(f"reward worker died while starting (exit code {code}); "
+                raise RuntimeError(f"{self.name} worker died while starting (exit code {code}); "
                                    f"is {self.fn!r} importable in a fresh process?") from None
             if w.jobs:  # replies come in order: the oldest unscored item is the one it died on
                 self._finish(w.jobs.popleft()[0], "error", f"worker process died (exit code {code})")
@@ -287,7 +303,7 @@ class RewardPool:
         setattr(self.stats, status, getattr(self.stats, status) + 1)
         ticket, idx = job
         batch = self._batches[ticket]
-        batch.rewards[idx] = value if status == "ok" else 0.0
+        batch.results[idx] = value if status == "ok" else self.failed(status, value)
         batch.left -= 1
         if status != "ok":
             self.recent_errors.append(f"item {idx}: {status}: {value}")
@@ -311,7 +327,7 @@ class RewardPool:
                 w.proc.join(timeout=2)
             w.conn.close()
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
@@ -322,3 +338,27 @@ class RewardPool:
             self.close()
         except Exception:
             pass
+
+
+class RewardPool(WorkerPool):
+    """Score `fn(completion, answer) -> float` in worker processes; a failed call scores 0.0.
+
+    `fn` is a reward name ("math", "exact", "code") or a picklable module-level function.
+    `submit` takes (completion, answer) pairs; `finished` returns rewards by ticket.
+    """
+
+    name = "RewardPool"
+
+    def __init__(self, fn: RewardFn | str, workers: int = 2, timeout_s: float = 10.0,
+                 start_timeout_s: float = 60.0):
+        fn = reward_fn_by_name(fn) if isinstance(fn, str) else fn
+        if fn is code_reward:  # refuse now, loudly, rather than score every sample 0.0
+            check_isolation(unsafe_default())
+        super().__init__(fn, workers, timeout_s, start_timeout_s, check=_finite_float)
+
+    def failed(self, status: str, message: str) -> float:
+        return 0.0
+
+    def score(self, items: Iterable[tuple[str, object]]) -> list[float]:
+        """Rewards for (completion, answer) pairs, in order, once all are scored; failures score 0.0."""
+        return self.run(items)

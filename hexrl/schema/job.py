@@ -151,6 +151,56 @@ def _read_reward(r: Reader, d, data: DataSpec) -> RewardSpec:
     return RewardSpec(name, float(timeout))
 
 
+@dataclass
+class EnvSpec:
+    """A multi-turn environment (hexrl/envs/): its name, the episode limits, and its own options."""
+
+    name: str
+    max_turns: int = 4  # model turns per episode; an episode still running after them ends with reward 0
+    timeout_s: float = 10.0  # per environment call
+    max_obs_tokens: int = 256  # a longer observation ends the episode with reward 0
+    workers: int = 2  # environment worker processes per rollout replica
+    options: dict = field(default_factory=dict)  # the environment's own (Environment.options)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "max_turns": self.max_turns, "timeout_s": self.timeout_s,
+                "max_obs_tokens": self.max_obs_tokens, "workers": self.workers, **self.options}
+
+
+_ENV_KEYS = {"name", "max_turns", "timeout_s", "max_obs_tokens", "workers"}
+
+
+def _read_env(r: Reader, d) -> EnvSpec | None:
+    """The job's `env` section, or None (single-turn, no environment)."""
+    if d is None:
+        return None
+    from hexrl.envs import environment_class
+
+    if not isinstance(d, dict):
+        r.bad("env", f"must be an object like {{\"name\": \"calculator\"}}, got {type(d).__name__}")
+        return None
+    name, cls = r.text(d, "name", "env", required=True), None
+    if name is not None:
+        try:
+            cls = environment_class(name)
+        except ValueError as e:
+            r.bad("env.name", str(e))
+    x = EnvSpec(name or "?")
+    x.max_turns = r.num(d, "max_turns", "env", x.max_turns, integer=True, lo=1, hi=1000)
+    x.timeout_s = float(r.num(d, "timeout_s", "env", x.timeout_s, lo=0, lo_open=True))
+    x.max_obs_tokens = r.num(d, "max_obs_tokens", "env", x.max_obs_tokens, integer=True, lo=1)
+    x.workers = r.num(d, "workers", "env", x.workers, integer=True, lo=1, hi=64)
+    known = _ENV_KEYS | set(cls.options if cls else ())
+    for k in sorted(set(d) - known):
+        r.bad(f"env.{k}", f"unknown field (known: {', '.join(sorted(known))})")
+    if cls is None:
+        return None
+    x.options = {k: r.num(d, k, "env", default) for k, default in cls.options.items()}
+    for p in cls.option_problems(x.options):
+        r.bad(f"env ({name})", p)
+    return x
+
+
 PROXIMAL = ("step", "minibatch")  # rl.proximal; hexrl/train/trainer.py checks TrainConfig.proximal against it
 
 
@@ -514,7 +564,7 @@ def _read_layout(r: Reader, d) -> dict | None:
 
 # ----------------------------------------------------------------------------- job
 
-_JOB_KEYS = {"name", "model", "data", "reward", "rl", "workload", "cluster", "prices", "budget",
+_JOB_KEYS = {"name", "model", "data", "reward", "env", "rl", "workload", "cluster", "prices", "budget",
              "layout", "runtime", "out_dir", "extra", "cpu_affinity", "share_run_dir",
              "colocate"}
 
@@ -537,6 +587,7 @@ class Job:
     cpu_affinity: CpuAffinity | None = None  # cores per local rank (hexrl/schema/affinity.py); None: not pinned
     share_run_dir: bool = False  # False: the run directory is 0700 and its files 0600 (umask 077)
     colocate: Colocate | None = None  # trainer and rollout share the one GPU (hexrl/schema/colocate.py)
+    env: EnvSpec | None = None  # multi-turn episodes in this environment; None: single-turn
 
     @property
     def ranks_per_node(self) -> int:
@@ -566,6 +617,8 @@ class Job:
             d["share_run_dir"] = True
         if self.colocate is not None:
             d["colocate"] = self.colocate.to_dict()
+        if self.env is not None:
+            d["env"] = self.env.to_dict()
         return d
 
 
@@ -598,6 +651,7 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     model = _read_model(r, d.get("model"), base)
     data = _read_data(r, d.get("data"), base, check_paths)
     reward = _read_reward(r, d.get("reward"), data)
+    env = _read_env(r, d.get("env"))
     rl = _read_rl(r, d.get("rl"))
     workload = _read_workload(r, d.get("workload"), rl)
     cluster = _read_cluster(r, d.get("cluster"))
@@ -621,7 +675,7 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     if r.problems:
         return None
     return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra,
-               affinity, share, colocate)
+               affinity, share, colocate, env)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:

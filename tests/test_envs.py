@@ -1,0 +1,142 @@
+"""Environments: the safe calculator, the retry environment, the job's `env` section, and the
+worker pool that keeps a raising, hanging, dying or garbage-returning environment from
+stopping anything (each such call ends its episode with a named reason and reward 0)."""
+import os
+import time
+from fractions import Fraction
+
+import pytest
+
+from hexrl.envs import Calculator, Environment, Problem, Retry, Step, environment_class
+from hexrl.envs.arith import ArithError, evaluate, format_number
+from hexrl.envs.pool import MAX_OBSERVATION_CHARS, EnvPool
+from hexrl.schema import ConfigError
+from hexrl.schema.job import load_job
+
+
+@pytest.mark.parametrize("expr, value", [("123*456", 56088), ("1+2+3+4", 10), ("-(7-10)", 3), ("2**10", 1024),
+                                         ("7/2", Fraction(7, 2)), ("7//2", 3), ("7%4", 3), (" 12 ", 12)])
+def test_calculator_evaluates_plain_arithmetic(expr, value):
+    assert evaluate(expr) == value
+
+
+@pytest.mark.parametrize("expr", ["__import__('os').system('true')", "x+1", "len('ab')", "(1).real", "[1, 2]",
+                                  "9**9**9", "10**61", "2**0.5", "1/0", "1%0", "0**-1", "1+", "'a'*3", "1" * 300,
+                                  "(" * 150 + "1" + ")" * 150, "True+1", ""])
+def test_calculator_refuses_everything_else(expr):
+    with pytest.raises(ArithError):
+        evaluate(expr)
+
+
+def test_numbers_print_as_integers_or_short_decimals():
+    assert format_number(Fraction(56088)) == "56088"
+    assert format_number(Fraction(7, 2)) == "3.5"
+    assert format_number(Fraction(1, 3)) == "0.333333"
+
+
+def test_calculator_turns():
+    env, p = Calculator(), Problem("12*34=", "408")
+    assert env.step(p, ["<calc>12*34</calc>"]) == Step(observation="=408")
+    assert env.step(p, ["<calc>12*x</calc>"]) == Step(observation="=error")
+    assert env.step(p, ["<calc>1</calc>", "408\n"]) == Step(done=True, reward=1.0, reason="answer")
+    assert env.step(p, ["407"]).reward == 0.0
+    assert env.step(p, ["<calc>12*3"]) == Step(done=True, reason="unclosed_call")
+    assert env.step(p, ["12</calc>"]) == Step(done=True, reason="unopened_call")
+    assert Calculator.stop_strings == ("</calc>",)
+
+
+def test_retry_says_wrong_and_discounts_later_answers():
+    env, p = Retry(discount=0.5), Problem("2+2=", "4")
+    assert not env.step(p, ["5"]).done and env.step(p, ["5"]).observation
+    assert env.step(p, ["5", "4"]) == Step(done=True, reward=0.5, reason="answer")
+    assert Retry().step(p, ["4"]).reward == 1.0
+    with pytest.raises(ValueError, match="unknown options"):
+        Retry(nope=1)
+
+
+# ----------------------------------------------------------------------------- hostile environments
+
+
+class Hostile(Environment):
+    """Misbehaves as the turn says."""
+
+    def step(self, problem, turns):
+        t = turns[-1]
+        if t == "raise":
+            raise RuntimeError("boom")
+        if t == "hang":
+            time.sleep(60)
+        if t == "die":
+            os._exit(3)
+        if t == "huge":
+            return Step(observation="x" * (1 << 20))
+        if t == "bytes":
+            return Step(observation=b"\x00\xff")
+        if t == "none":
+            return None
+        if t == "nan":
+            return Step(done=True, reward=float("nan"))
+        if t == "exit":
+            raise SystemExit(1)
+        return Step(observation="=" + t)
+
+
+def test_a_hostile_environment_ends_only_its_episode_with_a_named_reason():
+    p = Problem("q", "a")
+    with EnvPool(f"{__name__}:Hostile", {}, workers=2, timeout_s=2.0) as pool:
+        tickets = {pool.submit([("step", p, [t])]): t
+                   for t in ("raise", "hang", "die", "huge", "bytes", "none", "nan", "exit", "ok")}
+        got = {}
+        while len(got) < len(tickets):
+            got.update({tickets[k]: v[0] for k, v in pool.finished(wait_s=0.5).items()})
+        reasons = {t: s.reason for t, s in got.items() if s.done}
+        assert reasons == {"raise": "env_error", "hang": "env_timeout", "die": "env_error",
+                           "huge": "observation_too_long", "bytes": "bad_observation", "none": "bad_observation",
+                           "nan": "bad_reward", "exit": "env_error"}
+        assert all(got[t].reward == 0.0 for t in reasons)
+        assert got["ok"] == Step(observation="=ok")
+        assert pool.stats.restarts == 2  # the hung worker and the dead one
+        assert pool.run_step(p, ["fine"]) == Step(observation="=fine")  # still serving
+    assert MAX_OBSERVATION_CHARS < 1 << 20
+
+
+def test_environment_names_resolve_to_classes():
+    assert environment_class("calculator") is Calculator
+    assert environment_class(f"{__name__}:Hostile") is Hostile
+    for bad, why in [("nope", "must be one of"), ("no.such.module:X", "cannot import"), ("os:path", "not a subclass")]:
+        with pytest.raises(ValueError, match=why):
+            environment_class(bad)
+
+
+# ----------------------------------------------------------------------------- the job's env section
+
+
+def job(**extra) -> dict:
+    return {"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 10}},
+            "cluster": {"nodes": [{"gpu_type": "cpu", "gpus": 2}]}, **extra}
+
+
+def test_without_env_a_job_is_single_turn():
+    j = load_job(job())
+    assert j.env is None and "env" not in j.to_dict()
+
+
+def test_env_section_is_read_with_defaults_and_options():
+    j = load_job(job(env={"name": "retry", "max_turns": 3, "discount": 0.9}))
+    assert (j.env.name, j.env.max_turns, j.env.timeout_s, j.env.options) == ("retry", 3, 10.0, {"discount": 0.9})
+    assert load_job(j.to_dict()).env == j.env  # a plan carries it unchanged
+
+
+def test_every_env_problem_is_reported_at_once():
+    with pytest.raises(ConfigError) as e:
+        load_job(job(env={"name": "retry", "max_turns": 0, "timeout_s": -1, "discount": 2, "colour": "red",
+                          "workers": 0}))
+    text = str(e.value)
+    for field in ("env.max_turns", "env.timeout_s", "env.colour", "discount must be in (0, 1]", "env.workers"):
+        assert field in text
+    with pytest.raises(ConfigError, match="env.name"):
+        load_job(job(env={"name": "chess"}))
+    with pytest.raises(ConfigError, match="env.name"):
+        load_job(job(env={"max_turns": 2}))
+    with pytest.raises(ConfigError, match="env: must be an object"):
+        load_job(job(env="calculator"))
