@@ -21,9 +21,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
 
 from hexrl.comm.secret import job_secret
-from hexrl.runtime import affinity, dist_rules, effective
+from hexrl.runtime import affinity, dist_rules, effective, errors
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import set_run_umask
 from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
@@ -108,8 +109,10 @@ def world_from_env() -> tuple[int, int, int, int]:
 
 def refuse(rank: int, why: str) -> None:
     """Exit 2 naming why. Every rank prints it: torchrun stops the others as soon as one exits,
-    so a message left to rank 0 alone is lost whenever another rank gets there first."""
+    so a message left to rank 0 alone is lost whenever another rank gets there first. The same
+    message is what torchrun's summary shows last (hexrl/runtime/errors.py)."""
     print(f"hexrl.main (rank {rank}): {why}", file=sys.stderr, flush=True)
+    errors.record_message(f"hexrl.main (rank {rank}): {why}")
     sys.exit(2)
 
 
@@ -185,6 +188,7 @@ def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdo
         problems = same_plan_problems(store, rank, digest, watchdog.describe)
     if problems:
         print("hexrl.main: " + "\n  ".join(problems), file=sys.stderr, flush=True)
+        errors.record_message("hexrl.main: " + "\n  ".join(problems))
         watchdog.report_failure("; ".join(problems))
         os._exit(2)
 
@@ -196,6 +200,7 @@ def is_peer_loss(e: BaseException) -> bool:
         k in text for k in ("Connection closed by peer", "Connection reset by peer", "Broken pipe"))
 
 
+@record  # torch's error file for what escapes main; failures main catches write it themselves
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
@@ -241,6 +246,11 @@ def main(argv=None) -> None:
         lost = watchdog.lost_peers() if is_peer_loss(e) else None
         print(f"[hexrl] rank {rank} ({describe[rank]}) failed: {cause}\n{traceback.format_exc()}"
               + (f"[hexrl] because {lost}\n" if lost else ""), file=sys.stderr, flush=True)
+        if lost or isinstance(e, ConfigError):  # not a bug here: the reason, without a traceback
+            errors.record_message(f"[hexrl] rank {rank} ({describe[rank]}) failed: "
+                                  + (f"because {lost}" if lost else str(e)))
+        else:
+            errors.record_traceback(e)
         watchdog.report_failure(cause)
         os._exit(1)  # skip destructors that could block in a collective
     # Every rank done with its collectives before any tears gloo down (else it can SIGABRT); a CPU

@@ -149,6 +149,8 @@ def test_invalid_plan_is_refused_before_any_collective(tmp_path):
     assert code != 0
     assert "WORLD_SIZE=2 but the plan has 3 ranks" in out
     assert "unknown role 'critic'" in out and "rank 0 listed twice" in out
+    summary = out[out.rindex("Root Cause"):]  # torchrun's last words: hexrl's message, not a pointer to docs
+    assert "WORLD_SIZE=2 but the plan has 3 ranks" in summary and "To enable traceback" not in summary
     assert "metrics.jsonl" not in os.listdir(tmp_path / "run") if (tmp_path / "run").exists() else True
 
 

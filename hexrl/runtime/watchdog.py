@@ -17,6 +17,8 @@ import threading
 import time
 import traceback
 
+from hexrl.runtime import errors
+
 FAILED = "hexrl/failed"
 
 
@@ -156,6 +158,7 @@ class Watchdog:
 def _exit_now(msg: str) -> None:
     try:  # stderr may be a pipe whose reader died with the launcher: exit all the same
         print(f"[hexrl] stopping: {msg}", file=sys.stderr, flush=True)
+        errors.record_message(f"[hexrl] stopping: {msg}")  # what torchrun's summary shows
     finally:
         os._exit(1)
 
