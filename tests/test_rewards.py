@@ -291,3 +291,43 @@ def test_reward_fn_by_name():
     assert reward_fn_by_name("code") is code_reward
     with pytest.raises(ValueError, match="unknown reward 'poetry'"):
         reward_fn_by_name("poetry")
+
+
+HEDGES_IN_ONE_BOX = [  # issue 44, item 9: (completion, reference) pairs that scored 1.0 before
+    (r"\boxed{2\text{ (or 3)}}", "2"), (r"\boxed{2\mbox{ or 3}}", "2"), (r"\boxed{2 \ \text{(maybe 3)}}", "2"),
+    (r"\boxed{2 \text{ (3 also works)}}", "2"), (r"\boxed{2 \operatorname{or} 3}", "3"),  # text and mbox tails
+    (r"\boxed{2 \lor 3}", "3"), (r"\boxed{2 \vee 3}", "3"), (r"\boxed{2 ∨ 3}", "3"),  # logical or
+    (r"\boxed{2 \cap 3}", "3"), (r"\boxed{2 \mid 3}", "3"), (r"\boxed{2 | 3}", "3"),  # sets, divides
+    (r"\boxed{2 \parallel 3}", "3"), (r"\boxed{2 \approx 3}", "2"), (r"\boxed{2 \sim 3}", "3"),
+    (r"\boxed{2 \\ 3}", "3"), (r"\boxed{2 \to 3}", "3"), (r"\boxed{2 \Rightarrow 3}", "3"),  # line break, arrows
+    (r"\boxed{2 \implies 3}", "3"), (r"\boxed{2 \mapsto 3}", "3"), (r"\boxed{2 \iff 3}", "3"),
+    (r"\boxed{2 \leftrightarrow 3}", "3"), (r"\boxed{\begin{pmatrix} 2}", "2"),  # an unclosed matrix
+    ("#### 2 or 3", "3"), (r"The answer is $2 \lor 3$.", "3"),  # the rule holds for every marker
+]
+
+
+@pytest.mark.parametrize("completion,answer", HEDGES_IN_ONE_BOX)
+def test_a_hedge_inside_one_box_earns_nothing(completion, answer):
+    assert math_reward(completion, answer) == 0.0
+
+
+@pytest.mark.parametrize("completion,answer", [
+    (r"\boxed{2 \text{ or } 3}", r"2 \text{ or } 3"),  # the reference is itself such a list
+    (r"\boxed{(-\infty,2)\cup(3,\infty)}", r"(-\infty, 2) \cup (3, \infty)"),
+    (r"\boxed{\begin{pmatrix}1\\2\end{pmatrix}}", r"\begin{pmatrix}1\\2\end{pmatrix}"),
+    (r"\boxed{\text{(B)}}", "B"),  # a multiple-choice letter is not an aside
+])
+def test_a_list_against_a_list_still_scores(completion, answer):
+    assert math_reward(completion, answer) == 1.0
+
+
+@pytest.mark.parametrize("completion,answer", [  # issue 44, item 10: correct answers that scored 0
+    (r"\boxed{0.\overline{3}}", r"\frac{1}{3}"), (r"\boxed{\frac{1}{3}}", r"0.\overline{3}"),
+    (r"\boxed{0.1\overline{6}}", r"\frac16"), (r"\boxed{1.\overline{142857}}", r"\frac{8}{7}"),
+    (r"\boxed{-0.\bar{3}}", "-1/3"), (r"\boxed{\text{5 dollars}}", "5"), (r"\boxed{\textbf{12 inches}}", "12"),
+    (r"\boxed{\mbox{7 cm}}", "7"),
+])
+def test_repeating_decimals_and_text_wrapped_units_score(completion, answer):
+    assert math_reward(completion, answer) == 1.0
+    assert math_reward(completion.replace("3}", "4}").replace("5 ", "6 ").replace("12 ", "13 ")
+                       .replace("7 ", "8 ").replace("6}", "5}").replace("142857", "142858"), answer) == 0.0

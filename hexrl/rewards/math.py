@@ -7,6 +7,12 @@ Conventions (documented choices):
 - every answer a completion states with a marker (each `\\boxed{...}`, each `####` line holding a
   number) must be equivalent to the final one, else the reward is 0 (`\\boxed{1} or \\boxed{2}`,
   or `\\boxed{1}` then `#### 2`, is a hedge); one answer repeated still scores;
+- one answer that lists alternatives is a hedge too: an answer holding a connective the reference
+  does not hold (`\\lor`, `\\vee`, `\\cup`, `\\mid`, `|`, `\\approx`, `\\sim`, any arrow, a line
+  break `\\\\`, a word like "or"/"maybe"/"also" in text or math, a bracketed `\\text` aside, an
+  unclosed `\\begin`) scores 0: `\\boxed{2 \\lor 3}` earns nothing against 3, `2 \\text{ or } 3`
+  scores against the reference `2 \\text{ or } 3`;
+- a repeating decimal is exact: `0.\\overline{3}` (or `\\bar`, `\\dot`) equals `\\frac{1}{3}`;
 - percent signs are dropped: `50\\%` equals `50` (and does NOT equal `0.5`);
 - units (`\\text{cm}`, `^\\circ`, `5 inches`) are dropped after a number;
 - `1,000` equals `1000` only when the whole answer is a thousands-grouped number, so the
@@ -103,6 +109,40 @@ def hedged(text: str) -> bool:
     if len(stated) > _MAX_STATED:
         return True
     return any(not answers_match(a, final) for a in stated if a != final)
+
+
+_CONNECTIVE = re.compile(
+    r"\\(lor|land|vee|wedge|lnot|neg|approx\w*|thickapprox|sim|simeq|thicksim|cong|equiv|propto|asymp|doteq|"
+    r"mid|nmid|parallel|nparallel|divides|cup|cap|sqcup|sqcap|uplus|setminus|backslash|big(?:cup|cap|vee|wedge|sqcup)|"
+    r"to|gets|implies|impliedby|iff|mapsto|longmapsto|leadsto|models|vdash|dashv|therefore|because|lesssim|"
+    r"gtrsim|newline|linebreak|cr|par|vert|Vert|\||\\|[a-zA-Z]*(?:arrow|harpoon[a-z]*)s?)(?![a-zA-Z])")
+_CONNECTIVE_CHARS = ("|\u2228\u2227\u2248\u223c\u2243\u2245\u2261\u2223\u2225\u222a\u2229"  # | ∨ ∧ ≈ ∼ ≃ ≅ ≡ ∣ ∥ ∪ ∩
+                     "\u2192\u2190\u2194\u21d2\u21d0\u21d4\u21a6\u22a2\u22a8\u2234\u2235")  # → ← ↔ ⇒ ⇐ ⇔ ↦ ⊢ ⊨ ∴ ∵
+_HEDGE_WORD = re.compile(r"(?<![\\a-zA-Z])(or|either|maybe|possibly|perhaps|alternatively|otherwise|also|else|"
+                         r"probably|approximately|approx|roughly|about|around|nearly|almost)(?![a-zA-Z])",
+                         re.IGNORECASE)
+_TEXT_ASIDE = re.compile(r"\\(?:text\w*|mbox|hbox|math(?:rm|it|sf|tt|bf)|operatorname|emph)\s*\{[^{}]*[(\[][^{}]*\}")
+
+
+def alternatives(answer: str) -> set[str]:
+    """The marks of an answer that lists alternatives or hedges inside one box: connectives
+    (logical or, set union, divides, approximately, arrows, line breaks, in LaTeX or Unicode),
+    hedge words ("or", "maybe", in text or math), a bracketed `\\text` aside (`2\\text{ (or 3)}`),
+    and an environment left open. Empty for a plain answer."""
+    marks = {"\\" + m.group(1) for m in _CONNECTIVE.finditer(answer)}
+    marks |= {c for c in _CONNECTIVE_CHARS if c in answer}
+    marks |= {m.group(1).lower() for m in _HEDGE_WORD.finditer(answer)}
+    if any(answer[:m.start()].strip() for m in _TEXT_ASIDE.finditer(answer)):  # `\\text{(B)}` alone is a choice
+        marks.add("text aside")
+    if answer.count("\\begin") != answer.count("\\end"):
+        marks.add("unclosed environment")
+    return marks
+
+
+def lists_alternatives(predicted: str, reference: str) -> bool:
+    """A hedge inside one answer: it holds a mark of alternatives (see `alternatives`) that the
+    reference, which may itself be such a list, does not."""
+    return bool(alternatives(predicted) - alternatives(reference))
 
 
 def find_all_hash_answers(text: str) -> list[str]:
@@ -206,8 +246,7 @@ def normalize_answer(s: str) -> str:
     s = _LEFT_RIGHT.sub("", s)
     s = _DEGREES.sub("", s)
     s = _SPACING.sub(" ", s)
-    s = _strip_units(s)
-    s = _TEXT_WRAP.sub(r"\1", s)
+    s = _strip_units(_TEXT_WRAP.sub(r"\1", _strip_units(s)))  # `\text{5 dollars}`: unwrapped, then its unit
     s = re.sub(r"\s+", "", s).rstrip(".")
     if (m := _ASSIGNMENT.fullmatch(s)) and "=" not in m.group(1):
         s = m.group(1)
@@ -230,6 +269,7 @@ _NUM = r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,3})?"
 _FRAC = re.compile(rf"\\frac\{{({_NUM})\}}\{{({_NUM})\}}")
 _RATIO = re.compile(rf"({_NUM})/({_NUM})")
 _MIXED = re.compile(r"(\d+)\\frac\{(\d+)\}\{(\d+)\}")
+_REPEATING = re.compile(r"(\d*)\.(\d*)\\(?:overline|bar|dot)\{(\d+)\}")  # 0.1\overline{6} = 1/6
 
 
 def _parse_number(s: str) -> Fraction | None:
@@ -248,6 +288,10 @@ def _parse_number(s: str) -> Fraction | None:
     if m := _MIXED.fullmatch(s):
         den = int(m.group(3))
         return None if den == 0 else int(m.group(1)) + Fraction(int(m.group(2)), den)
+    if m := _REPEATING.fullmatch(s):
+        whole, fixed, cycle = m.groups()
+        head = Fraction(int(whole or "0")) + (Fraction(int(fixed), 10 ** len(fixed)) if fixed else 0)
+        return head + Fraction(int(cycle), (10 ** len(cycle) - 1) * 10 ** len(fixed))
     return None
 
 
@@ -339,8 +383,9 @@ def math_reward(completion: str, answer: str, *, last_number_fallback: bool = Fa
         if not isinstance(completion, str) or not isinstance(answer, str):
             return 0.0
         predicted = extract_answer(completion, last_number_fallback)
-        if predicted is None or hedged(completion):
+        reference = reference_answer(answer)
+        if predicted is None or hedged(completion) or lists_alternatives(predicted, reference):
             return 0.0
-        return 1.0 if answers_match(predicted, reference_answer(answer)) else 0.0
+        return 1.0 if answers_match(predicted, reference) else 0.0
     except Exception:  # a reward must never take the rollout down
         return 0.0
