@@ -284,6 +284,7 @@ def test_untimed_work_runs_before_the_rollout_hears_of_the_new_version(monkeypat
     traj = Trajectory(group_id=0, prompt_ids=[1], completion_ids=[2], logprobs=[-1.0], versions=[0], reward=1.0)
     counters = Zeros(filtered={}, dropped={}, rejected_reasons={})
     controller = NS(counters=lambda: counters, next_batch=lambda: [NS(group_id=0, trajectories=[traj])],
+                    choose_eta=lambda *a: 4,
                     publish_version=lambda v: events.append("publish"), wait_delivered=lambda v: None)
     trainer = NS(version=0, grid=NS(trainer_group=None), save=lambda *a: None)
     trainer.step = lambda batch: setattr(trainer, "version", 1) or Zeros(token_staleness_hist={})
@@ -307,7 +308,6 @@ def test_gpu_log_w_counts_match_the_cpu_counts():
 def test_paired_gaps_match_seeds_and_carry_a_t_interval(tmp_path):
     """Issue 47: the study's claims rest on per-seed differences, so the interval is a t-interval over those
     differences (seeds matched by number, not by position), and a seed without its pair counts for nothing."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
     import staleness_study as st
 
     def stat(seed, final, wall, traj=100.0):
@@ -332,7 +332,6 @@ def test_paired_gaps_match_seeds_and_carry_a_t_interval(tmp_path):
 
 
 def test_a_pair_that_differs_beyond_its_configuration_is_flagged(tmp_path):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "experiments"))
     import staleness_study as st
 
     job = {"name": "a-s0", "out_dir": "x/a-s0", "model": {"path": "m"}, "rl": {"eta": 0, "seed": 0, "lr": 1e-4}}
