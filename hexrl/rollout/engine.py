@@ -7,6 +7,13 @@
             ...
     engine.update_weights(state_dict, version=7)   # between steps; unfinished sequences recompute
 
+Episodes (multi-turn): a Request with `episode=True` comes out of `step()` at the end of each
+turn (its stop string, EOS or the turn's token limit) but stays in the engine, parked with its
+KV pages and no decode slot; `engine.extend(id, observation_ids, max_new_tokens)` appends the
+environment's tokens and the sequence decodes on, prefilling only those; `engine.release(id)`
+ends it. The scheduler frees a parked sequence's pages first when pages run short (it is then
+recomputed on resuming), and a weight update drops them like every other page.
+
 One step = the scheduler picks chunks (decodes, prefill chunks, admissions) -> the model runner
 (`model_runner.py`) copies their inputs over, runs the forward pass and samples -> the loop
 appends the tokens and finishes sequences. With `overlap` (the default), a decode step's tokens
@@ -90,6 +97,7 @@ class EngineStats:
     prefill_tokens: int = 0  # tokens run through the model without producing a sample (incl. recompute)
     generated_tokens: int = 0  # sampled at launch, less the rows of already finished sequences (overlap)
     preemptions: int = 0
+    evictions: int = 0  # waiting episodes whose KV pages were taken for others (recomputed on resuming)
     interrupts: int = 0  # weight updates
     graph_steps: int = 0  # decode steps replayed from a CUDA graph
     mixed_steps: int = 0  # steps that prefilled (admissions, recompute) besides decoding
@@ -117,7 +125,9 @@ class Engine:
         self.eos_ids = self._eos_ids(eos_ids)
         self.stats = EngineStats()
         self._rng = random.Random(seed)
-        self._pending: list[Request] = []  # added, not yet handed to the scheduler
+        self._pending: list = []  # Requests added and ("extend"|"release", id, ...) ops, not yet applied
+        self._parked: dict = {}  # id -> an episode's Sequence between turns (all TP ranks keep it)
+        self._resuming: set = set()  # ids extended or released, not yet applied (leader)
         self._live: set = set()  # ids added and not yet finished
         self._inflight: InFlight | None = None  # the launched step whose tokens are not read yet
         self._ready: list[Finished] = []  # finished while waiting for a step in update_weights()
@@ -207,6 +217,40 @@ class Engine:
         self._live.add(request.id)
         self._pending.append(request)
 
+    def extend(self, id, token_ids: list[int], max_new_tokens: int) -> None:
+        """Leader: append `token_ids` (an observation) to the parked episode `id`; it resumes from its
+        cached KV and may generate up to `max_new_tokens` more. ValueError if it would not fit."""
+        if not self.is_leader:
+            raise RuntimeError("only TP rank 0 extends episodes; the other ranks run follow()")
+        seq, p = self._parked.get(id), []
+        if seq is None or id in self._resuming:
+            raise ValueError(f"episode {id!r} is not parked between turns")
+        if not token_ids or any(not isinstance(t, int) or not 0 <= t < self.model.cfg.vocab_size for t in token_ids):
+            p.append(f"episode {id!r}: observation ids must be a non-empty list of ids in "
+                     f"[0, {self.model.cfg.vocab_size})")
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            p.append(f"episode {id!r}: max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        total = len(seq.tokens) + len(token_ids) + (max_new_tokens if isinstance(max_new_tokens, int) else 0)
+        if total > self.max_sequence_tokens:
+            p.append(f"episode {id!r}: {total} tokens would exceed the most a sequence can hold "
+                     f"({self.max_sequence_tokens})")
+        if p:
+            raise ValueError("; ".join(p))
+        self._resuming.add(id)
+        self._pending.append(("extend", id, list(token_ids), max_new_tokens))
+
+    def release(self, id) -> None:
+        """Leader: end the parked episode `id` and free its pages."""
+        if id not in self._parked or id in self._resuming:
+            raise ValueError(f"episode {id!r} is not parked between turns")
+        self._resuming.add(id)
+        self._pending.append(("release", id))
+
+    @property
+    def max_sequence_tokens(self) -> int:
+        """The most tokens one sequence may reach: the KV pool's and the model's positions' limit."""
+        return min(self.capacity_tokens, self.model.cfg.max_position_embeddings)
+
     def has_work(self) -> bool:
         return bool(self._pending or self._ready) or self.scheduler.has_work() or self._inflight is not None
 
@@ -279,7 +323,10 @@ class Engine:
         """Schedule and launch a step, then read the previous one (overlap) or this one."""
         t0 = time.perf_counter()
         for r in new:
-            self.scheduler.add(self._sequence(r))
+            if isinstance(r, Request):
+                self.scheduler.add(self._sequence(r))
+            else:
+                self._apply(r)
         step = self._schedule()
         launched = self._launch(step) if step is not None else None
         finished, self._ready = self._ready, []
@@ -293,6 +340,20 @@ class Engine:
                 finished += self._read(launched)
         self.stats.seconds += time.perf_counter() - t0
         return finished
+
+    def _apply(self, op: tuple) -> None:
+        """An episode's "extend" or "release" (on every TP rank, in the leader's order)."""
+        seq = self._parked.pop(op[1])
+        self._resuming.discard(op[1])
+        if op[0] == "release":
+            self.scheduler.finish(seq)
+            self._live.discard(op[1])
+            return
+        _, _, ids, max_new = op
+        seq.tokens += ids
+        seq.turn_start, seq.turn_logprobs = len(seq.tokens), len(seq.logprobs)
+        seq.max_tokens = len(seq.tokens) + max_new
+        self.scheduler.resume(seq)
 
     def _drain(self) -> None:
         """Wait for the step in flight and record its tokens (before anything needs them on the host)."""
@@ -324,7 +385,8 @@ class Engine:
     def _sequence(self, r: Request) -> Sequence:
         stops = set(r.stop_ids) | (set() if r.ignore_eos else self.eos_ids)
         return Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids), stop_ids=frozenset(stops),
-                        max_tokens=len(r.prompt_ids) + r.max_new_tokens, mode=request_mode(r))
+                        max_tokens=len(r.prompt_ids) + r.max_new_tokens, mode=request_mode(r),
+                        turn_start=len(r.prompt_ids))
 
     def _launch(self, step: StepInputs) -> "InFlight":
         """Run the step on the device; on the host, each sampling sequence gets a PENDING token. A
@@ -333,7 +395,7 @@ class Engine:
         s = self.stats
         s.steps += 1
         s.graph_steps += step.graph_size > 0
-        s.preemptions = self.scheduler.preemptions
+        s.preemptions, s.evictions = self.scheduler.preemptions, self.scheduler.evictions
         s.prefill_tokens += step.meta.num_tokens - len(step.sampling)
         s.generated_tokens += len(step.sampling)  # less the rows dropped at read
         index = []
@@ -342,16 +404,23 @@ class Engine:
             seq.tokens.append(PENDING)
             index.append(len(seq.tokens) - 1)
             if len(seq.tokens) >= seq.max_tokens:
-                self.scheduler.finish(seq)
-        return InFlight(pending, step.sampling, index, self.version)
+                self._end(seq)
+        return InFlight(pending, step.sampling, index, self.version, [s.turn for s in step.sampling])
+
+    def _end(self, seq: Sequence) -> None:
+        """Release a finished sequence; an episode's turn only parks it (see Request)."""
+        if seq.req.episode:
+            self.scheduler.park(seq)
+        else:
+            self.scheduler.finish(seq)
 
     def _read(self, step: "InFlight") -> list[Finished]:
         """Record a launched step's tokens; finish the sequences that should stop (cheap test first).
         Rows of sequences that finished in an earlier step (their token index is gone) are dropped."""
         tokens, logprobs = step.pending.read() if step.pending is not None else ([], [])
         done = []
-        for seq, i, token, lp in zip(step.seqs, step.index, tokens, logprobs):
-            if i >= len(seq.tokens):  # the sequence finished in an earlier step
+        for seq, i, token, lp, turn in zip(step.seqs, step.index, tokens, logprobs, step.turns):
+            if i >= len(seq.tokens) or turn != seq.turn:  # the sequence (or its turn) finished in an earlier step
                 self.stats.generated_tokens -= 1
                 continue
             seq.tokens[i] = token
@@ -361,10 +430,14 @@ class Engine:
                 reason = self._stop_reason(seq, token, i + 1)
                 if reason is not None:
                     del seq.tokens[i + 1:]  # PENDING rows of a step launched after this one
-                    self.scheduler.finish(seq)
-                    self._live.discard(seq.req.id)
+                    self._end(seq)
                     self.stats.finished[reason] = self.stats.finished.get(reason, 0) + 1
                     done.append(seq.finish(reason))
+                    if seq.req.episode:
+                        seq.turn += 1
+                        self._parked[seq.req.id] = seq
+                    else:
+                        self._live.discard(seq.req.id)
         return done
 
     def _stop_reason(self, seq: Sequence, token: int, end: int) -> str | None:
@@ -376,7 +449,7 @@ class Engine:
             return "stop"
         if req.stop_strings:
             window = max(len(s) for s in req.stop_strings) + 8  # tokens: enough to hold any stop string
-            tail = self.tokenizer.decode(seq.tokens[max(seq.num_prompt, end - window):end])
+            tail = self.tokenizer.decode(seq.tokens[max(seq.turn_start, end - window):end])
             if any(s in tail for s in req.stop_strings):
                 return "stop"
         if end >= seq.max_tokens:
@@ -392,3 +465,4 @@ class InFlight:
     seqs: list[Sequence]
     index: list[int]  # position of each sequence's PENDING token
     version: int  # the weights that produce the tokens
+    turns: list[int]  # each sequence's turn at launch

@@ -9,6 +9,12 @@ reaches its last token. Running decodes go first, then running prefills, then wa
 sequences are admitted (oldest first) while pages, the token budget and `max_running` allow.
 When pages run out, the newest sequences not yet scheduled this step are preempted: their
 pages are freed and they wait to be recomputed.
+
+An episode waiting for its environment is *parked*: it gives up its slot (it takes no decode
+row) but keeps its KV pages, so that when the observation is appended only the new tokens are
+prefilled. Tool calls are short next to a recompute of the whole conversation, so pages stay;
+when pages run short, parked sequences give theirs up first (oldest parked first), before any
+running sequence is preempted, and are recomputed when they resume.
 """
 from __future__ import annotations
 
@@ -40,11 +46,13 @@ class Scheduler:
         self.max_running = min(max_running, max_batch_tokens)  # so every running sequence decodes each step
         self.waiting: deque[Sequence] = deque()
         self.running: dict[Sequence, None] = {}  # an ordered set, in admission order: the newest last
+        self.holding: dict[Sequence, None] = {}  # pages but no slot (parked or resumed): evicted first
         width = pool.num_pages if max_seq_len is None else min(pool.num_pages, pages_for(max_seq_len, pool.page_size))
         self.tables = BlockTable(self.max_running, pool.kv[0].device, width, pad_page=pool.scratch_page)
         self.admitted: list[Sequence] = []  # sequences given a slot by the last schedule()
         self._all_decoding = True  # after the last step, every running sequence has one uncached token
         self.preemptions = 0
+        self.evictions = 0  # parked sequences whose pages were taken (they recompute on resuming)
         self._arrivals = 0
         self._free_slots = list(range(self.max_running - 1, -1, -1))
 
@@ -96,6 +104,8 @@ class Scheduler:
             n = min(len(seq.tokens) - seq.num_cached, budget)
             end = seq.num_cached + n
             if end > len(seq.pages) * ps:
+                if not self._grow(seq, end):
+                    self._evict_holding(pages_for(end, ps) - len(seq.pages))
                 while not self._grow(seq, end):
                     victim = next(s for s in reversed(self.running) if s not in scheduled)
                     self.preempt(victim)
@@ -115,9 +125,16 @@ class Scheduler:
             n = min(seq.num_uncached, budget)
             need = pages_for(seq.num_cached + n, self.pool.page_size) - len(seq.pages)
             if need + len(self.running) > self.pool.num_free:  # keep a page of growth per running seq
-                break
+                self._evict_holding(need + len(self.running), keep=seq)
+                n = min(seq.num_uncached, budget)  # it may have been evicted itself
+                need = pages_for(seq.num_cached + n, self.pool.page_size) - len(seq.pages)
+                if need + len(self.running) > self.pool.num_free:
+                    break
             self.waiting.popleft()
             seq.slot = self._free_slots.pop()
+            self.holding.pop(seq, None)
+            if seq.pages:  # a resumed episode: its kept pages go into its new slot's row
+                self.tables.append(seq.slot, 0, seq.pages)
             self._grow(seq, seq.num_cached + n)
             seq.arrival, self._arrivals = self._arrivals, self._arrivals + 1
             self.running[seq] = None
@@ -134,6 +151,33 @@ class Scheduler:
             self.tables.append(seq.slot, old, seq.pages[old:])
         return True
 
+    def _evict_holding(self, free_pages: int, keep: Sequence | None = None) -> None:
+        """Free the pages of sequences holding pages without a slot, oldest first, until `free_pages`
+        are free (they are recomputed when they run again); `keep` is evicted last."""
+        for seq in sorted(self.holding, key=lambda s: s is keep):
+            if self.pool.num_free >= free_pages:
+                return
+            self.holding.pop(seq)
+            self._drop_kv(seq)
+            self.evictions += 1
+
+    def park(self, seq: Sequence) -> None:
+        """An episode's turn ended: release its slot, keep its pages (see the module doc). A second
+        call, or one on a sequence that was preempted meanwhile, only makes sure it is not queued."""
+        if seq in self.running:
+            del self.running[seq]
+            if seq.slot >= 0:
+                self._free_slots.append(seq.slot)
+            seq.slot = -1
+            if seq.pages:
+                self.holding[seq] = None
+        elif seq in self.waiting:  # preempted while its last token was in flight: no pages
+            self.waiting.remove(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """A parked episode has new tokens: queue it (its kept pages make only those uncached)."""
+        self.waiting.append(seq)
+
     def preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages and put it first in line for recompute."""
         del self.running[seq]
@@ -149,16 +193,18 @@ class Scheduler:
         seq.done = True
         if seq in self.running:
             del self.running[seq]
-        else:  # rare: preempted while its last token was in flight
+        elif seq in self.waiting:  # rare: preempted while its last token was in flight (or a resumed episode)
             self.waiting.remove(seq)
+        self.holding.pop(seq, None)
         self._drop_kv(seq)
 
     def drop_all_kv(self) -> None:
         """Weights changed: every cached k/v is stale. Re-queue all running sequences, in order,
         ahead of the waiting ones, as prefills of everything they hold so far."""
         running = list(self.running)
-        for seq in running:
+        for seq in running + list(self.holding):
             self._drop_kv(seq)
+        self.holding = {}
         self.waiting.extendleft(reversed(running))
         self.running = {}
         self._all_decoding = False

@@ -27,6 +27,7 @@ class Request:
     stop_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
+    episode: bool = False
 
     def problems(self, vocab_size: int) -> list[str]:
         """Everything wrong with this request, as readable sentences."""
@@ -51,8 +52,8 @@ class Request:
 
 @dataclass
 class Finished:
-    """A completed request: the generated ids (EOS/stop id included), and per token the
-    behaviour log-prob and the weight version that produced it."""
+    """A completed request (or, for an episode, a completed turn): the ids generated in it (EOS/stop
+    id included), and per token the behaviour log-prob and the weight version that produced it."""
 
     id: object
     prompt_ids: list[int]
@@ -79,6 +80,9 @@ class Sequence:
     max_tokens: int = 0  # prompt + max_new_tokens
     mode: int = 0  # sampler.GREEDY / PLAIN / FILTERED
     done: bool = False  # finished: pages and slot released (rows of it in a step in flight are dropped)
+    turn: int = 0  # turns ended so far (an episode's rows in a step in flight of an ended turn are dropped)
+    turn_start: int = 0  # index in `tokens` of this turn's first generated token
+    turn_logprobs: int = 0  # index in `logprobs` / `versions` of the same
 
     @property
     def num_prompt(self) -> int:
@@ -94,5 +98,7 @@ class Sequence:
         return len(self.tokens) - self.num_cached
 
     def finish(self, reason: str) -> Finished:
-        return Finished(self.req.id, list(self.req.prompt_ids), self.output, list(self.logprobs),
-                        list(self.versions), reason)
+        """The current turn (for a single-turn request, the whole completion) as a Finished."""
+        a, b = self.turn_start or self.num_prompt, self.turn_logprobs
+        return Finished(self.req.id, list(self.req.prompt_ids), self.tokens[a:], self.logprobs[b:],
+                        self.versions[b:], reason)
