@@ -120,6 +120,43 @@ def test_linear_logprobs_frozen_weight_gets_no_gradient_and_hidden_the_same_one(
     torch.testing.assert_close(got, torch.autograd.grad(lp2.sum(), hidden)[0], atol=0, rtol=0)
 
 
+class _Outputs(TorchDispatchMode):
+    """Records (op name, shape, dtype) of every tensor an aten op returns."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in (out if isinstance(out, (tuple, list)) else [out]):
+            if isinstance(t, torch.Tensor):
+                self.seen.append((func.overloadpacket.__name__, tuple(t.shape), t.dtype))
+        return out
+
+
+@pytest.mark.parametrize("path", ["triton", "torch"])
+def test_the_lm_head_gradient_is_written_once_not_summed_from_per_chunk_partials(path, monkeypatch):
+    """The backward's traffic probe: the weight gradient's rows come out of matrix multiplies exactly once
+    (V x H elements in all, never a [V, H] float32 partial per chunk added into an accumulator), and no
+    logits chunk holds more than the forward's chunk_rows x V elements (here a quarter of [N, V])."""
+    if path == "torch":
+        monkeypatch.setattr(linear_logprobs_mod, "use_triton", None)
+    g = torch.Generator().manual_seed(5)
+    n, h, v, chunk_rows = 32, 8, 40, 8
+    hidden = torch.randn(n, h, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.randn(v, h, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    lp, _ = linear_logprobs(hidden, weight, torch.randint(0, v, (n,), generator=g), None, 0.7, False, chunk_rows)
+    with _Outputs() as probe:
+        lp.sum().backward()
+    mm_out = [shape for op, shape, _ in probe.seen if op in ("mm", "addmm") and shape[-1] == h]
+    assert sum(s[0] for s in mm_out if s != (n, h)) == v  # each weight-gradient row computed once
+    assert not [x for x in probe.seen if x[1] == (v, h) and x[2] == torch.float32]  # no fp32 [V, H] partial
+    biggest = max(s[0] * s[1] for op, s, dt in probe.seen if dt == torch.float32 and len(s) == 2 and s[1] != h)
+    assert biggest <= chunk_rows * v <= n * v // 4
+    assert weight.grad.dtype == torch.bfloat16 and hidden.grad.dtype == torch.bfloat16
+
+
 def test_linear_logprobs_refuses_bad_shapes():
     with pytest.raises(ValueError, match="hidden"):
         linear_logprobs(torch.randn(3, 4), torch.randn(5, 3), torch.zeros(3, dtype=torch.long))

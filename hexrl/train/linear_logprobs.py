@@ -3,17 +3,20 @@
 A micro-batch of N completion tokens would need an [N, V] float32 logits tensor (3.7 GB at
 N = 6,144 and V = 152k); here only one [chunk_rows, V/tp] chunk exists at a time. The forward keeps
 each row's log-sum-exp (and, optionally, the entropy, which has no gradient); the backward
-recomputes each chunk's logits from the saved hidden states and weight, turns them into
-grad * (onehot - softmax) / T, and feeds both GEMMs (weights' dtype, fp32 accumulation, as
-`hexrl.model.fp32_linear`). Under TP each chunk's row max, sum-exp and target logit are
+recomputes the logits from the saved hidden states and weight in vocabulary chunks of the same size
+(all rows x some columns, so each lm_head gradient row is written once by one GEMM), turns them into
+grad * (onehot - softmax) / T with the saved log-sum-exp, and feeds both GEMMs (weights' dtype, fp32
+accumulation, as `hexrl.model.fp32_linear`). Under TP each chunk's row max, sum-exp and target logit are
 all-reduced across the group (`softmax_stats`), and the hidden-state gradient is all-reduced by
 `copy_to_tp`, as for the column-parallel lm_head. At TP = 1 on a GPU (and on CPU under
 TRITON_INTERPRET=1) `kernels.logprob` does each chunk in one Triton pass each way: log-prob,
-log-sum-exp and entropy online, and the logits' gradient written straight in the weights' dtype.
+log-sum-exp and entropy online, and the logits' gradient written straight in the weights' dtype (the
+backward's kernel needs no collective under TP either: the log-sum-exp is already global).
 """
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from hexrl.model.fp32_linear import mm_fp32
 from hexrl.model.parallel import TPGroup, copy_to_tp
@@ -42,13 +45,20 @@ def _chunk_stats(h, weight, targets, temperature: float, group, entropy: bool):
     return softmax_stats(z.div_(temperature) if temperature != 1.0 else z, targets, group, entropy)[:3]
 
 
-def _chunk_grad_logits(h, weight, targets, lse, grad, temperature: float, group) -> torch.Tensor:
-    """d(sum grad * logp) / d logits of one chunk, recomputed from h, in the weights' dtype."""
-    z = mm_fp32(h, weight.t())
-    if _fused(z, group):
+def _cols_grad_logits(hidden, weight, targets, lse, grad, temperature: float) -> torch.Tensor:
+    """d(sum grad * logp) / d logits for all rows and the vocab slice `weight` [cols, H], recomputed from
+    `hidden` and the forward's global log-sum-exp, in the weights' dtype. `targets` are relative to the
+    slice's first column (outside [0, cols): no one-hot here); no collective is needed."""
+    z = mm_fp32(hidden, weight.t())
+    if _fused(z, None):
         return logprob_grad_logits(z, targets, lse, grad, temperature, weight.dtype)
     probs = (z.div_(temperature) if temperature != 1.0 else z).sub_(lse[:, None]).exp_()
-    return softmax_grad_(probs, targets, grad, temperature, group).to(weight.dtype)
+    return softmax_grad_(probs, targets, grad, temperature, None).to(weight.dtype)
+
+
+def vocab_cols(n: int, vocab: int, chunk_rows: int) -> int:
+    """Vocab columns per backward chunk: [n, cols] logits hold at most the forward's chunk_rows * vocab."""
+    return max(1, min(vocab, chunk_rows * vocab // max(n, 1)))
 
 
 class _LinearLogprobs(torch.autograd.Function):
@@ -72,22 +82,25 @@ class _LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(state, grad, _grad_entropy):
+        """Chunked over the vocabulary, not the rows: each weight-gradient row is one GEMM's output, written
+        once (row chunks would each write a fresh fp32 [V, H] partial and add it in: 0.93 GB per chunk at
+        1.5B), and the hidden-state gradient, [N, H], is what accumulates."""
         hidden, weight, targets, lse = state.saved_tensors
         want_h, want_w = state.needs_input_grad[:2]
-        grad_h = torch.empty_like(hidden) if want_h else None
-        grad_w = None  # float32 sum over the chunks (float64 for float64 weights)
-        for s in range(0, hidden.shape[0], state.chunk_rows):
-            rows = slice(s, s + state.chunk_rows)
-            h = hidden[rows]
-            dz = _chunk_grad_logits(h, weight, targets[rows], lse[rows], grad[rows], state.temperature, state.group)
+        n, vocab = hidden.shape[0], weight.shape[0]
+        acc = torch.promote_types(weight.dtype, torch.float32)
+        grad_h = hidden.new_zeros(hidden.shape, dtype=acc) if want_h else None
+        grad_w = torch.empty_like(weight) if want_w else None
+        first = dist.get_rank(state.group) * vocab if state.group is not None else 0  # this shard's first id
+        cols = vocab_cols(n, vocab, state.chunk_rows)
+        for c in range(0, vocab, cols):
+            w = weight[c:c + cols]
+            dz = _cols_grad_logits(hidden, w, targets - (first + c), lse, grad, state.temperature)
             if want_h:
-                grad_h[rows] = mm_fp32(dz, weight)
+                grad_h.add_(mm_fp32(dz, w))
             if want_w:
-                part = mm_fp32(dz.t(), h)
-                grad_w = part if grad_w is None else grad_w.add_(part)
-        if want_w:
-            grad_w = torch.zeros_like(weight) if grad_w is None else grad_w.to(weight.dtype)
-        return grad_h, grad_w, None, None, None, None, None
+                grad_w[c:c + cols] = mm_fp32(dz.t(), hidden)
+        return (grad_h.to(hidden.dtype) if want_h else None), grad_w, None, None, None, None, None
 
 
 def linear_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, tp: TPGroup | None = None,
