@@ -73,7 +73,7 @@ def test_all_bad_empty_and_missing_files(tmp_path):
 
 def test_code_records(tmp_path):
     path = _write_lines(tmp_path / "c.jsonl", [
-        {"prompt": "read two ints, print the sum", "tests": [{"input": "1 2", "output": "3"}, "assert True"]},
+        {"prompt": "read two ints, print the sum", "tests": [{"input": "1 2", "output": "3"}, "assert add(1, 2) == 3"]},
         {"prompt": "no tests"},
         {"prompt": "bad tests", "tests": [{"input": 1}]},
     ])
@@ -86,7 +86,7 @@ def test_code_records(tmp_path):
 
 
 def test_write_then_load_round_trip(tmp_path):
-    problems = make_arithmetic(20, seed=3) + [Problem("q", "a", id="code-1", tests=["assert 1"], kind="code")]
+    problems = make_arithmetic(20, seed=3) + [Problem("q", "a", id="code-1", tests=["assert f(1) == 1"], kind="code")]
     path = write_jsonl(problems, tmp_path / "sub" / "out.jsonl")
     loaded = load_jsonl(path)  # each record carries its kind
     assert loaded.problems == problems

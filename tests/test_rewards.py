@@ -178,15 +178,17 @@ def test_code_stdin_tests():
 
 
 def test_code_early_exit_cannot_fake_an_assert():
-    assert code_reward("import sys\nsys.exit(0)", ["assert False"]) == 0.0
-    assert code_reward("import os\nos._exit(0)", ["assert False"]) == 0.0
+    assert code_reward("import sys\nsys.exit(0)", ["assert f() != 1"]) == 0.0
+    assert code_reward("import os\nos._exit(0)", ["assert f() != 1"]) == 0.0
 
 
 def test_code_timeout_and_memory_limits():
-    assert code_reward("while True:\n    pass", ["assert True"], timeout_s=1.0) == 0.0
-    hog = "a = []\nwhile True:\n    a.append(bytearray(10**7))"
-    assert code_reward(hog, ["assert True"], timeout_s=10.0, memory_mb=256) == 0.0
-    assert code_reward("x = bytearray(2 * 10**9)", ["assert True"], memory_mb=256) == 0.0
+    ok = ["assert f() is None"]  # true for `def f(): pass`, defined after each program's hog
+    assert code_reward("def f(): pass", ok, timeout_s=10.0) == 1.0
+    assert code_reward("while True:\n    pass\ndef f(): pass", ok, timeout_s=1.0) == 0.0
+    hog = "a = []\nwhile True:\n    a.append(bytearray(10**7))\ndef f(): pass"
+    assert code_reward(hog, ok, timeout_s=10.0, memory_mb=256) == 0.0
+    assert code_reward("x = bytearray(2 * 10**9)\ndef f(): pass", ok, memory_mb=256) == 0.0
 
 
 def test_extract_code_and_bad_tests():

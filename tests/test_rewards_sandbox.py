@@ -17,7 +17,10 @@ import time
 
 import pytest
 
+from hexrl.data.code_data import load_code_tasks
+from hexrl.data.datasets import load_jsonl
 from hexrl.rewards import code_reward
+from hexrl.rewards.code import validate_tests
 from hexrl.rewards.sandbox import Limits, python_argv, run_program
 
 NONCE = secrets.token_hex(6)
@@ -362,3 +365,51 @@ def test_the_leak_scan_ignores_other_jobs_sandboxes():
     finally:
         for pid in foreign:
             os.kill(int(pid), 9)
+
+
+CHECK = "def check(candidate):\n    assert candidate(1) == 2\n"
+CANNOT_JUDGE = {  # issue 44, item 11: tests that scored every completion 1.0 (or every solution 0)
+    "empty entry point": {"check": CHECK, "entry_point": "", "setup": ""},
+    "blank entry point": {"check": CHECK, "entry_point": " ", "setup": ""},
+    "entry point not a name": {"check": CHECK, "entry_point": "inc(", "setup": ""},
+    "no def check": {"check": "def test(candidate):\n    assert candidate(1) == 2\n", "entry_point": "inc"},
+    "check takes nothing": {"check": "def check():\n    assert inc(1) == 2\n", "entry_point": "inc"},
+    "check syntax error": {"check": "def check(candidate):\n    assert candidate(1) ==\n", "entry_point": "inc"},
+    "tuple assert in check": {"check": "def check(c):\n    assert (c(1) == 999, 'msg')\n", "entry_point": "inc"},
+    "tuple assert": 'assert (inc(1) == 999, "msg")',
+    "list assert": "assert [inc(1) == 999]",
+    "constant assert": "assert True",
+    "assert calling nothing": "assert 1 == 1",
+    "tuple assert in a group": {"all": ["assert inc(1) == 2", "assert (inc(2) == 999, 'x')"]},
+    "group entry point not a name": {"all": ["assert inc(1) == 2"], "entry_point": "1inc", "setup": "x = 1"},
+}
+
+
+@pytest.mark.parametrize("name", CANNOT_JUDGE)
+def test_a_code_test_that_cannot_judge_is_refused(name):
+    with pytest.raises(ValueError, match=r"code tests \[1\]"):
+        validate_tests(["assert inc(1) == 2", CANNOT_JUDGE[name]])
+    with pytest.raises(ValueError):  # before: 1.0 for any completion, or 0 for every solution
+        code_reward("def inc(x):\n    return 0", [CANNOT_JUDGE[name]])
+
+
+def test_tests_that_can_judge_still_load():
+    humaneval = {"check": 'def check(candidate):\n    assert True, "debug line"\n    assert candidate(1) == 2\n',
+                 "entry_point": "inc", "setup": "def inc(x):\n    \"\"\"Add one.\"\"\"\n"}
+    ok = ["assert inc(1) == 2", "assert abs(inc(1) - 2) < 1e-9", humaneval, {"all": ["assert inc(1) == 2"]}]
+    assert validate_tests(ok) == ok
+
+
+def test_a_dataset_line_with_a_test_that_cannot_judge_is_named(tmp_path):
+    path = tmp_path / "code.jsonl"
+    good = {"prompt": "inc", "tests": ["assert inc(1) == 2"]}
+    bad = {"prompt": "inc", "tests": [{"check": CHECK, "entry_point": ""}]}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.warns(UserWarning, match=r"line 2: code tests \[0\]: entry_point '' is not a function name"):
+        result = load_jsonl(path, kind="code")
+    assert len(result.problems) == 1 and result.skipped[0][0] == 2
+    record = {"task_id": "X/0", "prompt": "def inc(x):\n", "entry_point": "inc", "canonical_solution": "",
+              "test": "def check(candidate):\n    assert (candidate(1) == 999, 'msg')\n"}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(ValueError, match=r"record 1: .*always true"):
+        load_code_tasks(path)

@@ -15,12 +15,12 @@ A job trains on such a file directly (`data.path` with `data.kind: "code"`), or
 from __future__ import annotations
 
 import ast
-import gzip
 import json
 import sys
 from pathlib import Path
 
 from hexrl.data.problems import Problem
+from hexrl.input_files import loads_json, text_lines
 from hexrl.rewards.code import plain_call, validate_tests
 
 INSTRUCTION = ("Complete the following Python function. Answer with the whole function in a "
@@ -28,9 +28,10 @@ INSTRUCTION = ("Complete the following Python function. Answer with the whole fu
 
 
 def _read_records(path: str | Path) -> list[dict]:
-    opener = gzip.open if str(path).endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """Every record of a (gzipped) JSONL file; InputFileError naming the file and record when one
+    is not JSON (or too deep, or NaN) or the gzip stream ends early."""
+    lines = [line for line in text_lines(path, "code dataset") if line.strip()]
+    return [loads_json(line, f"{path}: record {i}", "record") for i, line in enumerate(lines, start=1)]
 
 
 def humaneval_tests(test: str, entry_point: str, prompt: str) -> list:
@@ -85,6 +86,8 @@ def load_code_tasks(path: str | Path) -> list[Problem]:
             bad.append(f"record {i}: {type(e).__name__}: {e}")
     if bad:
         raise ValueError(f"{path}: {len(bad)} bad record(s): " + "; ".join(bad[:5]))
+    if not problems:
+        raise ValueError(f"{path}: holds no records")
     return problems
 
 

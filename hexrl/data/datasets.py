@@ -21,6 +21,7 @@ from typing import Iterable
 
 from hexrl.data.code_data import load_code_tasks
 from hexrl.data.problems import KINDS, Problem
+from hexrl.input_files import loads_json, open_input
 from hexrl.rewards.code import validate_tests
 from hexrl.rewards.math import find_boxed
 
@@ -99,26 +100,19 @@ def load_jsonl(path: str | Path, kind: str = "math") -> LoadResult:
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise FileNotFoundError(f"dataset file {path} does not exist")
     problems, skipped, first_line_of = [], [], {}
-    with open(path, "rb") as f:
+    with open_input(path, "dataset file") as f:  # a FIFO or directory is refused, never waited on
         for line_no, raw in enumerate(f, start=1):
             try:
-                text = raw.decode("utf-8")
-                if not text.strip():
+                if not raw.strip():
                     continue  # blank lines are not records
-                problem = parse_record(json.loads(text), line_no, kind)
+                problem = parse_record(loads_json(raw, "", "dataset line"), line_no, kind)
                 if problem.id in first_line_of:
                     raise ValueError(f"duplicate id {problem.id!r} (first on line {first_line_of[problem.id]})")
-            except UnicodeDecodeError:
-                skipped.append((line_no, "not valid UTF-8"))
-                continue
-            except json.JSONDecodeError as e:
-                skipped.append((line_no, f"invalid JSON: {e.msg} at column {e.colno}"))
-                continue
-            except ValueError as e:
-                skipped.append((line_no, str(e)))
+            except ValueError as e:  # not UTF-8, bad JSON, too deep, NaN, a bad record
+                skipped.append((line_no, str(e).removeprefix(": ")))
                 continue
             first_line_of[problem.id] = line_no
             problems.append(problem)
@@ -248,12 +242,18 @@ def load_dataset(synthetic: dict | None = None, path: str | None = None,
 
 
 def _is_code_benchmark(path: str) -> bool:
-    """A HumanEval (.jsonl.gz, `entry_point`) or MBPP (`test_list`) file rather than hexrl JSONL."""
+    """A HumanEval (.jsonl.gz, or records with a top-level `entry_point` and `test`) or MBPP
+    (`test_list`) file rather than hexrl JSONL (whose tests may name an entry point too: the
+    record's own fields decide, not the text of its first line)."""
     if str(path).endswith(".gz"):
         return True
-    with open(path, encoding="utf-8", errors="replace") as f:
-        first = f.readline()
-    return '"entry_point"' in first or '"test_list"' in first
+    with open_input(path, "dataset file") as f:
+        first = next((line for line in f if line.strip()), b"")
+    try:
+        rec = loads_json(first, str(path))
+    except ValueError:
+        return False  # load_jsonl names the bad line
+    return isinstance(rec, dict) and (("entry_point" in rec and "test" in rec) or "test_list" in rec)
 
 
 def dataset_problems(synthetic: dict | None) -> list[str]:

@@ -10,6 +10,8 @@ import string
 from pathlib import Path
 from typing import Protocol, Sequence, runtime_checkable
 
+from hexrl.input_files import loads_json, read_json
+
 CHAR_TOKENIZER_FILE = "hexrl_tokenizer.json"
 HF_TOKENIZER_FILE = "tokenizer.json"
 # what a model directory's tokenizer is made of (eos ids may come from generation_config.json)
@@ -86,7 +88,7 @@ class CharTokenizer:
 
     @classmethod
     def from_json(cls, text: str) -> "CharTokenizer":
-        data = json.loads(text)
+        data = loads_json(text, CHAR_TOKENIZER_FILE, "tokenizer file")
         if not isinstance(data, dict) or data.get("type") != "char":
             raise ValueError('not a CharTokenizer description (expected {"type": "char", ...})')
         if list(data.get("specials", CHAR_SPECIALS)) != list(CHAR_SPECIALS):
@@ -117,10 +119,7 @@ def _read_json(path: Path) -> dict:
     """A JSON object from `path`, or {} when the file is absent."""
     if not path.is_file():
         return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:  # bad JSON or not UTF-8
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    data = read_json(path, "tokenizer file")  # InputFileError (a ValueError) names the file
     return data if isinstance(data, dict) else {}
 
 

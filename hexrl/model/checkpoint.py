@@ -14,6 +14,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from hexrl.input_files import open_input, read_json
+
 from .config import ModelConfig, rope_inv_freq
 from .decoder import Decoder
 from .fused import hf_state_dict
@@ -31,9 +33,9 @@ def tensor_files(path: Path) -> dict[str, Path]:
     """Map each tensor name to the safetensors file holding it."""
     if (path / INDEX).is_file():
         try:
-            weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise CheckpointError(f"{path / INDEX}: corrupt index ({e!r})") from None
+            weight_map = read_json(path / INDEX, "safetensors index")["weight_map"]
+        except (ValueError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{path / INDEX}: corrupt index ({e})") from None
         missing = sorted({f for f in weight_map.values() if not (path / f).is_file()})
         if missing:
             raise CheckpointError(f"{path}: shard files named in {INDEX} are missing: {', '.join(missing)}")
@@ -50,6 +52,7 @@ def tensor_files(path: Path) -> dict[str, Path]:
 
 def _open(file: Path):
     try:
+        open_input(file, "safetensors file").close()  # a FIFO is refused before the library blocks on it
         return safe_open(str(file), framework="pt")
     except Exception as e:  # safetensors raises several error types for truncated/garbled headers
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None

@@ -5,11 +5,12 @@ model the decoder cannot build is refused when the job is planned, not under tor
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from hexrl.input_files import read_json
 
 if TYPE_CHECKING:  # torch is imported where it is needed: the planner reads configs without it
     import torch
@@ -105,10 +106,13 @@ class ModelConfig:
         file = Path(path) / "config.json"
         if not file.is_file():
             raise FileNotFoundError(f"{file}: missing (a Hugging Face checkpoint directory needs config.json)")
+        d = read_json(file, "config.json")  # InputFileError (a ValueError) names the file
+        if not isinstance(d, dict):
+            raise ValueError(f"{file}: must hold a JSON object of Hugging Face config fields")
         try:
-            return cls.from_hf(json.loads(file.read_text()))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{file}: not valid JSON ({e})") from None
+            return cls.from_hf(d)
+        except ValueError as e:
+            raise ValueError(f"{file}: {e}") from None
 
     def to_hf(self) -> dict:
         """The HF config dict, with our fields written over the original ones."""

@@ -7,9 +7,11 @@ naming the file and the tensor, instead of in a rank's memory map mid-load. Stdl
 """
 from __future__ import annotations
 
-import json
 import math
+import os
 from pathlib import Path
+
+from hexrl.input_files import InputFileError, loads_json, open_input, read_json
 
 INDEX = "model.safetensors.index.json"
 MAX_HEADER = 100_000_000  # the safetensors library's own limit on the header length
@@ -21,16 +23,16 @@ def header_problems(file: Path) -> list[str]:
     """Why `file` is not a whole safetensors file: its header length, header JSON, and each
     tensor's dtype, shape and data extent against the file's size."""
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
+        with open_input(file, "safetensors file") as f:  # a FIFO is refused, never waited on
+            size = os.fstat(f.fileno()).st_size
             n = int.from_bytes(f.read(8), "little") if size >= 8 else -1
             if not 0 < n <= min(MAX_HEADER, size - 8):
                 return [f"{file}: not a safetensors file: header length {n} for a file of {size} bytes"]
-            header = json.loads(f.read(n))
+            header = loads_json(f.read(n), str(file), "safetensors header")
+    except InputFileError as e:
+        return [str(e)]
     except OSError as e:
         return [f"{file}: cannot read ({e.strerror or e})"]
-    except (ValueError, RecursionError) as e:
-        return [f"{file}: corrupt safetensors header ({type(e).__name__}: {str(e)[:100]})"]
     if not isinstance(header, dict):
         return [f"{file}: corrupt safetensors header (a {type(header).__name__}, not an object)"]
     data = size - 8 - n
@@ -59,8 +61,8 @@ def weight_file_problems(model_dir: str | Path) -> list[str]:
     model_dir = Path(model_dir)
     if (model_dir / INDEX).is_file():
         try:
-            names = sorted(set(json.loads((model_dir / INDEX).read_text())["weight_map"].values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as e:
+            names = sorted(set(read_json(model_dir / INDEX, "safetensors index")["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             return [f"{model_dir / INDEX}: corrupt index ({type(e).__name__}: {e})"]
         files = [model_dir / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]

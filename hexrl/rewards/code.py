@@ -63,13 +63,54 @@ def _is_group(t) -> bool:
             and isinstance(t.get("entry_point", ""), str))
 
 
-def _is_one_assert(test: str) -> bool:
-    """True when `test` parses as exactly one `assert` statement."""
+def _parse(code: str) -> ast.Module | None:
     try:
-        body = ast.parse(test.strip()).body
+        return ast.parse(code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return False
-    return len(body) == 1 and isinstance(body[0], ast.Assert)
+        return None
+
+
+def _always_true(node: ast.Assert) -> bool:
+    """An assert that cannot fail: a non-empty literal container (`assert (f(1) == 2, "msg")`
+    is a tuple) or a constant."""
+    t = node.test
+    if isinstance(t, (ast.Tuple, ast.List, ast.Set)):
+        return bool(t.elts)
+    if isinstance(t, ast.Dict):
+        return bool(t.keys)
+    return isinstance(t, (ast.Constant, ast.JoinedStr, ast.Lambda))
+
+
+def _assert_problem(test: str) -> str | None:
+    """Why an assert string cannot judge a solution: not one assert that parses, always true, or
+    calling nothing (then no solution is tested)."""
+    tree = _parse(test.strip())
+    if tree is None or len(tree.body) != 1 or not isinstance(tree.body[0], ast.Assert):
+        return ("a test string must be one assert statement that parses; a HumanEval-style test (a check "
+                'function and its call) becomes {"check": test, "entry_point": name, "setup": prompt}: see '
+                "hexrl.data.code_data.humaneval_tests")
+    if _always_true(tree.body[0]):
+        return "the assert is always true (a tuple, container or constant: drop the parentheses)"
+    if not any(isinstance(n, ast.Call) for n in ast.walk(tree.body[0].test)):
+        return "the assert calls no function, so it tests no solution"
+    return None
+
+
+def _check_problem(t: dict) -> str | None:
+    """Why a `{"check"}` test cannot judge: no entry point to call, no `def check(candidate)` that
+    parses, or an assert in it that is always true."""
+    if not t["entry_point"].isidentifier():
+        return f"entry_point {t['entry_point']!r} is not a function name (the check would call nothing)"
+    tree = _parse(t["check"])
+    if tree is None:
+        return "the check code does not parse"
+    check = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
+    if not check or not (check[-1].args.args or check[-1].args.vararg):
+        return "the check code defines no check(candidate) function"
+    if any(isinstance(n, ast.Assert) and _always_true(n) and not isinstance(n.test, ast.Constant)
+           for n in ast.walk(tree)):  # HumanEval's `assert True, "..."` lines are harmless no-ops
+        return "an assert in check is always true (a tuple or container: drop the parentheses)"
+    return None
 
 
 def validate_tests(tests) -> list:
@@ -82,13 +123,19 @@ def validate_tests(tests) -> list:
         raise ValueError(f"code tests {bad} are neither an assert string, "
                          '{"input": str, "output": str}, {"check": str, "entry_point": str}, '
                          'nor {"all": [assert strings]}')
-    strings = [(i, a) for i, t in enumerate(tests) for a in (t["all"] if _is_group(t) else [t]) if isinstance(a, str)]
-    bad = sorted({i for i, a in strings if not _is_one_assert(a)})
-    if bad:
-        raise ValueError(f"code tests {bad}: a test string must be one assert statement that parses; a "
-                         "HumanEval-style test (a check function and its call) becomes "
-                         '{"check": test, "entry_point": name, "setup": prompt}: see '
-                         "hexrl.data.code_data.humaneval_tests")
+    problems = {}
+    for i, t in enumerate(tests):
+        if _is_check(t):
+            why = _check_problem(t)
+        elif _is_group(t) and t.get("entry_point") and not t["entry_point"].isidentifier():
+            why = f"entry_point {t['entry_point']!r} is not a function name"
+        else:
+            why = next(filter(None, map(_assert_problem, t["all"] if _is_group(t) else [t] if isinstance(t, str)
+                                        else [])), None)
+        if why:
+            problems.setdefault(why, []).append(i)
+    if problems:
+        raise ValueError("; ".join(f"code tests {bad}: {why}" for why, bad in problems.items()))
     return list(tests)
 
 
@@ -266,12 +313,33 @@ def _stdio_passes(code: str, test: dict, limits: Limits, unsafe: bool) -> bool:
 
 
 def _with_setup(code: str, tests: list[dict]) -> str:
-    """HumanEval completions may continue the prompt's signature: prepend the prompt then."""
+    """The prompt's code in scope of the solution. A completion continuing the prompt's signature
+    (HumanEval's own format) gets the whole prompt before it; one that writes the whole function
+    (what hexrl's prompt asks) gets the prompt's imports and helpers, everything but the entry
+    point's own def, which the solution's definitions may then override."""
     for t in tests:
-        defines = rf"^def\s+{re.escape(t.get('entry_point') or '')}\s*\("
-        if t.get("setup") and t.get("entry_point") and not re.search(defines, code, re.M):
-            return t["setup"] + code
+        setup, entry = t.get("setup"), t.get("entry_point")
+        if setup and entry:
+            if not re.search(rf"^def\s+{re.escape(entry)}\s*\(", code, re.M):
+                return setup + code
+            return prompt_context(setup, entry) + code
     return code
+
+
+def prompt_context(setup: str, entry_point: str) -> str:
+    """The prompt's top-level statements but the entry point's def (its imports, helpers and
+    constants), as source text; empty when the prompt does not parse (even with a body added)."""
+    tree = _parse(setup) or _parse(setup + "    pass\n")  # a prompt may end in a bare signature
+    lines = setup.splitlines(keepends=True)
+    if tree is None:
+        return ""
+    keep = []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.name == entry_point:
+            continue
+        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+        keep.append("".join(lines[first - 1:node.end_lineno]))
+    return "\n".join(keep) + "\n" if keep else ""
 
 
 def outcomes(code: str, tests: list, limits: Limits, unsafe: bool = False) -> list[bool]:

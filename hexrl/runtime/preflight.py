@@ -132,7 +132,7 @@ def plan_time_checks(job: Job) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a job at plan time. The planner may run where the dataset is not
     (it is read at run time, on the cluster): a missing data.path is then a loud warning, and the
     model's files are still checked; a dataset that is here is checked in full."""
-    if job.data.synthetic or (job.data.path and Path(job.data.path).is_file()):
+    if job.data.synthetic or (job.data.path and Path(job.data.path).exists()):  # a FIFO is refused, not skipped
         return check_inputs(job).problems, []
     warning = (f"WARNING: data.path {job.data.path} does not exist here; the run reads it at start on every "
                "node and refuses to start without it")

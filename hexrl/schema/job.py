@@ -5,11 +5,11 @@ the cluster, prices and budget, and optionally a fixed layout (docs/jobs.md, "Th
 field). Loading reports every problem in one ConfigError, each naming its field.
 """
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hexrl.gpus import CATALOGUE, canonical_name
+from hexrl.input_files import InputFileError, read_json
 from hexrl.model.config import ModelConfig
 from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.colocate import Colocate, cluster_problems, read_colocate
@@ -69,13 +69,13 @@ def _read_model(r: Reader, d, base: Path) -> ModelSpec | None:
     if "path" in d:
         p = resolve(base, d["path"])
         cfg_file = p / "config.json"
-        if not cfg_file.is_file():
+        if not cfg_file.exists():  # one that exists but is not a file is named by the guard below
             r.bad("model.path", f"no config.json in {p}")
             return None
         try:
-            cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as e:  # ValueError: bad JSON or not UTF-8
-            r.bad("model.path", f"cannot read {cfg_file}: {e}")
+            cfg = read_json(cfg_file, "config.json")
+        except InputFileError as e:
+            r.bad("model.path", str(e))
             return None
         where, path = f"model.path ({cfg_file})", str(p)
     else:
@@ -627,17 +627,9 @@ def read_source(path_or_dict, what: str) -> tuple[dict, Path]:
         return path_or_dict, Path.cwd()
     p = Path(path_or_dict)
     try:
-        d = json.loads(p.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise ConfigError([f"{p}: cannot read: {e.strerror or e}"], f"invalid {what}") from None
-    except UnicodeDecodeError as e:
-        byte = e.object[e.start:e.start + 1]
-        raise ConfigError([f"{p}: not UTF-8 text (a binary file?): byte {e.start} is {byte!r}"],
-                          f"invalid {what}") from None
-    except json.JSONDecodeError as e:
-        raise ConfigError([f"{p}: not valid JSON: {e}"], f"invalid {what}") from None
-    except RecursionError:  # e.g. "[" * 100000: no job nests that deep
-        raise ConfigError([f"{p}: nested too deeply to be a {what} file"], f"invalid {what}") from None
+        d = read_json(p, f"{what} file")  # the guard: a regular file, UTF-8, bounded depth, no NaN
+    except InputFileError as e:
+        raise ConfigError([str(e)], f"invalid {what}") from None
     if not isinstance(d, dict):
         raise ConfigError([f"{p}: must hold a JSON object"], f"invalid {what}")
     return d, p.resolve().parent

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hexrl.input_files import InputFileError, read_json
 from hexrl.model.checkpoint import CheckpointError
 from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hexrl.weights import stage_specs
@@ -210,11 +211,10 @@ def resolve(path: str | os.PathLike) -> Path:
 def _read_json_file(path: Path) -> dict:
     """A JSON object from a checkpoint file; CheckpointError naming the file otherwise."""
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise CheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    except (ValueError, RecursionError) as e:  # bad JSON (an empty file too), not UTF-8, or nested too deeply
-        raise CheckpointError(f"{path}: corrupt, not a JSON object ({type(e).__name__}: {str(e)[:100]})") from None
+        data = read_json(path, "checkpoint file")
+    except InputFileError as e:  # unreadable, bad JSON (an empty file too), not UTF-8, too deep, NaN
+        raise CheckpointError(f"{path}: corrupt, not a JSON object ({str(e).removeprefix(str(path) + ': ')[:100]})"
+                              ) from None
     if not isinstance(data, dict):
         raise CheckpointError(f"{path}: corrupt, holds a {type(data).__name__} instead of a JSON object")
     return data
