@@ -233,6 +233,9 @@ def test_colocated_run_on_cpu(tmp_path):
     assert f"cost model 0.500 s, simulator 0.600 s, measured {step:.3f} s" in text, text
     assert "balanced" in text and "trajectory accounting balances: MET" in text, text
     assert "wall time <= 240 s: NOT MET" in text and not met
+    lag0 = sum(r["logprob_mismatch_tokens"] for r in rows)  # issue 42: reported; ~0 on CPU (fp32 both sides)
+    assert (f"log-prob mismatch |behaviour - proximal| over {lag0} lag-0 tokens" in text if lag0
+            else "no lag-0 tokens measured" in text), text
 
 
 @pytest.mark.gpu

@@ -83,6 +83,47 @@ def test_importance_weight_spread_and_cap_share_match_a_float64_forward(tmp_path
 
 
 
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_logprob_mismatch_is_measured_over_lag0_tokens_only(tmp_path, decoupled):
+    """Issue 42: |behaviour - proximal| over the tokens the step's own starting weights generated. Lag-0
+    behaviour log-probs are the model's (float64) plus a known offset; stale tokens get a large one that
+    must not count. Without a proximal pass (naive PPO) the first mini-batch's θ log-probs stand in."""
+    path = make_tiny_model(tmp_path / "m", layers=2, tie=False)
+    model = load_pretrained(path).double()
+    batch, rng, want = make_batch(), np.random.default_rng(1), []
+    for k, t in enumerate(batch):
+        with torch.no_grad():
+            lp = seq_logprobs(model, t).numpy()
+        t.versions = [7 if (k + j) % 3 else 6 for j in range(len(lp))]  # trainer at 7: lag 0, else lag 1
+        off = rng.uniform(1e-3, 0.3, len(lp)) * rng.choice([-1, 1], len(lp))
+        t.logprobs = [x + (o if v == 7 else 2.0) for x, o, v in zip(lp, off, t.versions)]
+        if t.group_id != 0:  # group 0: equal rewards, filtered before the forward
+            want += [abs(o) for o, v in zip(off, t.versions) if v == 7]
+    trainer = Trainer(path, SINGLE, TrainConfig(lr=1e-3, decoupled=decoupled, ppo_minibatches=1 if decoupled else 2))
+    trainer.version = 7
+    m = trainer.step(batch)
+    if not decoupled:  # only the first mini-batch's tokens are measured
+        assert 0 < m["logprob_mismatch_tokens"] < len(want)
+        return
+    assert m["logprob_mismatch_tokens"] == len(want) > 10
+    assert m["logprob_mismatch_mean"] == pytest.approx(np.mean(want), abs=1e-5)
+    exact = np.quantile(want, 0.99, method="inverted_cdf")
+    assert exact <= m["logprob_mismatch_p99"] <= exact * 10 ** 0.05 + 1e-9  # the bin's upper edge
+
+
+def test_logprob_mismatch_of_a_fresh_batch_is_zero_on_cpu(tmp_path):
+    path = make_tiny_model(tmp_path / "m", layers=2, tie=False)
+    model = load_pretrained(path)
+    batch = make_batch()
+    with torch.no_grad():
+        for t in batch:
+            t.logprobs = seq_logprobs(model, t).tolist()
+    m = Trainer(path, SINGLE, TrainConfig(lr=1e-3)).step(batch)
+    assert m["logprob_mismatch_tokens"] == m["tokens"] and m["logprob_mismatch_mean"] < 1e-5
+    assert m["logprob_mismatch_p99"] <= 1e-5
+
+
 def test_proximal_per_minibatch_is_the_weights_each_minibatch_starts_from(tmp_path):
     """rl.proximal = "minibatch", the study's ablation: each mini-batch's proximal log-probs come from
     the weights the step's earlier mini-batches left, so its ratio starts at 1 and nothing is clipped;

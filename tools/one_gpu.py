@@ -109,7 +109,8 @@ def measurements(run: Path, plan, rows: list[dict], step: float | None) -> list[
         lines.append(f"decode: {engine['generated_tokens'] / engine['seconds']:.0f} generated tokens/s while the "
                      f"engine steps (mean batch {engine['mean_batch']:.1f}); {rollout:.0f} tokens/s over the run")
     lines += [f"trainer: MFU {mfu:.2%} of the bf16 peak ({flops / 1e9:.2f} GFLOP/s)",
-              f"weight sync: {sum(syncs) / len(syncs):.4f} s mean, {max(syncs):.4f} s max per step"]
+              f"weight sync: {sum(syncs) / len(syncs):.4f} s mean, {max(syncs):.4f} s max per step",
+              mismatch_line(rows)]
     after = rows[WARMUP:-1] or rows
     b = plan.predicted["breakdown"]
     lines.append(f"per step, measured vs planned: train {sum(r['train_s'] for r in after) / len(after):.4f} s vs "
@@ -122,6 +123,17 @@ def measurements(run: Path, plan, rows: list[dict], step: float | None) -> list[
                      f"{sim['step_time_s']:.3f} s, measured {step:.3f} s "
                      f"(cost model {sim['predicted_step_s'] / step - 1:+.1%})")
     return lines
+
+
+def mismatch_line(rows: list[dict]) -> str:
+    """The rollout-trainer log-prob mismatch over the run's lag-0 tokens (token-weighted mean, worst p99)."""
+    got = [r for r in rows if r.get("logprob_mismatch_tokens")]
+    if not got:
+        return "rollout-trainer log-prob mismatch: no lag-0 tokens measured"
+    n = sum(r["logprob_mismatch_tokens"] for r in got)
+    mean = sum(r["logprob_mismatch_mean"] * r["logprob_mismatch_tokens"] for r in got) / n
+    return (f"rollout-trainer log-prob mismatch |behaviour - proximal| over {n} lag-0 tokens: mean {mean:.2e}, "
+            f"p99 <= {max(r['logprob_mismatch_p99'] for r in got):.2e} (worst step)")
 
 
 def checks(run: Path, rows: list[dict], step: float | None, total_s: float | None) -> list[tuple[str, bool, str]]:

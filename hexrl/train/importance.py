@@ -17,17 +17,39 @@ LOG_W_EDGES = (torch.arange(-300, 302, dtype=torch.float64) - 0.5) * BIN  # -3.0
 NUM_BINS = len(LOG_W_EDGES) + 1  # (-inf, e0), [e0, e1), ..., [e_last, inf)
 
 
-_EDGES: dict[torch.device, torch.Tensor] = {}  # the edges on each device, copied once
+# |behaviour - proximal| log-prob of lag-0 tokens (the rollout-trainer numerical mismatch): bins a twentieth
+# of a decade wide from 1e-6 to 10, plus one open bin below and one above
+MISMATCH_EDGES = torch.logspace(-6, 1, 141, dtype=torch.float64)
+NUM_MISMATCH_BINS = len(MISMATCH_EDGES) + 1
+
+_EDGES: dict[tuple[int, torch.device], torch.Tensor] = {}  # each edge table on each device, copied once
+
+
+def bin_counts(x: torch.Tensor, edges: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 counts (or sums of `weights`) of x per bin of `edges` (len(edges) + 1 bins, the outer two
+    open), on x's device, without a host sync."""
+    key = (id(edges), x.device)
+    if key not in _EDGES:
+        _EDGES[key] = edges.to(x.device)
+    index = torch.bucketize(x.detach().double(), _EDGES[key], right=True).reshape(-1)
+    w = torch.ones(index.numel(), dtype=torch.float64, device=x.device) if weights is None else weights.double()
+    return torch.zeros(len(edges) + 1, dtype=torch.float64, device=x.device).index_add_(0, index, w.reshape(-1))
 
 
 def log_w_counts(w: torch.Tensor) -> torch.Tensor:
     """float64 counts of log(w) per bin (length NUM_BINS), on w's device, without a host sync."""
-    edges = _EDGES.get(w.device)
-    if edges is None:
-        edges = _EDGES[w.device] = LOG_W_EDGES.to(w.device)
-    index = torch.bucketize(w.detach().double().log(), edges, right=True)
-    counts = torch.zeros(NUM_BINS, dtype=torch.float64, device=w.device)
-    return counts.index_add_(0, index.reshape(-1), torch.ones(index.numel(), dtype=torch.float64, device=w.device))
+    return bin_counts(w.detach().double().log(), LOG_W_EDGES)
+
+
+def mismatch_quantile(counts: torch.Tensor | list[float], q: float) -> float | None:
+    """The q-quantile of |behaviour - proximal| from `bin_counts(..., MISMATCH_EDGES)`: its bin's upper
+    edge, an upper bound within 12% (the lowest bin: 1e-6; above 10: +inf); None without tokens."""
+    c = torch.as_tensor(counts, dtype=torch.float64)
+    total = float(c.sum())
+    if total <= 0:
+        return None
+    k = int(torch.searchsorted(c.cumsum(0), torch.tensor([q * total], dtype=torch.float64))[0])
+    return math.inf if k >= len(MISMATCH_EDGES) else float(MISMATCH_EDGES[k])
 
 
 def w_quantile(counts: torch.Tensor | list[float], q: float) -> float | None:

@@ -28,6 +28,7 @@ class MicroBatch:
     targets: torch.Tensor  # [N] the completion tokens
     behav: torch.Tensor  # [N] float32 behaviour log-probs
     adv: torch.Tensor  # [N] float32 advantages
+    versions: torch.Tensor  # [N] int64 the weight version that generated each token
 
     @property
     def num_tokens(self) -> int:
@@ -93,7 +94,7 @@ def first_fit(sizes: dict[int, int], budget: int) -> list[list[int]]:
 
 def build_micro_batch(trajs: list[Trajectory], seqs: list[int], adv: list[float]) -> MicroBatch:
     """Pack the given sequences of the batch into one flat micro-batch."""
-    ids, pos, loss_index, targets, behav, advs, lens, clens = [], [], [], [], [], [], [], []
+    ids, pos, loss_index, targets, behav, advs, lens, clens, versions = [], [], [], [], [], [], [], [], []
     for i in seqs:
         t = trajs[i]
         seq = (list(t.prompt_ids) + list(t.completion_ids))[:-1]
@@ -103,13 +104,14 @@ def build_micro_batch(trajs: list[Trajectory], seqs: list[int], adv: list[float]
         pos.extend(range(len(seq)))
         targets.extend(t.completion_ids)
         behav.extend(t.logprobs)
+        versions.extend(t.versions)
         advs.extend([adv[i]] * len(t.completion_ids))
         lens.append(len(seq))
         clens.append(len(t.completion_ids))
     i64, f32 = torch.int64, torch.float32
     return MicroBatch(seqs, lens, clens, torch.tensor(ids, dtype=i64), torch.tensor(pos, dtype=i64),
                       torch.tensor(loss_index, dtype=i64), torch.tensor(targets, dtype=i64),
-                      torch.tensor(behav, dtype=f32), torch.tensor(advs, dtype=f32))
+                      torch.tensor(behav, dtype=f32), torch.tensor(advs, dtype=f32), torch.tensor(versions, dtype=i64))
 
 
 @dataclass

@@ -35,7 +35,16 @@ from hexrl.trajectory import Trajectory
 from . import checkpoint as ckpt
 from .data_parallel import GradBuckets
 from .grid import Grid, build_grid
-from .importance import NUM_BINS, log_w_counts, w_quantile, w_std
+from .importance import (
+    MISMATCH_EDGES,
+    NUM_BINS,
+    NUM_MISMATCH_BINS,
+    bin_counts,
+    log_w_counts,
+    mismatch_quantile,
+    w_quantile,
+    w_std,
+)
 from .linear_logprobs import CHUNK_ROWS, linear_logprobs
 from .loss import equal_reward_groups, group_advantages, ppo_terms
 from .optim import AdamW, clip_divisor, global_grad_norm
@@ -47,7 +56,7 @@ from .pipeline import PipeComm, forward_only, train_1f1b
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Token-level sums reduced over all trainer ranks each step, in this order; then the counts of
 # log w per bin (hexrl/train/importance.py).
-SUMS = ("loss", "tokens", "clipped", "capped", "w", "kl", "entropy", "w2")
+SUMS = ("loss", "tokens", "clipped", "capped", "w", "kl", "entropy", "w2", "lag0", "lag0_mismatch")
 
 
 @dataclass
@@ -115,8 +124,11 @@ def default_device() -> torch.device:
 class _StepState:
     """What one step's last-stage forwards accumulate."""
 
-    sums: torch.Tensor
+    sums: torch.Tensor  # SUMS, then the log-w bins, then the mismatch bins
     logprobs: dict = field(default_factory=dict)
+    # whether this mini-batch's proximal (else θ) log-probs come from the weights of the step's start, the
+    # version that generated the lag-0 tokens: then |behaviour - proximal| of those is the numeric mismatch
+    pre_step: bool = True
     norms: list = field(default_factory=list)  # each optimizer step's gradient norm, on the device
 
 
@@ -194,9 +206,11 @@ class Trainer:
             none = [[None] * len(m) for m in mine]
             prox = self._forward_logprobs(self.model, mine) if c.decoupled and not each else none
             ref = self._forward_logprobs(self.ref_model, mine) if self.ref_model else none
-        state = _StepState(torch.zeros(len(SUMS) + NUM_BINS, dtype=torch.float64, device=self.device))
+        state = _StepState(torch.zeros(len(SUMS) + NUM_BINS + NUM_MISMATCH_BINS, dtype=torch.float64,
+                                       device=self.device))
         lr = self.optimizer.lr_at(self.optimizer.steps)
-        for plan, mbs, p, r in zip(plans, mine, prox, ref):
+        for i, (plan, mbs, p, r) in enumerate(zip(plans, mine, prox, ref)):
+            state.pre_step = i == 0 or (c.decoupled and not each)
             if each:  # the weights as the step's earlier mini-batches left them
                 with self._phase("proximal"):
                     p = self._forward_logprobs(self.model, [mbs])[0]
@@ -280,9 +294,12 @@ class Trainer:
             ent = entropy.double().sum() if entropy is not None else loss.new_zeros((), dtype=torch.float64)
             n_loss = loss.new_full((), float(mb.num_loss_tokens), dtype=torch.float64)  # a fill, not a copy
             w = t.w.double()
+            lag0 = ((mb.versions == self.version) & state.pre_step).double()  # self.version: not yet bumped
+            gap = (mb.behav - (prox if prox is not None else logp.detach())).abs().double()
             state.sums[:len(SUMS)] += torch.stack([loss.double(), n_loss, *(x.double().sum() for x in (
-                t.clipped, t.capped, t.w, t.kl)), ent, (w * w).sum()])
-            state.sums[len(SUMS):] += log_w_counts(w)
+                t.clipped, t.capped, t.w, t.kl)), ent, (w * w).sum(), lag0.sum(), (gap * lag0).sum()])
+            state.sums[len(SUMS):len(SUMS) + NUM_BINS] += log_w_counts(w)
+            state.sums[len(SUMS) + NUM_BINS:] += bin_counts(gap, MISMATCH_EDGES, lag0)
             for seq, lp in zip(mb.seqs, logp.detach().split(mb.completion_lens)):
                 state.logprobs[seq] = lp
         return loss
@@ -336,9 +353,14 @@ class Trainer:
         p.main_grad.copy_(full[g.tp_rank * rows:(g.tp_rank + 1) * rows])
 
     def _metrics(self, sums, trajs, seqs, dropped, plans, norms, lr, nonfinite) -> dict:
-        s, w_counts = dict(zip(SUMS, sums[:len(SUMS)].tolist())), sums[len(SUMS):]
+        s, w_counts = dict(zip(SUMS, sums[:len(SUMS)].tolist())), sums[len(SUMS):len(SUMS) + NUM_BINS]
         n = max(s["tokens"], 1.0)
         return {
+            # rollout vs trainer numerics: |behaviour - proximal| log-prob over tokens the step's starting
+            # weights generated (lag 0), where the two policies are the same weights (~0 on CPU)
+            "logprob_mismatch_mean": s["lag0_mismatch"] / s["lag0"] if s["lag0"] else None,
+            "logprob_mismatch_p99": mismatch_quantile(sums[len(SUMS) + NUM_BINS:], 0.99),
+            "logprob_mismatch_tokens": int(s["lag0"]),
             # the staleness of what was trained, per token: lag behind the weights before this step
             "token_staleness_hist": token_staleness_histogram([trajs[i] for i in seqs], self.version - 1),
             "w_std": w_std(s["tokens"], s["w"], s["w2"]), "w_p05": w_quantile(w_counts, 0.05),
