@@ -1,6 +1,6 @@
 """torchrun entry point: every rank reads the plan, takes its role and runs that role's loop.
 
-    torchrun --nnodes N --nproc_per_node G -m hexrl.main plan.json [--run-dir DIR] [--resume DIR]
+    torchrun --nnodes N --nproc_per_node G [--max-restarts K] -m hexrl.main plan.json [--run-dir DIR] [--resume DIR]
 
 The plan is checked against the torchrun world before any collective. After the default
 group exists (its store carries failures to every node), each rank checks that torchrun put
@@ -36,6 +36,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 # On a shared GPU the weights go by CUDA IPC; HEXRL_COLOCATED_SYNC=gloo broadcasts them over the
 # gloo group instead (through host memory), to compare the two
 COLOCATED_SYNC_ENV = "HEXRL_COLOCATED_SYNC"  # long steps are fine; dead peers are the watchdog's job
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: this attempt's number of restarts
 
 
 @dataclass
@@ -92,7 +93,8 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("plan", help="plan.json written by `python -m hexrl.plan`")
     p.add_argument("--run-dir", default=None, help="metrics, checkpoints, final model (default: the job's out_dir)")
-    p.add_argument("--resume", default=None, help="a checkpoint directory (or its parent) to continue from")
+    p.add_argument("--resume", default=None, help="a checkpoint directory (or its parent) to continue from; "
+                   "under torchrun --max-restarts K a restarted attempt resumes from RUN_DIR/checkpoints itself")
     p.add_argument("--steps", type=int, default=None, help="override rl.steps")
     p.add_argument("--node-name", default=None, help="this launcher's plan node (name or address in cluster.nodes); "
                    "checked against torchrun's node rank (default: the plan node's address must be this machine's)")
@@ -134,11 +136,57 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     return plan, inputs
 
 
+def restart_count() -> int:
+    """How many times torchrun has restarted this job's workers (`--max-restarts K`; 0: first attempt)."""
+    return int(os.environ.get(RESTART_ENV) or 0)
+
+
+def restart_resume(args, rank: int) -> str | None:
+    """What a restarted attempt continues from: the run directory's newest complete checkpoint, so
+    metrics, trajectory accounting and the staleness gate go on as after a manual --resume. With no
+    checkpoint yet, the --resume it was given, else a fresh start (the failed attempt's metrics.jsonl
+    and eval.jsonl set aside as *.attemptN.jsonl by rank 0). Says so on rank 0."""
+    attempt = restart_count()
+    if attempt == 0:
+        return args.resume
+    run_dir = Path(args.run_dir) if args.run_dir else None
+    if run_dir is None:
+        try:
+            run_dir = Path(load_plan(args.plan).job.out_dir)
+        except (ConfigError, FileNotFoundError, ValueError):
+            return args.resume  # the checks that follow refuse it, naming why
+    root = run_dir / "checkpoints"
+    if (root / "latest").is_file():
+        from hexrl.train.checkpoint import resolve_complete
+
+        step, _ = resolve_complete(root)
+        if rank == 0:
+            print(f"hexrl.main: torchrun restart {attempt}: resuming from {root} (its newest complete "
+                  f"checkpoint, {step.name})", file=sys.stderr, flush=True)
+        return str(root)
+    if rank == 0 and args.resume is None:
+        for name in ("metrics.jsonl", "eval.jsonl"):
+            if (run_dir / name).exists():
+                os.replace(run_dir / name, run_dir / name.replace(".jsonl", f".attempt{attempt - 1}.jsonl"))
+    if rank == 0:
+        print(f"hexrl.main: torchrun restart {attempt}: no checkpoint in {root} yet; starting "
+              + (f"again from --resume {args.resume}" if args.resume else "afresh"), file=sys.stderr, flush=True)
+    return args.resume
+
+
 def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
-    """Refuse to start a fresh run on top of an old one (metrics would interleave); exits 2."""
-    if resume is None and (run_dir / "metrics.jsonl").exists():
+    """Refuse to start a fresh run on top of an old one (metrics would interleave); exits 2.
+    A restarted attempt continues its own run (`restart_resume`): nothing to refuse."""
+    if resume is None and restart_count() == 0 and (run_dir / "metrics.jsonl").exists():
         refuse(rank, f"{run_dir} already holds a run (metrics.jsonl); continue it with "
                      f"--resume {run_dir / 'checkpoints'}, or pass another --run-dir")
+
+
+def attempt_store(rank: int, world: int) -> dist.Store:
+    """torchrun's store (env://), under a prefix of this attempt's own: a restarted attempt reuses the
+    agent's store, where the failed attempt's keys (gloo's addresses, the watchdog's failure) remain."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
+    return dist.PrefixStore(f"hexrl/attempt{restart_count()}", store)
 
 
 def init_distributed(rank: int, world: int, plan: Plan) -> torch.device:
@@ -152,10 +200,12 @@ def init_distributed(rank: int, world: int, plan: Plan) -> torch.device:
         # NCCL for CUDA tensors (every collective of the run); gloo only for the teardown barrier,
         # and for all of a world whose ranks share a GPU (rule 5 of dist_rules)
         backend = dist_rules.group_backend(devices) or "cpu:gloo,cuda:nccl"
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group(backend, store=attempt_store(rank, world), rank=rank, world_size=world,
+                                timeout=COLLECTIVE_TIMEOUT)
         device = torch.device("cuda", index)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=COLLECTIVE_TIMEOUT)
+        dist.init_process_group("gloo", store=attempt_store(rank, world), rank=rank, world_size=world,
+                                timeout=COLLECTIVE_TIMEOUT)
         device = torch.device("cpu")
     dist_rules.maybe_install(device)
     return device
@@ -204,6 +254,7 @@ def is_peer_loss(e: BaseException) -> bool:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
+    args.resume = restart_resume(args, rank)
     plan, inputs = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
     set_run_umask(plan.job.share_run_dir)  # before this rank writes anything
     pinning = affinity.pin(plan.job.cpu_affinity, local_rank)  # before any thread or child process starts

@@ -45,10 +45,10 @@ def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, tr
     return tmp / "plan.json"
 
 
-def torchrun(plan: Path, run_dir: Path, *args: str, nproc: int = 3) -> subprocess.Popen:
-    """Start `torchrun --standalone -m hexrl.main` in its own process group."""
+def torchrun(plan: Path, run_dir: Path, *args: str, nproc: int = 3, restarts: int = 0) -> subprocess.Popen:
+    """Start `torchrun --standalone [--max-restarts restarts] -m hexrl.main` in its own process group."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "hexrl.main", str(plan), "--run-dir", str(run_dir), *args]
+           f"--max-restarts={restarts}", "-m", "hexrl.main", str(plan), "--run-dir", str(run_dir), *args]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)

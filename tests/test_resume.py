@@ -5,8 +5,13 @@ run ahead and no group goes stale), steps continue with no gap or repeat, and th
 counters in metrics.jsonl continue instead of restarting from zero.
 """
 import json
+import os
+import re
+import signal
+import threading
+import time
 
-from runtime_utils import metrics, torchrun, write_job
+from runtime_utils import metrics, torchrun, wait_for, worker_pids, write_job
 
 B, N, ETA, STEPS, STOP = 2, 2, 1, 8, 4
 
@@ -18,8 +23,8 @@ def run(plan, run_dir, *args):
     return metrics(run_dir)
 
 
-def check_run(rows):
-    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no gap, no repeat
+def check_run(rows, steps=STEPS):
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no gap, no repeat
     for r in rows:
         assert r["max_staleness"] <= ETA and r["too_stale"] == 0, r
         assert r["dropped_reasons"].get("stale", 0) == 0, r
@@ -53,3 +58,41 @@ def test_stop_then_resume_drops_nothing_an_uninterrupted_run_keeps(tmp_path):
         saved = json.loads((run_dir / "checkpoints" / f"step{STEPS:08d}" / "extra.json").read_text())["controller"]
         assert saved["gate"]["accepted"] == STEPS * B
         assert len(saved["redo"]) <= (ETA + 1) * B, saved["redo"]
+
+
+
+RESTART = re.compile(r"hexrl.main: torchrun restart \d+: resuming from .*checkpoint, step(\d+)\)\n")
+
+
+def attempts(text: str) -> tuple[list[list[int]], list[int]]:
+    """(steps each attempt printed on the console, the checkpoint step each restart resumed from)."""
+    parts = RESTART.split(text)
+    return [[int(s) for s in re.findall(r"^step (\d+) v", p, re.M)] for p in parts[::2]], [int(s) for s in parts[1::2]]
+
+
+def test_killed_ranks_restart_the_job_from_its_newest_checkpoint(tmp_path):
+    """torchrun --max-restarts 2: SIGKILL the rollout rank, then (in the restarted attempt) trainer rank 0,
+    which hosts the controller. Each restart resumes from RUN_DIR/checkpoints by itself, redoes at most
+    checkpoint_every steps, and the run ends as an uninterrupted one: no step twice, counters continuing."""
+    steps, every = 6, 2
+    plan = write_job(tmp_path, steps=steps, eta=ETA, checkpoint_every=every)
+    run_dir = tmp_path / "run"
+    proc = torchrun(plan, run_dir, restarts=2)
+    out: list[str] = []
+    threading.Thread(target=lambda: [out.append(line) for line in proc.stdout], daemon=True).start()
+
+    def printed(attempt: int, n: int) -> bool:  # attempt `attempt` has printed n steps
+        logged = attempts("".join(out))[0]
+        return len(logged) > attempt and len(logged[attempt]) >= n
+
+    for attempt, (victim, n) in enumerate([(2, 3), (0, 2)]):  # rollout after 3 steps, trainer after 2 more
+        assert wait_for(lambda: printed(attempt, n), 240, proc), "".join(out)[-4000:]  # noqa: B023 - called at once
+        os.kill(worker_pids(proc)[victim], signal.SIGKILL)
+    assert proc.wait(timeout=300) == 0, "".join(out)[-4000:]
+    time.sleep(0.5)  # the reader thread's last lines
+    logged, resumed = attempts("".join(out))
+    assert len(resumed) == 2, "".join(out)[-4000:]
+    for before, start in zip(logged, resumed):
+        assert max(before) + 1 - start <= every  # redone: the steps logged since the checkpoint + the one cut short
+    assert logged[-1] == list(range(resumed[-1] + 1, steps + 1))
+    check_run(metrics(run_dir), steps)  # no step twice, counters continue, trajectories balance, gate held

@@ -70,6 +70,15 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+def truncate_after(path: Path, step: int) -> None:
+    """Keep only the records of `path` (a JSONL of {"step": ...}) up to `step`: on resume from that
+    checkpoint, the steps after it are redone and must not be listed twice."""
+    keep = [r for r in read_metrics(path) if r.get("step", -1) <= step]
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
+    os.replace(tmp, path)
+
+
 class MetricsWriter:
     """`log(record)` once per training step; `close()` at the end."""
 
@@ -86,10 +95,7 @@ class MetricsWriter:
 
     def _truncate_after(self, step: int) -> None:
         """On resume from checkpoint `step`, forget records of steps that will be redone."""
-        keep = [r for r in read_metrics(self.path) if r.get("step", -1) <= step]
-        tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
-        os.replace(tmp, self.path)
+        truncate_after(self.path, step)
 
     def _open_tensorboard(self):
         try:

@@ -19,7 +19,7 @@ from hexrl.comm.store import broadcast_bytes, publish_endpoint
 from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
-from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram
+from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
 from hexrl.data.heldout import greedy_accuracy
 from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
 from hexrl.model.checkpoint import load_pretrained
@@ -165,6 +165,8 @@ def run_trainer(ctx: RankContext, grid) -> None:
             # queued before the thread starts, so replicas load the weights before any prompt
             controller.publish_version(trainer.version)
         metrics = MetricsWriter(ctx.run_dir, resume_step=start_step if ctx.resume is not None else None)
+        if ctx.resume is not None and (ctx.run_dir / "eval.jsonl").exists():  # evaluations after it are redone
+            truncate_after(ctx.run_dir / "eval.jsonl", start_step)
     evaluator = HeldoutEval(ctx, heldout, tokenizer, job.rl.eval_every, job.rl.steps, job.rl.max_new_tokens)
     probe = None
     if is_controller and job.rl.policy_kl_probe:  # the policy as it starts: the first step's KL is from it
