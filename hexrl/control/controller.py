@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from hexrl.comm.channel import RouterChannel
 from hexrl.comm.wire import message, msg_to_trajectory
 from hexrl.control.admission import Dispatched, trajectory_problem
+from hexrl.control.auto_eta import AutoEta
 from hexrl.control.buffer import Group, ReplayBuffer
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
@@ -46,7 +47,9 @@ class Controller:
         self.vocab_size = vocab_size  # token ids at or above it are refused (the trainer has no row for them)
         self.replicas = {r.id: r for r in replicas}
         self.by_name = {r.name: r.id for r in replicas}
-        self.gate = StalenessGate(rl.batch_size, rl.eta, rl.max_concurrent_rollouts)
+        self.auto = AutoEta(rl.eta_max, rl.eta_w_std_target) if rl.eta == "auto" else None  # rl.eta "auto"
+        self.gate = StalenessGate(rl.batch_size, self.auto.eta if self.auto else rl.eta, rl.max_concurrent_rollouts,
+                                  max_lag=rl.eta_max if self.auto else None)
         self.buffer = ReplayBuffer(self.gate, rl.filter_equal_groups)
         self.dispatcher = Dispatcher({r.id: r.share for r in replicas})
         self.heartbeats = Heartbeats(heartbeat_timeout_s)
@@ -106,6 +109,16 @@ class Controller:
             self.version = version
         self.outbox.put(message("weights", version=version))
 
+    def choose_eta(self, wait_s: float, busy_s: float, w_std: float | None, lag_hist: dict) -> int | None:
+        """After a trainer step, before its version is published: with rl.eta "auto", the bound for the
+        next version from the step's signals (hexrl/control/auto_eta.py); the bound in force either way."""
+        if self.auto is None:
+            return self.gate.eta
+        eta = self.auto.update(wait_s, busy_s, w_std, lag_hist)
+        with self.lock:
+            self.gate.eta = eta
+        return eta
+
     def stop(self, reason: str = "done") -> None:
         self.outbox.put(message("stop", reason=reason))
         deadline = time.monotonic() + 5
@@ -131,7 +144,8 @@ class Controller:
                     "gate": {"accepted": self.gate.accepted - len(ready), "released": dict(self.gate.released),
                              "too_stale": self.gate.too_stale},
                     "counters": {**self.buffer.counters(), "completion_tokens": self.completion_tokens,
-                                 "rejected": dict(self._rejected())}}
+                                 "rejected": dict(self._rejected())},
+                    **({"auto_eta": self.auto.state()} if self.auto else {})}
 
     def load_state(self, state: dict) -> None:
         """Continue from `state()` of a checkpoint (older checkpoints lack "gate"/"counters")."""
@@ -143,6 +157,9 @@ class Controller:
         self.gate.accepted = gate["accepted"]
         self.gate.released.update(gate.get("released", {}))
         self.gate.too_stale = gate.get("too_stale", 0)
+        if self.auto and "auto_eta" in state:  # the bound it had chosen, not a fresh start at 1
+            self.auto.load_state(state["auto_eta"])
+            self.gate.eta = self.auto.eta
         counters = state.get("counters", {})
         self.buffer.load_counters(counters)
         self.completion_tokens = counters.get("completion_tokens", 0)

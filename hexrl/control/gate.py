@@ -7,7 +7,9 @@ went into the replay buffer (ever, trained or not). A group that ends without be
 (filtered, lost, stale) gives its slot back. eta = 0 is synchronous RL: exactly B groups per
 version. eta = None means no bound on staleness; `max_concurrent_rollouts` (the job's rl field)
 still bounds how many groups generate at once (without it, eta = None would hand the whole dataset
-to the rollout at once).
+to the rollout at once). With rl.eta = "auto" (hexrl/control/auto_eta.py) the controller moves
+`eta` between steps and `max_lag` (rl.eta_max) stays the lag past which consumed data is dropped,
+so lowering eta does not throw away groups already generated within the user's bound.
 """
 from __future__ import annotations
 
@@ -26,7 +28,8 @@ class StalenessGate:
     running: int = 0
     accepted: int = 0
     released: Counter = field(default_factory=Counter)  # reason -> groups that gave their slot back
-    too_stale: int = 0  # consumed groups found more than eta versions behind the trainer
+    too_stale: int = 0  # consumed groups found more than eta (max_lag if set) versions behind the trainer
+    max_lag: int | None = None  # drop consumed data past this lag; None = eta
 
     def __post_init__(self):
         if not isinstance(self.batch_size, int) or self.batch_size < 1:
@@ -36,6 +39,8 @@ class StalenessGate:
         limit = self.max_concurrent_rollouts
         if limit is not None and (not isinstance(limit, int) or limit < 1):
             raise ValueError(f"max_concurrent_rollouts must be a positive int or None, got {limit!r}")
+        if self.max_lag is not None and (not isinstance(self.max_lag, int) or self.max_lag < 0):
+            raise ValueError(f"max_lag must be a non-negative int or None, got {self.max_lag!r}")
 
     def capacity(self, version: int) -> float:
         """How many more groups may be handed out at trainer `version` (math.inf if unbounded)."""
@@ -66,8 +71,9 @@ class StalenessGate:
         self.released[reason] += n
 
     def is_too_stale(self, oldest_version: int, trainer_version: int) -> bool:
-        """True (and counted) if data from `oldest_version` is more than eta versions old."""
-        stale = self.eta is not None and trainer_version - oldest_version > self.eta
+        """True (and counted) if data from `oldest_version` is more than eta (max_lag) versions old."""
+        bound = self.eta if self.max_lag is None else self.max_lag
+        stale = bound is not None and trainer_version - oldest_version > bound
         self.too_stale += stale
         return stale
 

@@ -81,7 +81,7 @@ def workload_of(job: Job) -> Workload:
                                                         max(MIN_MICRO_TOKENS, wl.prompt_len + rl.max_new_tokens)),
         ctx_decode=wl.prompt_len + second / (2 * mean),
         ctx_attn=seq_second / (2 * seq_mean),
-        tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta, minibatches=rl.ppo_minibatches,
+        tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta_bound, minibatches=rl.ppo_minibatches,
         extra_fwd=int(rl.decoupled) + int(rl.kl_coef > 0), reward_s=reward_s,
     )
 

@@ -16,7 +16,9 @@ replica stops at its next step boundary, joins the broadcast (C_sync), recompute
 its running sequences, and decodes on. The controller thread handles arriving groups one after
 another, `control_s_per_sample` per trajectory (so a burst of finished groups reaches the buffer,
 and their replacements reach the replicas, spread out), on trainer rank 0's core: what it handles
-while the trainer trains makes the training step that much longer.
+while the trainer trains makes the training step that much longer. With rl.eta "auto" the
+runtime's own AutoEta (hexrl/control/auto_eta.py) chooses the bound after every step from the
+trainer's wait and a w_std that the simulation assumes grows by `w_spread` per version of lag.
 """
 
 import heapq
@@ -26,6 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from hexrl.control.auto_eta import AutoEta
 from hexrl.control.buffer import ReplayBuffer
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
@@ -87,17 +90,25 @@ class SimResult:
     dropped_stale: int  # trajectories the buffer dropped as more than eta versions old
     predicted_step_s: float
     mean_batch: float  # sequences per decode step, over the run (the engine's RUN_DIR/engine figure)
+    eta_by_step: list = field(default_factory=list)  # the bound in force after each step (rl.eta "auto" moves it)
     gantt: list = field(default_factory=list)  # (lane, kind, t0, t1) of the first steps
 
 
 class Simulation:
-    def __init__(self, plan: Plan, seed: int = 0, use_profiles: bool = True):
+    def __init__(self, plan: Plan, seed: int = 0, use_profiles: bool = True, w_spread: float = 0.04):
         self.plan, self.job = plan, plan.job
         self.cm = cm = CostModel(plan.job, use_profiles)
         self.cand = plan_candidate(cm, plan)
         self.rng = np.random.default_rng(seed)
         rl = self.job.rl
-        self.B, self.G, self.eta = rl.batch_size, rl.group_size, rl.eta
+        self.B, self.G, self.eta = rl.batch_size, rl.group_size, rl.eta_bound
+        # rl.eta "auto": w_spread = the importance weights' std per version of lag it assumes (0.04: the
+        # study's lr 1e-4 -> 2.5e-5, eta=4's 0.168 at lag 3.95, docs/staleness.md)
+        self.auto = AutoEta(rl.eta_max, rl.eta_w_std_target) if rl.eta == "auto" else None
+        self.w_spread = w_spread
+        self.free_since = 0.0  # when the trainer last became free to train (its wait starts)
+        self.signal: tuple = ()  # the step in flight's (wait s, wait + training s, lag histogram)
+        self.eta_by_step: list = []
         self.prompt = cm.w.prompt_len
         self.reward_s = cm.group_reward_s()
         self.replicas = {}
@@ -107,7 +118,8 @@ class Simulation:
         self.control_s = cm.gpus[controller.gpu_type].control_s_per_sample
         self.control_debt = 0.0  # controller seconds taken from the training step in flight
         self.control_free = 0.0  # when the controller thread is done with the groups that arrived so far
-        self.gate = StalenessGate(self.B, self.eta, rl.max_concurrent_rollouts)
+        self.gate = StalenessGate(self.B, self.auto.eta if self.auto else self.eta, rl.max_concurrent_rollouts,
+                                  max_lag=self.eta if self.auto else None)
         self.equal_fraction = self.job.workload.equal_reward_fraction
         self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=self.equal_fraction > 0)
         self.equal: set[int] = set()  # groups whose rewards come out all equal (filtered)
@@ -269,14 +281,16 @@ class Simulation:
         if batch is None:
             self.dispatch(t)  # dropped groups gave their slots back
             return
-        tokens = 0
+        tokens, lags = 0, {}
         for g in batch:
             tokens += self.group_tokens.pop(g.group_id)
             for traj in g.trajectories:
                 s = self.trained - traj.oldest_version
                 self.staleness[s] = self.staleness.get(s, 0) + 1
+                lags[s] = lags.get(s, 0) + 1
                 self.violations += self.eta is not None and s > self.eta
         dur = self.cand.C_T * self.cand.stretch * tokens / self.cm.w.tokens
+        self.signal = (t - self.free_since, t - self.free_since + dur, lags)
         self.training = True
         self.train_time += dur
         self.step_tokens.append(tokens)
@@ -293,6 +307,11 @@ class Simulation:
         self.training = False
         self.trained += 1
         self.step_ends.append(t)
+        if self.auto:  # as the runtime does before it publishes the version (Controller.choose_eta)
+            wait, busy, lags = self.signal
+            rms = (sum(k * k * n for k, n in lags.items()) / max(1, sum(lags.values()))) ** 0.5
+            self.gate.eta = self.auto.update(wait, busy, self.w_spread * rms, lags)
+        self.eta_by_step.append(self.gate.eta)
         self.syncing = True
         start = t
         for r in self.replicas.values():
@@ -308,6 +327,7 @@ class Simulation:
 
     def on_synced(self, t: float):
         self.syncing = False
+        self.free_since = t
         self.live = self.trained
         for r in self.replicas.values():  # paused until its recompute is done
             resume = t
@@ -367,10 +387,11 @@ class Simulation:
             predicted_step_s=self.cand.step_s, gantt=self.gantt,
             mean_batch=(sum(r.seq_steps for r in self.replicas.values())
                         / max(1, sum(r.steps for r in self.replicas.values()))),
+            eta_by_step=self.eta_by_step,
         )
 
 
 def simulate(plan: Plan, steps: int = 12, warmup: int = 2, seed: int = 0, gantt_steps: int = 3,
-             use_profiles: bool = True) -> SimResult:
-    """Run the plan for `steps` RL steps; measure after `warmup` steps."""
-    return Simulation(plan, seed, use_profiles).run(steps, warmup, gantt_steps)
+             use_profiles: bool = True, w_spread: float = 0.04) -> SimResult:
+    """Run the plan for `steps` RL steps; measure after `warmup` steps (w_spread: see Simulation)."""
+    return Simulation(plan, seed, use_profiles, w_spread).run(steps, warmup, gantt_steps)

@@ -208,7 +208,9 @@ PROXIMAL = ("step", "minibatch")  # rl.proximal; hexrl/train/trainer.py checks T
 class RLSpec:
     batch_size: int = 8  # prompts (groups) per training step
     group_size: int = 4  # samples per prompt
-    eta: int | None = 4  # staleness bound; None = unbounded; 0 = synchronous
+    eta: int | str | None = 4  # staleness bound; None = unbounded; 0 = synchronous; "auto": chosen per step
+    eta_max: int = 4  # eta "auto": the largest bound it may choose (hexrl/control/auto_eta.py)
+    eta_w_std_target: float = 0.1  # eta "auto": the importance weights' std the stale tokens may reach
     # prompt groups generating at once (was `max_running`); _read_rl fills (eta+1)·B, or 8·B if eta is None
     max_concurrent_rollouts: int | None = None
     # Optimizer steps per training step. The decoupled objective's clip is relative to the proximal
@@ -239,6 +241,11 @@ class RLSpec:
     # KL(pi_v || pi_v+1) after each step on this many held-out problems (hexrl/train/probe.py); 0 = off
     policy_kl_probe: int = 0
 
+    @property
+    def eta_bound(self) -> int | None:
+        """The most lag the run may admit: eta, or eta_max when eta is "auto" (what the planner sizes for)."""
+        return self.eta_max if self.eta == "auto" else self.eta
+
     def to_dict(self) -> dict:
         return dict(self.__dict__)
 
@@ -253,8 +260,16 @@ def _read_rl(r: Reader, d) -> RLSpec:
     x, w = RLSpec(), "rl"
     x.batch_size = r.num(d, "batch_size", w, x.batch_size, integer=True, lo=1)
     x.group_size = r.num(d, "group_size", w, x.group_size, integer=True, lo=1)
-    x.eta = r.num(d, "eta", w, x.eta, integer=True, lo=0, none_ok=True)
-    default_running = (x.eta + 1 if x.eta is not None else 8) * x.batch_size  # eta bounded: never binds
+    x.eta_max = r.num(d, "eta_max", w, x.eta_max, integer=True, lo=1)
+    x.eta_w_std_target = float(r.num(d, "eta_w_std_target", w, x.eta_w_std_target, lo=0, lo_open=True))
+    if d.get("eta") == "auto":
+        x.eta = "auto"
+    elif isinstance(d.get("eta"), str):
+        r.bad("rl.eta", f"must be an integer >= 0, null or \"auto\", got {d['eta']!r}")
+    else:
+        x.eta = r.num(d, "eta", w, x.eta, integer=True, lo=0, none_ok=True)
+    bound = x.eta_bound
+    default_running = (bound + 1 if bound is not None else 8) * x.batch_size  # eta bounded: never binds
     x.max_concurrent_rollouts = r.num(d, "max_concurrent_rollouts", w, default_running, integer=True, lo=1)
     x.ppo_minibatches = r.num(d, "ppo_minibatches", w, min(x.ppo_minibatches, x.batch_size), integer=True, lo=1)
     x.lr = float(r.num(d, "lr", w, x.lr, lo=0, lo_open=True))

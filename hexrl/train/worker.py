@@ -214,6 +214,8 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
     policy_kl = probe.measure(trainer) if probe else None
     evaluator.seconds += time.perf_counter() - t_probe
     accuracy = evaluator.maybe(trainer, step + 1)
+    eta = (controller.choose_eta(t_batch - t0, t_train - t0, out["w_std"], out["token_staleness_hist"])
+           if controller else None)
     sync_s = 0.0
     if not last:
         if controller:
@@ -246,7 +248,7 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             "w_p95": out["w_p95"], "tokens_trained": out["tokens"], "token_staleness_hist": out["token_staleness_hist"],
             "logprob_mismatch_mean": out["logprob_mismatch_mean"], "logprob_mismatch_p99": out["logprob_mismatch_p99"],
             "logprob_mismatch_tokens": out["logprob_mismatch_tokens"],
-            "policy_kl": policy_kl,
+            "policy_kl": policy_kl, "eta": eta,
             "equal_reward_share": equal_reward_share(before, c),
             "grad_norm": out["grad_norm"], "kl": out["kl"], "entropy": out["entropy"],
             "problem_ids": sorted({t.problem_id for t in batch}, key=str),

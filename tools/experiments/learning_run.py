@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools" / "experiments"))
 from plot_run import plot  # noqa: E402
 
-ETAS = {"0": 0, "1": 1, "2": 2, "4": 4, "8": 8, "inf": None}
+ETAS = {"0": 0, "1": 1, "2": 2, "4": 4, "8": 8, "inf": None, "auto": "auto"}  # "auto": hexrl/control/auto_eta.py
 
 
 # --smoke: a short warm start (its accuracy is beside the point) on a small held-out set
