@@ -124,7 +124,7 @@ def run_stats(run: Path, seed: int = 0) -> dict:
                                                "grad_norm")}}
     out["windows"] = [{"steps": [a, a + WINDOW],
                        **{k: mean_of(metrics[a:a + WINDOW], k) for k in ("policy_kl", "w_std", "equal_reward_share",
-                                                                          "clip_frac")},
+                                                                          "clip_frac", "eta")},
                        "mean_lag": (lambda h: sum(k * n for k, n in h.items()) / max(1, sum(h.values())))(
                            token_lags(metrics[a:a + WINDOW]))}
                       for a in range(0, len(metrics) - WINDOW + 1, WINDOW)]
@@ -147,7 +147,7 @@ def aggregate(name: str, stats: list[dict]) -> dict:
     n = min(len(s["windows"]) for s in stats)
     row["windows"] = [{"steps": stats[0]["windows"][i]["steps"],
                        **{k: spread(s["windows"][i][k] for s in stats)
-                          for k in ("policy_kl", "w_std", "equal_reward_share", "clip_frac", "mean_lag")}}
+                          for k in ("policy_kl", "w_std", "equal_reward_share", "clip_frac", "mean_lag", "eta")}}
                       for i in range(n)]
     return row
 
@@ -218,11 +218,13 @@ def tables(rows: list[dict]) -> str:
     spans = [w["steps"] for w in rows[0]["windows"]]
     if spans:
         lines += ["", f"Per {WINDOW}-step window, mean over steps and seeds: policy KL / step, mean token lag, "
-                  "share of groups filtered for equal rewards:", "",
+                  "share of groups filtered for equal rewards, w std, and the bound in force (the eta metric; "
+                  "rl.eta auto moves it):", "",
                   "| config | " + " | ".join(f"steps {a}-{b}" for a, b in spans) + " |", "|---|" + "---|" * len(spans)]
         for r in rows:
             cells = [f"{fmt(w['policy_kl'], '.1e')}, lag {fmt(w['mean_lag'], '.2f')}, "
-                     f"f {fmt(w['equal_reward_share'], '.2f')}" for w in r["windows"]]
+                     f"f {fmt(w['equal_reward_share'], '.2f')}, w std {fmt(w['w_std'], '.3f')}"
+                     + (f", eta {fmt(w['eta'], '.2f')}" if w.get("eta") else "") for w in r["windows"]]
             lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
     steps = sorted(set.intersection(*(set(r["acc_by_step"]) for r in rows)))
     if len(steps) > 17:  # frequent evaluations: every k-th, and the last (all of them are in staleness.json)
@@ -428,7 +430,9 @@ def main(argv=None) -> None:
     p.add_argument("--shared-cores", action="store_true", help="learning_run's old unpinned layout")
     p.add_argument("--smoke", action="store_true", help="8 steps, batch 16, one seed: checks the pipeline only")
     p.add_argument("--report", action="store_true", help="tables from the finished runs only; start none")
-    p.add_argument("--docs", type=Path, help="copy staleness.md / .png here as staleness-study.md / .png")
+    p.add_argument("--docs", type=Path, help="copy staleness.md / .png here as staleness-study.md / .png "
+                   "(--docs-name) and paired.md as staleness-paired.md")
+    p.add_argument("--docs-name", default="staleness-study", help="the tables' name under --docs")
     p.add_argument("--causes", action="store_true",
                    help="every candidate cause in CAUSES against eta=0, each in OUT/<cause>, and OUT/causes.md")
     p.add_argument("--background", action="store_true",
@@ -498,7 +502,7 @@ def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict
     text = head + "\n\n" + tables(rows) + ("\n\nThe issue's targets:\n\n" + "\n".join(goals) if goals else "")
     print(text)
     write_report(a.out, "staleness", text, {"rows": rows, "runs": stats}, plot(rows, runs, a.out), a.docs,
-                 "staleness-study")
+                 a.docs_name)
     pair_text, pair_data = paired_report(stats, runs)
     if pair_text:
         print(pair_text)
