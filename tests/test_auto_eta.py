@@ -140,3 +140,12 @@ def test_the_simulator_runs_the_same_rule():
     assert all(b - a in (0, 1) for a, b in zip(etas[0.01], etas[0.01][1:]))
     assert max(etas[0.04]) == 2  # floor(0.1 / 0.04)
     assert set(etas[0.2][2:]) == {1}  # after the first stale batch is measured
+
+
+def test_plan_simulate_prints_the_bound_auto_chose(tmp_path, capsys):
+    from hexrl.plan.__main__ import main
+
+    job = hetero_job("auto")
+    plan_job(load_job(job), use_profiles=False).save(tmp_path / "plan.json")
+    assert main(["simulate", str(tmp_path / "plan.json"), "--steps", "5", "--w-spread", "0.2"]) == 0
+    assert "eta auto  : [2, 1, 1, 1, 1] after each step (w std 0.1 allowed)" in capsys.readouterr().out

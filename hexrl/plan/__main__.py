@@ -87,6 +87,8 @@ def report(res, plan) -> str:
         f"idle      : trainer GPUs {res.idle['train']:.0%}, rollout GPUs {res.idle['rollout']:.0%}",
         f"staleness : {{{stale}}} trajectories by versions behind; over eta: {res.violations}; "
         f"dropped as stale: {res.dropped_stale}",
+        *([f"eta auto  : {res.eta_by_step} after each step (w std {plan.job.rl.eta_w_std_target:g} allowed)"]
+          if plan.job.rl.eta == "auto" else []),
     ])
 
 
@@ -99,6 +101,8 @@ def simulate_main(argv) -> int:
     ap.add_argument("--gantt", metavar="PNG", help="Gantt chart of the first steps (needs matplotlib)")
     ap.add_argument("--gantt-steps", type=int, default=3)
     ap.add_argument("--json", metavar="PATH", help="write the metrics as JSON")
+    ap.add_argument("--w-spread", type=float, default=0.04,
+                    help='rl.eta "auto": the importance weights\' std per version of lag to assume (default 0.04)')
     args = ap.parse_args(argv)
     if args.steps <= args.warmup:
         print(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})", file=sys.stderr)
@@ -108,7 +112,7 @@ def simulate_main(argv) -> int:
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
-    res = simulate(plan, args.steps, args.warmup, args.seed, args.gantt_steps)
+    res = simulate(plan, args.steps, args.warmup, args.seed, args.gantt_steps, w_spread=args.w_spread)
     print(report(res, plan))
     if args.json:
         d = asdict(res)
