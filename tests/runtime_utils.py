@@ -15,12 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2,
               heldout: int = 0, runtime: dict | None = None, nodes: list[dict] | None = None,
-              layout: dict | None = None, colocate: dict | None = None, **rl) -> Path:
+              layout: dict | None = None, colocate: dict | None = None, env: dict | None = None, **rl) -> Path:
     """A tiny CPU job (2 trainer ranks + 1 rollout rank by default), planned into plan.json.
 
     runtime: the job's runtime overrides; nodes: cluster.nodes (default one node of `nproc`);
     layout: a fixed layout (default `train_gpus` data-parallel trainer ranks, the rest rollout);
-    colocate: the job's colocate section (then one GPU, no layout: both roles share it)."""
+    colocate: the job's colocate section (then one GPU, no layout: both roles share it);
+    env: the job's env section (multi-turn episodes)."""
     model = tmp / "model"
     if not model.exists():
         make_tiny_model(model, tokenizer="char")
@@ -34,6 +35,7 @@ def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, tr
         "cluster": {"nodes": nodes or [{"name": "local", "gpu_type": "cpu", "gpus": nproc}]},
         "layout": layout or {"train_gpus": train_gpus, "dp": train_gpus},
         **({"runtime": runtime} if runtime else {}),
+        **({"env": env} if env else {}),
     }
     if colocate is not None:
         job.update(colocate=colocate, cluster={"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 1}]})

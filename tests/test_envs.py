@@ -1,13 +1,12 @@
 """Environments: the safe calculator, the retry environment, the job's `env` section, and the
 worker pool that keeps a raising, hanging, dying or garbage-returning environment from
 stopping anything (each such call ends its episode with a named reason and reward 0)."""
-import os
-import time
 from fractions import Fraction
 
 import pytest
+from env_fixtures import Hostile
 
-from hexrl.envs import Calculator, Environment, Problem, Retry, Step, environment_class
+from hexrl.envs import Calculator, Problem, Retry, Step, environment_class
 from hexrl.envs.arith import ArithError, evaluate, format_number
 from hexrl.envs.pool import MAX_OBSERVATION_CHARS, EnvPool
 from hexrl.schema import ConfigError
@@ -57,33 +56,9 @@ def test_retry_says_wrong_and_discounts_later_answers():
 # ----------------------------------------------------------------------------- hostile environments
 
 
-class Hostile(Environment):
-    """Misbehaves as the turn says."""
-
-    def step(self, problem, turns):
-        t = turns[-1]
-        if t == "raise":
-            raise RuntimeError("boom")
-        if t == "hang":
-            time.sleep(60)
-        if t == "die":
-            os._exit(3)
-        if t == "huge":
-            return Step(observation="x" * (1 << 20))
-        if t == "bytes":
-            return Step(observation=b"\x00\xff")
-        if t == "none":
-            return None
-        if t == "nan":
-            return Step(done=True, reward=float("nan"))
-        if t == "exit":
-            raise SystemExit(1)
-        return Step(observation="=" + t)
-
-
 def test_a_hostile_environment_ends_only_its_episode_with_a_named_reason():
     p = Problem("q", "a")
-    with EnvPool(f"{__name__}:Hostile", {}, workers=2, timeout_s=2.0) as pool:
+    with EnvPool("env_fixtures:Hostile", {}, workers=2, timeout_s=2.0) as pool:
         tickets = {pool.submit([("step", p, [t])]): t
                    for t in ("raise", "hang", "die", "huge", "bytes", "none", "nan", "exit", "ok")}
         got = {}
@@ -102,7 +77,7 @@ def test_a_hostile_environment_ends_only_its_episode_with_a_named_reason():
 
 def test_environment_names_resolve_to_classes():
     assert environment_class("calculator") is Calculator
-    assert environment_class(f"{__name__}:Hostile") is Hostile
+    assert environment_class("env_fixtures:Hostile") is Hostile
     for bad, why in [("nope", "must be one of"), ("no.such.module:X", "cannot import"), ("os:path", "not a subclass")]:
         with pytest.raises(ValueError, match=why):
             environment_class(bad)

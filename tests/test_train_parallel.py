@@ -42,10 +42,12 @@ def make_batch(seed: int = 0, groups: int = 4, n: int = 4) -> list[Trajectory]:
 
 
 def seq_logprobs(model, t: Trajectory, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probs of the completion tokens the model sampled (an episode's observations are context)."""
     ids = torch.tensor(t.prompt_ids + t.completion_ids)
     logits = model(ids[None, :-1])[0] / temperature
     completion = torch.tensor(t.completion_ids)[:, None]
-    return torch.log_softmax(logits, -1)[len(t.prompt_ids) - 1:].gather(-1, completion)[:, 0]
+    lp = torch.log_softmax(logits, -1)[len(t.prompt_ids) - 1:].gather(-1, completion)[:, 0]
+    return lp if t.mask is None else lp[torch.tensor(t.mask, dtype=torch.bool)]
 
 
 def reference_step(path, trajs, cfg: TrainConfig):
@@ -73,7 +75,7 @@ def reference_step(path, trajs, cfg: TrainConfig):
             terms = ppo_terms(lp, prox[i], torch.tensor(t.logprobs), torch.full_like(lp, adv[i]), cfg.clip_low,
                               cfg.clip_high, cfg.behav_cap, cfg.decoupled, ref.get(i), cfg.kl_coef)
             total = total + terms.loss.sum()
-        loss = total / sum(len(trajs[i].completion_ids) for i in members)
+        loss = total / sum(trajs[i].num_generated for i in members)
         opt.zero_grad()
         loss.backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip).item())

@@ -30,7 +30,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "trajectory": {"group_id": "int", "prompt_ids": "list[int]", "completion_ids": "list[int]",
                    "logprobs": "list[float]", "versions": "list[int]", "reward": "float",
                    "finish_reason": "str", "problem_id": "?int|str|None", "meta": "?dict",
-                   "rank": "?int"},
+                   "rank": "?int", "mask": "?list[int]|None"},
     "heartbeat": {"rank": "int", "time": "float"},
     "stats": {"rank": "int", "time": "float", "values": "dict"},
     "weights": {"version": "int"},  # trainer published `version`: join the weight broadcast
@@ -153,9 +153,20 @@ def _semantic_problems(msg: dict) -> list[str]:
     if kind == "prompt" and msg["n"] < 1:
         return [f"n must be >= 1, got {msg['n']}"]
     if kind == "trajectory":
-        lens = {f: _length(msg[f]) for f in ("completion_ids", "logprobs", "versions")}
+        mask = msg.get("mask")
+        if mask is None:
+            lens = {f: _length(msg[f]) for f in ("completion_ids", "logprobs", "versions")}
+            if len(set(lens.values())) != 1:
+                return [f"completion_ids, logprobs and versions differ in length: {lens}"]
+            return []
+        if _length(mask) != _length(msg["completion_ids"]):
+            return [f"mask has {_length(mask)} values for {_length(msg['completion_ids'])} completion tokens"]
+        values = np.asarray(mask)
+        if len(values) and (values.min() < 0 or values.max() > 1):
+            return ["mask values must be 0 (environment) or 1 (model)"]
+        lens = {"mask == 1": int(values.sum()), **{f: _length(msg[f]) for f in ("logprobs", "versions")}}
         if len(set(lens.values())) != 1:
-            return [f"completion_ids, logprobs and versions differ in length: {lens}"]
+            return [f"generated tokens, logprobs and versions differ in length: {lens}"]
     return []
 
 
@@ -222,7 +233,7 @@ def trajectory_to_msg(traj: Trajectory, rank: int | None = None) -> dict:
     msg = message("trajectory", group_id=traj.group_id, prompt_ids=traj.prompt_ids,
                   completion_ids=traj.completion_ids, logprobs=traj.logprobs, versions=traj.versions,
                   reward=traj.reward, finish_reason=traj.finish_reason, problem_id=traj.problem_id,
-                  meta=traj.meta)
+                  meta=traj.meta, mask=traj.mask)
     if rank is not None:
         msg["rank"] = rank
     return msg
@@ -241,4 +252,5 @@ def msg_to_trajectory(msg: dict) -> Trajectory:
                       logprobs=list(map(float, _as_list(msg["logprobs"]))),
                       versions=_as_list(msg["versions"]), reward=float(msg["reward"]),
                       finish_reason=msg["finish_reason"], problem_id=msg.get("problem_id"),
-                      meta=dict(msg.get("meta") or {}))
+                      meta=dict(msg.get("meta") or {}),
+                      mask=None if msg.get("mask") is None else list(map(int, _as_list(msg["mask"]))))

@@ -3,7 +3,8 @@
 A message that passed the channel's schema and authentication can still be wrong (a buggy or
 subverted replica): a group handed to another replica, a prompt that is not the one sent,
 token ids the model has no embedding for (they would crash the trainer), NaN or infinite
-numbers (they would poison the loss), versions from the future. Such a trajectory is
+numbers (they would poison the loss), versions from the future, more tokens than the job
+allows (an episode: per turn and per observation, times env.max_turns). Such a trajectory is
 rejected and counted, never filed into the replay buffer.
 """
 from __future__ import annotations
@@ -23,6 +24,24 @@ class Dispatched:
     prompt_ids: list[int]
 
 
+@dataclass
+class TokenLimits:
+    """The most tokens a trajectory may carry: sampled ones, and all of its completion."""
+
+    generated: int
+    completion: int
+
+
+def token_limits(rl, env=None) -> TokenLimits:
+    """Single-turn: rl.max_new_tokens each. An episode (env: EnvSpec): max_turns turns of
+    max_new_tokens, and an observation of at most max_obs_tokens before each but the first turn
+    and after the start."""
+    if env is None:
+        return TokenLimits(rl.max_new_tokens, rl.max_new_tokens)
+    generated = env.max_turns * rl.max_new_tokens
+    return TokenLimits(generated, generated + env.max_turns * env.max_obs_tokens)
+
+
 def _ints_in(values, lo: int, hi: int) -> bool:
     """All of `values` (list or 1-D array of ints) within [lo, hi)."""
     if len(values) == 0:
@@ -36,7 +55,7 @@ def _finite(values) -> bool:
 
 
 def trajectory_problem(msg: dict, sent: Dispatched | None, replica: int, vocab_size: int,
-                       max_new_tokens: int, version: int) -> str | None:
+                       limits: TokenLimits, version: int) -> str | None:
     """Why the (schema-valid) trajectory `msg` from `replica` must be refused, as a short reason
     tag; None to accept it. `sent`: what the controller dispatched under its group id."""
     if sent is None or sent.replica != replica:
@@ -44,7 +63,9 @@ def trajectory_problem(msg: dict, sent: Dispatched | None, replica: int, vocab_s
     if list(msg["prompt_ids"]) != sent.prompt_ids or msg.get("problem_id") != sent.problem_id:
         return "wrong_prompt"
     completion = msg["completion_ids"]
-    if len(completion) > max_new_tokens or not _ints_in(completion, 0, vocab_size):
+    if len(completion) > limits.completion or not _ints_in(completion, 0, vocab_size):
+        return "bad_tokens"
+    if len(msg["logprobs"]) > limits.generated:  # the schema made it the number of sampled tokens
         return "bad_tokens"
     if not (math.isfinite(msg["reward"]) and _finite(msg["logprobs"])):
         return "not_finite"

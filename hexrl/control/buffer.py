@@ -75,7 +75,7 @@ class ReplayBuffer:
         if group is None:
             self.dropped[self.closed.get(traj.group_id, "unknown_group")] += 1
             return "dropped"
-        if not (len(traj.completion_ids) == len(traj.logprobs) == len(traj.versions)):
+        if traj.shape_problems():
             group.trajectories.append(traj)  # the group cannot complete: drop all of it
             self.abandon(traj.group_id, "malformed")
             return "dropped"

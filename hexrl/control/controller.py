@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from hexrl.comm.channel import RouterChannel
 from hexrl.comm.wire import message, msg_to_trajectory
-from hexrl.control.admission import Dispatched, trajectory_problem
+from hexrl.control.admission import Dispatched, token_limits, trajectory_problem
 from hexrl.control.auto_eta import AutoEta
 from hexrl.control.buffer import Group, ReplayBuffer
 from hexrl.control.dataset import DatasetCursor
@@ -42,8 +42,10 @@ class Controller:
     """Prompt dispatch, staleness gate, replay buffer and version bookkeeping (see module doc)."""
 
     def __init__(self, rl, cursor: DatasetCursor, encode_prompt, replicas: list[ReplicaInfo],
-                 router: RouterChannel, vocab_size: int, heartbeat_timeout_s: float = 60.0):
+                 router: RouterChannel, vocab_size: int, heartbeat_timeout_s: float = 60.0, env=None):
+        """`env` (the job's EnvSpec, or None): trajectories are episodes of that environment."""
         self.rl, self.cursor, self.encode_prompt, self.router = rl, cursor, encode_prompt, router
+        self.limits = token_limits(rl, env)
         self.vocab_size = vocab_size  # token ids at or above it are refused (the trainer has no row for them)
         self.replicas = {r.id: r for r in replicas}
         self.by_name = {r.name: r.id for r in replicas}
@@ -262,7 +264,7 @@ class Controller:
         """File a trajectory from `replica` if it is one it was asked for (see admission.py)."""
         gid = msg["group_id"]
         sent = self.dispatched.get(gid)
-        why = trajectory_problem(msg, sent, replica, self.vocab_size, self.rl.max_new_tokens, self.version)
+        why = trajectory_problem(msg, sent, replica, self.vocab_size, self.limits, self.version)
         if why is not None:
             self.rejected[why] += 1
             if why != "not_dispatched":  # the group cannot complete as sent: give it up
@@ -270,7 +272,7 @@ class Controller:
                 self._group_done(gid, trained=False)
             return
         traj = msg_to_trajectory(msg)
-        self.completion_tokens += len(traj.completion_ids)
+        self.completion_tokens += traj.num_generated  # sampled tokens (an episode's observations are not)
         status = self.buffer.add(traj)
         if status != "pending":
             self._group_done(gid, trained=status == "accepted")

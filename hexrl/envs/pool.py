@@ -27,10 +27,17 @@ def make_env(name: str, options: dict) -> Environment:
     return environment_class(name)(**options)
 
 
+def cached_env(name: str, options: dict) -> Environment:
+    """This worker's instance of the environment (made, and its module imported, on first use)."""
+    key = (name, tuple(sorted(options.items())))
+    if key not in _ENVS:
+        _ENVS[key] = make_env(name, options)
+    return _ENVS[key]
+
+
 def call_env(name: str, options: dict, method: str, problem: Problem, turns: list[str]) -> Step:
     """Run `start` or `step` of the named environment (in a worker); always returns a checked Step."""
-    key = (name, tuple(sorted(options.items())))
-    env = _ENVS.get(key) or _ENVS.setdefault(key, make_env(name, options))
+    env = cached_env(name, options)
     if method == "start":
         out = env.start(problem)
         out = Step(observation=out) if isinstance(out, str) else out
@@ -60,7 +67,8 @@ class EnvPool(WorkerPool):
 
     def __init__(self, env: str, options: dict, workers: int = 2, timeout_s: float = 10.0,
                  start_timeout_s: float = 60.0):
-        super().__init__(partial(call_env, env, dict(options)), workers, timeout_s, start_timeout_s)
+        super().__init__(partial(call_env, env, dict(options)), workers, timeout_s, start_timeout_s,
+                         warm_up=partial(cached_env, env, dict(options)))
 
     def failed(self, status: str, message: str) -> Step:
         return Step(done=True, reason="env_timeout" if status == "timeout" else "env_error")

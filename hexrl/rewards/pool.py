@@ -22,6 +22,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from functools import partial
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterable
@@ -83,11 +84,12 @@ def _finite_float(value) -> float:
     return value
 
 
-def _worker_main(conn: Connection, fn: Callable, check: Callable) -> None:
-    """Worker loop: a chunk of (job, *args) in, one (job, "ok"|"error", check(fn(*args))) out
-    per item, in order; None stops it."""
+def _worker_main(conn: Connection, fn: Callable, check: Callable, warm_up: Callable | None) -> None:
+    """Worker loop: `warm_up()`, then a chunk of (job, *args) in, one (job, "ok"|"error",
+    check(fn(*args))) out per item, in order; None stops it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    _warm_up(fn)
+    if warm_up is not None:  # before "ready": one-time costs never count against a call's timeout
+        warm_up()
     conn.send(("ready",))
     while True:
         try:
@@ -124,16 +126,17 @@ class _Worker:
 class WorkerPool:
     """Run `check(fn(*args))` for each submitted item in `workers` spawned processes.
 
-    `fn` and `check` are picklable module-level functions (or partials of them). Items run first
-    in, first out, across batches; a lock makes the pool thread-safe. A failed item's result is
+    `fn`, `check` and `warm_up` (run once per worker before it takes work) are picklable
+    module-level functions (or partials of them). Items run first in, first out, across batches;
+    a lock makes the pool thread-safe. A failed item's result is
     `self.failed(status, message)` (subclasses choose it; here `(status, message)`).
     """
 
     name = "WorkerPool"
 
     def __init__(self, fn: Callable, workers: int = 2, timeout_s: float = 10.0,
-                 start_timeout_s: float = 60.0, check: Callable | None = None):
-        self.fn, self.check = fn, check or _identity
+                 start_timeout_s: float = 60.0, check: Callable | None = None, warm_up: Callable | None = None):
+        self.fn, self.check, self.warm_up = fn, check or _identity, warm_up
         problems = []
         if not callable(self.fn):
             problems.append(f"fn must be callable, got {type(self.fn).__name__}")
@@ -160,7 +163,8 @@ class WorkerPool:
 
     def _start(self) -> _Worker:
         parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.fn, self.check), daemon=True,
+        proc = self._ctx.Process(target=_worker_main, args=(child, self.fn, self.check, self.warm_up),
+                                 daemon=True,
                                  name=f"hexrl-{self.name}")
         try:
             proc.start()
@@ -354,7 +358,7 @@ class RewardPool(WorkerPool):
         fn = reward_fn_by_name(fn) if isinstance(fn, str) else fn
         if fn is code_reward:  # refuse now, loudly, rather than score every sample 0.0
             check_isolation(unsafe_default())
-        super().__init__(fn, workers, timeout_s, start_timeout_s, check=_finite_float)
+        super().__init__(fn, workers, timeout_s, start_timeout_s, check=_finite_float, warm_up=partial(_warm_up, fn))
 
     def failed(self, status: str, message: str) -> float:
         return 0.0

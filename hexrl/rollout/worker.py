@@ -2,6 +2,8 @@
 
 A finished group goes to the reward workers and decoding goes on; the group is sent once its
 rewards are back, so a slow reward (math-verify, the code sandbox) never stalls the engine.
+With a job `env`, each sample is an episode (hexrl/rollout/episodes.py): its turns go to the
+environment's workers in the same way, and the environment gives the reward.
 
 The replica leader (TP rank 0) talks to the controller; the other TP ranks of the replica
 mirror its engine steps in `Engine.follow`. Every rank of the replica joins the weight
@@ -20,6 +22,8 @@ import torch
 from hexrl.comm.channel import DealerChannel
 from hexrl.comm.store import lookup_endpoint
 from hexrl.comm.wire import message, trajectory_to_msg
+from hexrl.envs.base import Problem
+from hexrl.envs.pool import EnvPool
 from hexrl.rewards import RewardPool
 from hexrl.runtime import effective
 from hexrl.runtime.context import RankContext
@@ -29,6 +33,7 @@ from hexrl.trajectory import Trajectory
 from hexrl.weights import TensorSpec, load_into, receive_stage, receive_stage_ipc
 
 from .engine import Engine, EngineStats
+from .episodes import Episode, EpisodeDriver
 from .sequence import Finished, Request
 
 HEARTBEAT_S = 1.0
@@ -61,7 +66,7 @@ class LeaderTime:
 @dataclass
 class PendingGroup:
     msg: dict
-    outputs: dict[int, Finished] = field(default_factory=dict)
+    outputs: dict[int, Finished | Episode] = field(default_factory=dict)
 
 
 def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device, ipc: bool = False):
@@ -86,12 +91,17 @@ class RolloutLeader:
 
     def __init__(self, engine: Engine, replica_id: int, rank: int, store, secret: bytes, receive_weights,
                  reward: str, reward_timeout_s: float, tokenizer, reward_workers: int = 2,
-                 trace: Path | None = None):
+                 trace: Path | None = None, env=None):
         self.engine, self.rank, self.receive_weights, self.tokenizer = engine, rank, receive_weights, tokenizer
         self.channel = DealerChannel(f"replica-{replica_id}", secret)
         self.channel.connect(lookup_endpoint(store, "controller", timeout_s=300))
         self.reward_name = reward
-        self.rewards = RewardPool(reward, workers=reward_workers, timeout_s=reward_timeout_s)
+        self.rewards = self.episodes = None  # an environment gives episodes their rewards
+        if env is None:
+            self.rewards = RewardPool(reward, workers=reward_workers, timeout_s=reward_timeout_s)
+        else:
+            pool = EnvPool(env.name, env.options, workers=env.workers, timeout_s=env.timeout_s)
+            self.episodes = EpisodeDriver(engine, tokenizer, env, pool)
         self.groups: dict[int, PendingGroup] = {}
         self.scoring: dict[int, PendingGroup] = {}  # reward ticket -> finished group being scored
         self._last_beat = 0.0
@@ -111,7 +121,7 @@ class RolloutLeader:
                 t2 = clock()
                 self._collect(finished)
                 t3 = clock()
-                # nothing to decode: wait on the reward workers instead of spinning
+                # nothing to decode: wait on the reward (or environment) workers instead of spinning
                 self._send_scored(0.0 if self.engine.has_work() else 0.02)
                 t4 = clock()
                 t.poll_s, t.engine_s, t.collect_s, t.send_s = (
@@ -124,7 +134,7 @@ class RolloutLeader:
             raise
         finally:
             self.engine.shutdown()
-            self.rewards.close()
+            (self.rewards or self.episodes.pool).close()
             self.channel.close()
 
     def report_error(self, cause: str) -> None:
@@ -134,7 +144,8 @@ class RolloutLeader:
         """Handle waiting messages (at most MAX_MESSAGES_PER_POLL, so a flood of prompts cannot
         starve decoding and heartbeats); False once told to stop."""
         for i in range(MAX_MESSAGES_PER_POLL):
-            idle = i == 0 and not self.engine.has_work() and not self.scoring
+            idle = i == 0 and not self.engine.has_work() and not self.scoring and not (
+                self.episodes and self.episodes.episodes)
             msg = self.channel.recv(0.05 if idle else 0)
             if msg is None:
                 break
@@ -150,32 +161,52 @@ class RolloutLeader:
     def _add_group(self, msg: dict) -> None:
         s = msg["sampling"]
         self.groups[msg["group_id"]] = PendingGroup(msg)
+        problem = Problem(self.tokenizer.decode(msg["prompt_ids"]), msg.get("answer"), msg["problem_id"],
+                          msg.get("tests")) if self.episodes else None
         for i in range(msg["n"]):
-            self.engine.add(Request(
+            request = Request(
                 id=f"{msg['group_id']}:{i}", prompt_ids=list(msg["prompt_ids"]),
                 max_new_tokens=int(s["max_new_tokens"]),
                 temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
-                seed=(int(s["seed"]) * 64 + i) % (1 << 62)))
+                seed=(int(s["seed"]) * 64 + i) % (1 << 62))
+            if self.episodes:
+                self.episodes.start(request, problem)
+            else:
+                self.engine.add(request)
 
     def _collect(self, finished: list[Finished]) -> None:
         for out in finished:
-            gid, i = map(int, out.id.split(":"))
-            group = self.groups[gid]
-            group.outputs[i] = out
-            if len(group.outputs) == group.msg["n"]:
-                self._score(self.groups.pop(gid))
+            if self.episodes:
+                self.episodes.on_turn(out)
+            elif self._file(out.id, out):
+                self._score(self.groups.pop(int(out.id.split(":")[0])))
+
+    def _file(self, id: str, out: Finished | Episode) -> bool:
+        """File a finished sample; True when that completes its group."""
+        gid, i = map(int, id.split(":"))
+        group = self.groups[gid]
+        group.outputs[i] = out
+        return len(group.outputs) == group.msg["n"]
 
     def _score(self, group: PendingGroup) -> None:
         """Hand a finished group's completions to the reward workers (no waiting)."""
         self.scoring[self.rewards.submit(reward_inputs(group, self.reward_name, self.tokenizer))] = group
 
     def _send_scored(self, wait_s: float) -> None:
-        """Send every group whose rewards are all back, as trajectories."""
+        """Send every group whose rewards are all back (or whose episodes all ended), as trajectories."""
+        if self.episodes:
+            for ep in self.episodes.poll(wait_s if self.episodes.waiting else 0.0):
+                if self._file(ep.id, ep):
+                    self._send(episode_messages(self.groups.pop(int(ep.id.split(":")[0])), self.rank))
+            return
         for ticket, rewards in self.rewards.finished(wait_s).items():
-            for msg in trajectory_messages(self.scoring.pop(ticket), rewards, self.rank):
-                if not self.channel.send(msg, timeout_s=60):
-                    raise RuntimeError("the controller stopped accepting trajectories for 60 s")
-                self.time.sent += 1
+            self._send(trajectory_messages(self.scoring.pop(ticket), rewards, self.rank))
+
+    def _send(self, msgs: list[dict]) -> None:
+        for msg in msgs:
+            if not self.channel.send(msg, timeout_s=60):
+                raise RuntimeError("the controller stopped accepting trajectories for 60 s")
+            self.time.sent += 1
 
     def _write_trace(self, final: bool = False) -> None:
         """Every TRACE_S, one line of cumulative counters: the leader's time split, the engine's
@@ -214,6 +245,19 @@ def trajectory_messages(group: PendingGroup, rewards: list[float], rank: int) ->
         traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(o.prompt_ids), completion_ids=o.token_ids,
                           logprobs=o.logprobs, versions=o.versions, reward=float(reward),
                           finish_reason=o.finish_reason, problem_id=msg["problem_id"])
+        out.append(trajectory_to_msg(traj, rank=rank))
+    return out
+
+
+def episode_messages(group: PendingGroup, rank: int) -> list[dict]:
+    """The `trajectory` messages of a group of ended episodes, one per episode."""
+    msg, out = group.msg, []
+    for i in range(msg["n"]):
+        ep = group.outputs[i]
+        traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(msg["prompt_ids"]), completion_ids=ep.ids,
+                          logprobs=ep.logprobs, versions=ep.versions, reward=float(ep.reward),
+                          finish_reason=ep.reason, problem_id=msg["problem_id"], mask=ep.mask,
+                          meta={"turns": len(ep.turns)})
         out.append(trajectory_to_msg(traj, rank=rank))
     return out
 
@@ -267,7 +311,7 @@ def run_rollout(ctx: RankContext) -> None:
         return
     trace = Path(ctx.run_dir) / "engine" / f"replica{replica.id}.jsonl"
     leader = RolloutLeader(engine, replica.id, ctx.rank, ctx.store, ctx.secret, receive, job.reward.name,
-                           job.reward.timeout_s, tokenizer, trace=trace)
+                           job.reward.timeout_s, tokenizer, trace=trace, env=job.env)
     leader.run()
     write_engine_stats(ctx.run_dir, replica.id, engine.stats)
 

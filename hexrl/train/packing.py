@@ -4,6 +4,9 @@ Every trainer rank runs the same deterministic plan on the same full batch, so a
 a pipeline agree on the micro-batches and their shapes without exchanging metadata.
 A sequence enters the model as prompt + completion minus its last token (whose logits
 predict nothing); the logits at positions len(prompt)−1 ... predict the completion tokens.
+Only the tokens the model sampled are loss tokens: an episode's observation tokens (mask 0)
+are context, like the prompt, so loss, importance weights, proximal log-probs, entropy and
+token counts all skip them.
 """
 from __future__ import annotations
 
@@ -21,11 +24,11 @@ class MicroBatch:
 
     seqs: list[int]  # indices into the step's batch
     seq_lens: list[int]  # packed input length of each sequence
-    completion_lens: list[int]  # loss tokens of each sequence, in order
+    completion_lens: list[int]  # loss (sampled) tokens of each sequence, in order
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    loss_index: torch.Tensor  # [N] rows whose logits predict a completion token
-    targets: torch.Tensor  # [N] the completion tokens
+    loss_index: torch.Tensor  # [N] rows whose logits predict a sampled completion token
+    targets: torch.Tensor  # [N] the sampled completion tokens
     behav: torch.Tensor  # [N] float32 behaviour log-probs
     adv: torch.Tensor  # [N] float32 advantages
     versions: torch.Tensor  # [N] int64 the weight version that generated each token
@@ -51,12 +54,9 @@ def check_trajectories(trajs: list[Trajectory], vocab_size: int | None = None) -
     """Raise one ValueError naming every malformed trajectory and field."""
     problems = []
     for i, t in enumerate(trajs):
-        n = len(t.completion_ids)
         if not t.prompt_ids:
             problems.append(f"trajectories[{i}].prompt_ids: empty (the first completion token needs a context)")
-        for name in ("logprobs", "versions"):
-            if len(getattr(t, name)) != n:
-                problems.append(f"trajectories[{i}].{name}: {len(getattr(t, name))} values for {n} completion tokens")
+        problems += [f"trajectories[{i}].{p}" for p in t.shape_problems()]
         if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
             problems.append(f"trajectories[{i}].reward: must be a finite number, got {t.reward!r}")
         ids = [*t.prompt_ids, *t.completion_ids]
@@ -99,15 +99,20 @@ def build_micro_batch(trajs: list[Trajectory], seqs: list[int], adv: list[float]
         t = trajs[i]
         seq = (list(t.prompt_ids) + list(t.completion_ids))[:-1]
         start = len(ids) + len(t.prompt_ids) - 1
-        loss_index.extend(range(start, start + len(t.completion_ids)))
+        if t.mask is None:
+            loss_index.extend(range(start, start + len(t.completion_ids)))
+            targets.extend(t.completion_ids)
+        else:
+            where = t.generated_positions()
+            loss_index.extend(start + j for j in where)
+            targets.extend(t.completion_ids[j] for j in where)
         ids.extend(seq)
         pos.extend(range(len(seq)))
-        targets.extend(t.completion_ids)
         behav.extend(t.logprobs)
         versions.extend(t.versions)
-        advs.extend([adv[i]] * len(t.completion_ids))
+        advs.extend([adv[i]] * t.num_generated)
         lens.append(len(seq))
-        clens.append(len(t.completion_ids))
+        clens.append(t.num_generated)
     i64, f32 = torch.int64, torch.float32
     return MicroBatch(seqs, lens, clens, torch.tensor(ids, dtype=i64), torch.tensor(pos, dtype=i64),
                       torch.tensor(loss_index, dtype=i64), torch.tensor(targets, dtype=i64),
@@ -134,5 +139,5 @@ def plan_step(trajs: list[Trajectory], seqs: list[int], adv: list[float], miniba
         for share in shares:
             sizes = {mine[j]: input_length(trajs[mine[j]]) for j in sorted(share)}
             mbs.append([build_micro_batch(trajs, b, adv) for b in first_fit(sizes, micro_batch_tokens)])
-        plans.append(MiniBatchPlan(mbs, sum(len(trajs[i].completion_ids) for i in mine)))
+        plans.append(MiniBatchPlan(mbs, sum(trajs[i].num_generated for i in mine)))
     return plans

@@ -197,7 +197,7 @@ class Trainer:
         group_ids = [t.group_id for t in trajectories]
         adv = group_advantages(rewards, group_ids, c.adv_eps)
         dropped = equal_reward_groups(rewards, group_ids) if c.filter_equal_groups else set()
-        seqs = [i for i, t in enumerate(trajectories) if t.group_id not in dropped and t.completion_ids]
+        seqs = [i for i, t in enumerate(trajectories) if t.group_id not in dropped and t.num_generated]
         plans = [p for p in plan_step(trajectories, seqs, adv, c.ppo_minibatches, g.layout.dp, c.micro_batch_tokens)
                  if p.num_loss_tokens > 0]
         mine = [[mb.to(self.device) for mb in p.micro_batches[g.dp_rank]] for p in plans]

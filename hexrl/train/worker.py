@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import Counter
 
 import msgpack
 import torch
@@ -58,7 +59,7 @@ def start_controller(ctx: RankContext, tokenizer, train: list) -> Controller:
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
     cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
-                            replicas, router, vocab_size=job.model.config.vocab_size)
+                            replicas, router, vocab_size=job.model.config.vocab_size, env=job.env)
     publish_endpoint(ctx.store, "controller", endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
@@ -252,5 +253,8 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             "equal_reward_share": equal_reward_share(before, c),
             "grad_norm": out["grad_norm"], "kl": out["kl"], "entropy": out["entropy"],
             "problem_ids": sorted({t.problem_id for t in batch}, key=str),
+            # how the batch's samples ended (an episode: its environment's reason, or why it was cut)
+            "finish_reasons": dict(Counter(t.finish_reason for t in batch)),
+            "turns_mean": sum(t.meta.get("turns", 1) for t in batch) / len(batch),
             "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),
         })

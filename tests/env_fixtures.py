@@ -1,0 +1,62 @@
+"""Environments for the tests, in a module of their own: worker processes import it, and it
+imports nothing heavy (a worker's start-up is then quick on a busy machine)."""
+import os
+import time
+
+from hexrl.envs import Environment, Step
+
+
+class Hostile(Environment):
+    """Misbehaves as the turn says."""
+
+    def step(self, problem, turns):
+        t = turns[-1]
+        if t == "raise":
+            raise RuntimeError("boom")
+        if t == "hang":
+            time.sleep(60)
+        if t == "die":
+            os._exit(3)
+        if t == "huge":
+            return Step(observation="x" * (1 << 20))
+        if t == "bytes":
+            return Step(observation=b"\x00\xff")
+        if t == "none":
+            return None
+        if t == "nan":
+            return Step(done=True, reward=float("nan"))
+        if t == "exit":
+            raise SystemExit(1)
+        return Step(observation="=" + t)
+
+
+class Chatty(Environment):
+    """A first observation, two more, then done with reward 1."""
+
+    def start(self, problem):
+        return " ok "
+
+    def step(self, problem, turns):
+        return Step(done=True, reward=1.0) if len(turns) == 3 else Step(observation=f"\nobs {len(turns)}\n")
+
+
+class Scripted(Environment):
+    """Does what the model's turn says: a calculator that always answers 1, or one of many ways to
+    misbehave; any other turn is the final answer."""
+
+    stop_strings = ("</calc>",)
+
+    def step(self, problem, turns):
+        t = turns[-1]
+        if t.endswith("</calc>"):
+            return Step(observation="=1")
+        if t.startswith("<calc>"):
+            return Step(done=True, reason="unclosed_call")
+        if t == "raise":
+            raise ValueError("tool broke")
+        if t == "hang":
+            time.sleep(60)
+        obs = {"mega": "x" * (1 << 20), "big": "y" * 500, "weird": "\u00e9\u00e9", "empty": "", "bytes": b"1"}
+        if t in obs:
+            return Step(observation=obs[t])
+        return Step(done=True, reward=float(t == problem.answer))
