@@ -53,6 +53,14 @@ class Workload:
     minibatches: int
     extra_fwd: int  # forward-only passes besides fwd+bwd: proximal log-probs, KL reference
     reward_s: float  # reward time of one sample on one worker
+    turns: float = 1.0  # model turns per episode (1: single-turn)
+    obs_len: float = 0.0  # tokens of each observation between two turns (prefilled, not generated)
+    env_s: float = 0.0  # mean environment latency per call
+
+    @property
+    def obs_tokens(self) -> float:
+        """Observation tokens of one episode: (turns - 1) observations."""
+        return (self.turns - 1) * self.obs_len
 
     @property
     def gen_samples(self) -> float:
@@ -68,21 +76,23 @@ def workload_of(job: Job) -> Workload:
     rl, wl = job.rl, job.workload
     d = output_lengths(wl.output_len)
     mean, second = d.mean(), d.second_moment()
-    seq_mean = wl.prompt_len + mean
-    seq_second = wl.prompt_len ** 2 + 2 * wl.prompt_len * mean + second
+    context = wl.prompt_len + (wl.turns - 1) * wl.obs_len  # an episode's observations are context, like the prompt
+    seq_mean = context + mean
+    seq_second = context ** 2 + 2 * context * mean + second
     reward_s = wl.reward_s_per_sample
     if reward_s is None:
         reward_s = REWARD_S_PER_SAMPLE[job.reward.name]
     return Workload(
         samples=rl.batch_size * rl.group_size, equal_fraction=wl.equal_reward_fraction,
         group=rl.group_size, prompt_len=wl.prompt_len,
-        mean_out=mean, max_out=d.max(), max_seq=wl.prompt_len + rl.max_new_tokens,
+        mean_out=mean, max_out=d.max(), max_seq=math.ceil(context + max(rl.max_new_tokens, d.max())),
         micro_tokens=job.runtime.get("trainer", {}).get("micro_batch_tokens",
                                                         max(MIN_MICRO_TOKENS, wl.prompt_len + rl.max_new_tokens)),
-        ctx_decode=wl.prompt_len + second / (2 * mean),
+        ctx_decode=wl.prompt_len + (wl.turns - 1) * wl.obs_len / 2 + second / (2 * mean),
         ctx_attn=seq_second / (2 * seq_mean),
         tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta_bound, minibatches=rl.ppo_minibatches,
         extra_fwd=int(rl.decoupled) + int(rl.kl_coef > 0), reward_s=reward_s,
+        turns=wl.turns, obs_len=wl.obs_len, env_s=wl.env_latency_mean,
     )
 
 
@@ -308,11 +318,20 @@ class CostModel:
         per_token = 2 * self.matmul_params() + self.attn_flops_per_pos() * context
         return tokens * per_token / (tp * g.flops * g.prefill_mfu)
 
+    def observation_prefill_s(self, gpu_type: str, tp: int) -> float:
+        """An episode's observation prefills, one per turn after the first, at its average context
+        (the rest of the conversation stays cached: hexrl/rollout/scheduler.py)."""
+        w = self.w
+        if w.turns <= 1 or not w.obs_len:
+            return 0.0
+        return (w.turns - 1) * self.prefill_s(gpu_type, tp, w.obs_len, w.ctx_decode)
+
     def _decode_point(self, gpu_type: str, tp: int, b: int) -> DecodePoint:
         w = self.w
         a, c = self.decode_coeffs(gpu_type, tp, b)
         step = a + c * b * w.ctx_decode
-        prefill = self.prefill_s(gpu_type, tp, w.prompt_len, w.prompt_len / 2)
+        prefill = (self.prefill_s(gpu_type, tp, w.prompt_len, w.prompt_len / 2)
+                   + self.observation_prefill_s(gpu_type, tp))
         # each step finishes b / mean_out sequences on average: their host work, their successors' prefill
         rate = b / (step + b / w.mean_out * (prefill + self.gpus[gpu_type].host_s_per_sample))
         recompute = self.prefill_s(gpu_type, tp, b * w.ctx_decode, w.ctx_decode / 2)
@@ -411,7 +430,9 @@ class CostModel:
         kinds = {(r.gpu_type, r.tp, r.batch, k) for r, k in zip(active, n)}  # replicas repeat
         waves = {kind: self.wave_s(*kind, samples) if join_s is None else
                  self.joined_wave_s(*kind, samples, join_s, pause_s) for kind in kinds}
-        wave = max(waves.values())
+        # an episode waits for its environment (turns - 1) times, holding no decode slot meanwhile:
+        # decoding goes on, but the step's last episode ends that much later
+        wave = max(waves.values()) + (self.w.turns - 1) * self.w.env_s
         if len(active) == 1:
             return wave
         # the slowest of m replicas, not the average one: E[max of m] ~ mean + sd sqrt(2 ln m)

@@ -19,6 +19,10 @@ and their replacements reach the replicas, spread out), on trainer rank 0's core
 while the trainer trains makes the training step that much longer. With rl.eta "auto" the
 runtime's own AutoEta (hexrl/control/auto_eta.py) chooses the bound after every step from the
 trainer's wait and a w_std that the simulation assumes grows by `w_spread` per version of lag.
+Episodes (a job env, workload.turns > 1): a sampled output length is split into turns; between
+two turns the episode leaves the batch (it holds no decode slot) for an environment latency
+drawn from workload.env_latency_s, then rejoins the queue and prefills only its observation
+(workload.obs_len tokens), or its whole context if the weights changed meanwhile.
 """
 
 import heapq
@@ -50,7 +54,11 @@ class Replica:
         self.context = np.zeros(0, dtype=np.int64)  # prompt + generated so far
         self.ver = np.zeros(0, dtype=np.int64)  # weight version of the oldest token
         self.grp = np.zeros(0, dtype=np.int64)
-        self.queue: deque = deque()  # (group, length)
+        self.after = np.zeros(0, dtype=np.int64)  # an episode's tokens in its turns after this one
+        self.per = np.zeros(0, dtype=np.int64)  # an episode's tokens per turn
+        # (group, length) of a new sequence, or an episode's next turn:
+        # (group, turn tokens, tokens after it, tokens per turn, context with the observation, version, live)
+        self.queue: deque = deque()
         self.reward_free = 0.0  # when the reward workers finish the groups handed to them so far
         self.chunk = None  # (compute_start, k steps, a, c, S0, b)
         self.chunk_id = 0
@@ -94,6 +102,27 @@ class SimResult:
     gantt: list = field(default_factory=list)  # (lane, kind, t0, t1) of the first steps
 
 
+def draw_latency(spec: dict | None, rng: np.random.Generator) -> float:
+    """One environment call's seconds from workload.env_latency_s (0 without one)."""
+    if not spec:
+        return 0.0
+    mean = spec["mean"]
+    if spec["dist"] == "exponential":
+        return float(rng.exponential(mean))
+    if spec["dist"] == "lognormal":  # mu such that the mean is `mean`
+        sigma = spec.get("sigma", 1.0)
+        return float(rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma)) if mean > 0 else 0.0
+    return float(mean)
+
+
+def split_turns(n: int, turns: float, rng: np.random.Generator) -> tuple[int, int, int]:
+    """An episode of n generated tokens over `turns` turns (a fraction: drawn between its floor and
+    ceiling): (first turn's tokens, tokens after it, tokens per turn)."""
+    t = int(turns) + (turns > int(turns) and rng.random() < turns - int(turns))  # whole: no draw
+    per = -(-n // max(1, min(t, n)))
+    return min(per, n), n - min(per, n), per
+
+
 class Simulation:
     def __init__(self, plan: Plan, seed: int = 0, use_profiles: bool = True, w_spread: float = 0.04):
         self.plan, self.job = plan, plan.job
@@ -110,6 +139,8 @@ class Simulation:
         self.signal: tuple = ()  # the step in flight's (wait s, wait + training s, lag histogram)
         self.eta_by_step: list = []
         self.prompt = cm.w.prompt_len
+        self.turns, self.obs = cm.w.turns, int(round(cm.w.obs_len))
+        self.latency = self.job.workload.env_latency_s
         self.reward_s = cm.group_reward_s()
         self.replicas = {}
         for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
@@ -130,6 +161,8 @@ class Simulation:
         self.live = 0  # weight version the replicas decode with
         self.issued = 0
         self.group_tokens: dict[int, int] = {}
+        self.group_obs: dict[int, int] = {}  # observation tokens in a group's episodes (prefilled, not generated)
+        self.step_obs: list[int] = []
         self.done: dict[int, list] = {}  # group -> trajectories finished so far
         self.training = False
         self.syncing = False
@@ -162,11 +195,12 @@ class Simulation:
             self.buffer.expect(gid, self.G)
             self.issued += 1
             r = self.replicas[rid]
-            self.group_tokens[gid] = 0
+            self.group_tokens[gid] = self.group_obs[gid] = 0
             self.done[gid] = []
             if self.equal_fraction and self.rng.random() < self.equal_fraction:
                 self.equal.add(gid)
-            r.queue.extend((gid, int(n)) for n in self.cm.lengths.sample(self.rng, self.G))
+            r.queue.extend((gid, *split_turns(int(n), self.turns, self.rng))
+                           for n in self.cm.lengths.sample(self.rng, self.G))
             if r.chunk is None and not r.paused:
                 self.start(r, t)
 
@@ -189,6 +223,7 @@ class Simulation:
             self.dispatcher.done(gid)
         if status != "accepted":
             self.group_tokens.pop(gid, None)
+            self.group_obs.pop(gid, None)
         self.try_train(t)
         self.dispatch(t)
 
@@ -199,11 +234,20 @@ class Simulation:
         new = [r.queue.popleft() for _ in range(min(room, len(r.queue)))]
         pre = 0.0
         if new:
-            pre = r.prefill_s(len(new) * self.prompt, self.prompt / 2)
-            r.rem = np.concatenate([r.rem, [n for _, n in new]])
-            r.context = np.concatenate([r.context, np.full(len(new), self.prompt)])
-            r.ver = np.concatenate([r.ver, np.full(len(new), self.live)])
-            r.grp = np.concatenate([r.grp, [g for g, _ in new]])
+            fresh = [(g, n, after, per, self.prompt, self.live) for g, n, after, per in
+                     (x for x in new if len(x) == 4)]
+            back = [x[:6] for x in new if len(x) == 7]
+            pre = r.prefill_s(len(fresh) * self.prompt, self.prompt / 2)
+            for *_, context, _, live in (x for x in new if len(x) == 7):  # observation, or all after an update
+                pre += (r.prefill_s(self.obs, context - self.obs / 2) if live == self.live
+                        else r.prefill_s(context, context / 2))
+            rows = fresh + back
+            r.rem = np.concatenate([r.rem, [x[1] for x in rows]])
+            r.after = np.concatenate([r.after, [x[2] for x in rows]])
+            r.per = np.concatenate([r.per, [x[3] for x in rows]])
+            r.context = np.concatenate([r.context, [x[4] for x in rows]])
+            r.ver = np.concatenate([r.ver, [x[5] for x in rows]])
+            r.grp = np.concatenate([r.grp, [x[0] for x in rows]])
         self.mark(f"R{r.idx}", "prefill", t, t + pre)
         b = len(r.rem)
         if b == 0:
@@ -235,7 +279,15 @@ class Simulation:
             self.mark(f"R{r.idx}", "host", t_end, t_end + host)
             r.busy += host
         if done.any():
-            for g, n, v in zip(r.grp[done], r.context[done], r.ver[done]):
+            turn = done & (r.after > 0)  # an episode's turn ended: to its environment, then back in line
+            back: dict[float, list] = {}  # answers due at one moment rejoin together
+            for g, n, v, after, per in zip(r.grp[turn], r.context[turn], r.ver[turn], r.after[turn], r.per[turn]):
+                nxt = int(min(per, after))
+                back.setdefault(t_end + host + draw_latency(self.latency, self.rng), []).append(
+                    (int(g), nxt, int(after) - nxt, int(per), int(n) + self.obs, int(v)))
+            for when, items in back.items():
+                self.push(when, "observed", r, items)
+            for g, n, v in zip(r.grp[done & ~turn], r.context[done & ~turn], r.ver[done & ~turn]):
                 g = int(g)
                 self.group_tokens[g] += int(n)
                 reward = float(g not in self.equal and not self.done[g])  # unequal: the first scores 1
@@ -247,7 +299,16 @@ class Simulation:
                     self.push(r.reward_free, "arrive", g)
             keep = ~done
             r.rem, r.context, r.ver, r.grp = r.rem[keep], r.context[keep], r.ver[keep], r.grp[keep]
+            r.after, r.per = r.after[keep], r.per[keep]
         return host
+
+    def on_observed(self, t: float, r: Replica, items: list[tuple]):
+        """Episodes' environments answered: their next turns queue (noting the weights they cached)."""
+        for item in items:
+            self.group_obs[item[0]] += self.obs
+            r.queue.append((*item, self.live))
+        if r.chunk is None and not r.paused:
+            self.start(r, t)
 
     def on_chunk(self, t: float, r: Replica, chunk_id: int):
         if chunk_id != r.chunk_id or r.chunk is None:
@@ -281,9 +342,10 @@ class Simulation:
         if batch is None:
             self.dispatch(t)  # dropped groups gave their slots back
             return
-        tokens, lags = 0, {}
+        tokens, obs, lags = 0, 0, {}
         for g in batch:
             tokens += self.group_tokens.pop(g.group_id)
+            obs += self.group_obs.pop(g.group_id)
             for traj in g.trajectories:
                 s = self.trained - traj.oldest_version
                 self.staleness[s] = self.staleness.get(s, 0) + 1
@@ -294,6 +356,7 @@ class Simulation:
         self.training = True
         self.train_time += dur
         self.step_tokens.append(tokens)
+        self.step_obs.append(obs)
         self.mark("trainer", "train", t, t + dur)
         self.push(t + dur, "trained")
 
@@ -354,6 +417,7 @@ class Simulation:
             "trained": self.on_trained,
             "synced": self.on_synced,
             "resume": self.on_resume,
+            "observed": self.on_observed,
         }
         self.dispatch(0.0)
         while self.events and len(self.step_ends) < steps:
@@ -370,7 +434,7 @@ class Simulation:
         t0, t1 = self.step_ends[warmup - 1] if warmup else 0.0, self.step_ends[-1]
         window = t1 - t0
         tokens = sum(self.step_tokens[warmup:n])
-        gen = tokens - (n - warmup) * self.B * self.G * self.prompt
+        gen = tokens - (n - warmup) * self.B * self.G * self.prompt - sum(self.step_obs[warmup:n])
         # busy time is accumulated over the whole run: scale by the window's share of it
         span = t1
         roll_gpus = sum(r.tp for r in self.replicas.values())

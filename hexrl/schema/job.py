@@ -316,6 +316,11 @@ class WorkloadSpec:
     # share of generated groups whose rewards are all equal, filtered (rl.filter_equal_groups)
     # and generated again: generation does 1 / (1 - f) of a step's groups
     equal_reward_fraction: float = 0.0
+    # episodes (a job env): model turns per episode, tokens per observation between turns, and the
+    # environment's latency per call {"dist": "fixed"|"exponential"|"lognormal", "mean": s, "sigma"}
+    turns: float = 1.0
+    obs_len: float = 0.0
+    env_latency_s: dict | None = None
 
     def to_dict(self) -> dict:
         d = {"prompt_len": self.prompt_len, "output_len": self.output_len}
@@ -323,15 +328,26 @@ class WorkloadSpec:
             d["reward_s_per_sample"] = self.reward_s_per_sample
         if self.equal_reward_fraction:
             d["equal_reward_fraction"] = self.equal_reward_fraction
+        if self.turns != 1 or self.obs_len or self.env_latency_s:
+            d.update(turns=self.turns, obs_len=self.obs_len)
+            if self.env_latency_s:
+                d["env_latency_s"] = dict(self.env_latency_s)
         return d
+
+    @property
+    def env_latency_mean(self) -> float:
+        return float(self.env_latency_s["mean"]) if self.env_latency_s else 0.0
 
 
 _DIST_KEYS = {"samples", "histogram", "mean", "max"}
 
 
-def _read_workload(r: Reader, d, rl: RLSpec) -> WorkloadSpec:
-    d = r.section(d, "workload", {"prompt_len", "output_len", "reward_s_per_sample", "equal_reward_fraction"}
-                  | _DIST_KEYS)
+LATENCY_DISTS = ("fixed", "exponential", "lognormal")
+
+
+def _read_workload(r: Reader, d, rl: RLSpec, env: EnvSpec | None = None) -> WorkloadSpec:
+    d = r.section(d, "workload", {"prompt_len", "output_len", "reward_s_per_sample", "equal_reward_fraction",
+                                  "turns", "obs_len", "env_latency_s"} | _DIST_KEYS)
     w = WorkloadSpec()
     w.prompt_len = r.num(d, "prompt_len", "workload", 256, integer=True, lo=1)
     w.reward_s_per_sample = r.num(d, "reward_s_per_sample", "workload", None, lo=0)
@@ -341,13 +357,40 @@ def _read_workload(r: Reader, d, rl: RLSpec) -> WorkloadSpec:
     flat = {k: d[k] for k in _DIST_KEYS if k in d}
     if flat and "output_len" in d:
         r.bad("workload", "give the output length distribution once: under output_len")
-    raw = d.get("output_len", flat) or {"mean": rl.max_new_tokens / 2, "max": rl.max_new_tokens}
+    _read_turns(r, d, w, env)
+    # an episode's output is every turn's tokens: up to env.max_turns x rl.max_new_tokens
+    max_out = rl.max_new_tokens * (env.max_turns if env else 1)
+    raw = d.get("output_len", flat) or {"mean": max_out / 2, "max": max_out}
     where = "workload.output_len" if "output_len" in d else "workload"
-    longest = _check_lengths(r, raw, where, rl.max_new_tokens)
-    if longest is not None and longest > rl.max_new_tokens + 1e-9:
-        r.bad(where, f"longest output {longest:g} > rl.max_new_tokens {rl.max_new_tokens}")
-    w.output_len = {**raw, "max": raw.get("max", rl.max_new_tokens)} if "mean" in raw else raw
+    longest = _check_lengths(r, raw, where, max_out)
+    if longest is not None and longest > max_out + 1e-9:
+        r.bad(where, f"longest output {longest:g} > " + (f"env.max_turns x rl.max_new_tokens {max_out}" if env
+                                                         else f"rl.max_new_tokens {max_out}"))
+    w.output_len = {**raw, "max": raw.get("max", max_out)} if "mean" in raw else raw
     return w
+
+
+def _read_turns(r: Reader, d: dict, w: WorkloadSpec, env: EnvSpec | None) -> None:
+    """workload.turns, obs_len and env_latency_s: what the planner assumes of episodes."""
+    w.turns = float(r.num(d, "turns", "workload", 1.0, lo=1, hi=env.max_turns if env else 1))
+    w.obs_len = float(r.num(d, "obs_len", "workload", 0.0, lo=0, hi=env.max_obs_tokens if env else 0))
+    lat = d.get("env_latency_s")
+    if lat is None:
+        return
+    if env is None:
+        r.bad("workload.env_latency_s", "only a job with an env has environment calls")
+        return
+    if not isinstance(lat, dict):
+        r.bad("workload.env_latency_s", 'must be an object like {"dist": "lognormal", "mean": 0.2, "sigma": 1}')
+        return
+    r.section(lat, "workload.env_latency_s", {"dist", "mean", "sigma"})
+    dist = r.choice(lat, "dist", "workload.env_latency_s", LATENCY_DISTS, "fixed")
+    mean = r.num(lat, "mean", "workload.env_latency_s", lo=0, required=True)
+    sigma = r.num(lat, "sigma", "workload.env_latency_s", 1.0, lo=0, hi=5)
+    if mean is not None:
+        w.env_latency_s = {"dist": dist, "mean": float(mean)}
+        if dist == "lognormal":
+            w.env_latency_s["sigma"] = float(sigma)
 
 
 def _check_lengths(r: Reader, raw, where: str, max_new: int) -> float | None:
@@ -660,7 +703,7 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     reward = _read_reward(r, d.get("reward"), data)
     env = _read_env(r, d.get("env"))
     rl = _read_rl(r, d.get("rl"))
-    workload = _read_workload(r, d.get("workload"), rl)
+    workload = _read_workload(r, d.get("workload"), rl, env)
     cluster = _read_cluster(r, d.get("cluster"))
     prices = _read_prices(r, d.get("prices"), cluster)
     budget = r.num(d, "budget", "job", None, lo=0, lo_open=True, none_ok=True)
