@@ -15,16 +15,18 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, train_gpus: int = 2,
               heldout: int = 0, runtime: dict | None = None, nodes: list[dict] | None = None,
-              layout: dict | None = None, colocate: dict | None = None, env: dict | None = None, **rl) -> Path:
+              layout: dict | None = None, colocate: dict | None = None, env: dict | None = None,
+              gpu_type: str = "cpu", model_kw: dict | None = None, **rl) -> Path:
     """A tiny CPU job (2 trainer ranks + 1 rollout rank by default), planned into plan.json.
 
     runtime: the job's runtime overrides; nodes: cluster.nodes (default one node of `nproc`);
     layout: a fixed layout (default `train_gpus` data-parallel trainer ranks, the rest rollout);
-    colocate: the job's colocate section (then one GPU, no layout: both roles share it);
-    env: the job's env section (multi-turn episodes)."""
+    colocate: the job's colocate section (then one `gpu_type` device, no layout: both roles share it);
+    env: the job's env section (multi-turn episodes); model_kw: the tiny model's shape (make_tiny_model's
+    keywords)."""
     model = tmp / "model"
     if not model.exists():
-        make_tiny_model(model, tokenizer="char")
+        make_tiny_model(model, tokenizer="char", **(model_kw or {}))
     job = {
         "name": "test", "model": {"path": str(model)},
         "data": {"synthetic": {"task": "arithmetic", "n": 100 - heldout, "n_heldout": heldout, "seed": 0,
@@ -38,7 +40,7 @@ def write_job(tmp: Path, steps: int = 3, eta: int | None = 1, nproc: int = 3, tr
         **({"env": env} if env else {}),
     }
     if colocate is not None:
-        job.update(colocate=colocate, cluster={"nodes": [{"name": "local", "gpu_type": "cpu", "gpus": 1}]})
+        job.update(colocate=colocate, cluster={"nodes": [{"name": "local", "gpu_type": gpu_type, "gpus": 1}]})
         if layout is None:
             del job["layout"]
     (tmp / "job.json").write_text(json.dumps(job))

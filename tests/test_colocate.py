@@ -190,9 +190,9 @@ def test_cuda_ipc_handle_of_wrong_types_or_past_its_storage_is_refused_before_ma
         cuda_ipc.export_handle(torch.zeros(2))
 
 
-def launch_colocated(tmp_path, steps: int):
+def launch_colocated(tmp_path, steps: int, gpu_type: str = "cpu", model_kw: dict | None = None):
     """torchrun with two ranks declaring one device (gloo); returns (plan dict, run dir, output)."""
-    path = write_job(tmp_path, steps=steps, colocate={}, eta=1)
+    path = write_job(tmp_path, steps=steps, colocate={}, eta=1, gpu_type=gpu_type, model_kw=model_kw)
     run = tmp_path / "run"
     proc = torchrun(path, run, nproc=2)
     try:
@@ -241,13 +241,17 @@ def test_colocated_run_on_cpu(tmp_path):
 @pytest.mark.gpu
 def test_colocated_run_on_one_gpu_syncs_weights_by_cuda_ipc(tmp_path, monkeypatch):
     """Both transports on one GPU, side by side: CUDA IPC (the default) and a gloo broadcast
-    through host memory (HEXRL_COLOCATED_SYNC=gloo); each one's mean weight-sync seconds printed."""
+    through host memory (HEXRL_COLOCATED_SYNC=gloo); each one's mean weight-sync seconds printed. The device
+    is the machine's GPU type, the model bf16 with head_dim 64 (gpu_e2e.sh's shape), so the rollout runs
+    FlashInfer, CUDA graphs, the split sampler and overlap."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
+    shape = {k.lstrip("-").replace("-", "_"): int(v) for k, v in zip(one_gpu.WARM_SHAPE[::2], one_gpu.WARM_SHAPE[1::2])}
     for transport in ("cuda-ipc", "gloo"):
         monkeypatch.setenv("HEXRL_COLOCATED_SYNC", transport)
         (tmp_path / transport).mkdir()
-        plan, run, out = launch_colocated(tmp_path / transport, steps=3)
+        plan, run, out = launch_colocated(tmp_path / transport, steps=3, gpu_type=one_gpu.gpu_type(), model_kw=shape)
+        assert plan["rollout"]["replicas"][0]["dtype"] == plan["trainer"]["dtype"] == "bfloat16", plan
         rows = metrics(run)
         assert [r["step"] for r in rows] == [1, 2, 3], out
         groups = {g["name"]: g for g in json.loads((run / "effective_config.json").read_text())["groups"]}
@@ -284,14 +288,25 @@ def test_cuda_ipc_maps_the_senders_buffer_in_another_process():
     assert torch.equal(src.float(), torch.arange(12, device="cuda").view(3, 4).float() * 2)
 
 
-def test_the_one_gpu_config_plans_both_roles_on_an_h100():
-    """tools/configs/one_gpu.json, as tools/gpu_e2e.sh plans it (the tiny preset for its warm start)."""
-    job = json.loads((ROOT / "tools" / "configs" / "one_gpu.json").read_text())
-    job["model"] = {"preset": "tiny"}
-    plan = plan_job(load_job(job))
+def test_the_one_gpu_config_plans_the_gpu_rollout_path_on_an_h100(tmp_path):
+    """tools/configs/one_gpu.json, as tools/gpu_e2e.sh plans it with warm_start's model shape: bf16 on both
+    roles and head_dim 64, so the rollout takes FlashInfer, CUDA graphs, the split sampler and overlap; the
+    CPU smoke run's job is float32."""
+    from hexrl.model.config import ModelConfig
+    from hexrl.model.ops import head_dim_problem
+
+    shape = dict(zip(one_gpu.WARM_SHAPE[::2], one_gpu.WARM_SHAPE[1::2]))
+    make_tiny_model(tmp_path / "model", hidden=int(shape["--hidden"]), heads=int(shape["--heads"]),
+                    kv_heads=int(shape["--kv-heads"]), intermediate=int(shape["--intermediate"]), layers=3)
+    assert head_dim_problem(ModelConfig.from_hf(json.loads((tmp_path / "model" / "config.json").read_text()))
+                            .head_dim) is None
+    config = ROOT / "tools" / "configs" / "one_gpu.json"
+    plan = plan_job(load_job(json.loads(one_gpu.write_job(config, tmp_path, "H100").read_text())))
     assert [(x.role, x.device, x.gpu_type) for x in plan.ranks] == [("train", 0, "H100"), ("rollout", 0, "H100")]
-    assert plan.train_knobs.dtype == plan.replicas[0].knobs.dtype == "float32"  # as on CPU: the tiny model learns
+    assert plan.train_knobs.dtype == plan.replicas[0].knobs.dtype == "bfloat16"
     assert plan.predicted["colocate"]["stretch"] >= 1 and plan.predicted["step_time_s"] > 0
+    cpu = json.loads(one_gpu.write_job(config, tmp_path, "cpu", small=True).read_text())
+    assert cpu["runtime"]["trainer"]["dtype"] == cpu["runtime"]["rollout"]["dtype"] == "float32"
 
 
 def test_a_measured_train_overhead_prices_the_one_gpu_plan(tmp_path, monkeypatch):
@@ -325,7 +340,7 @@ def test_gpu_e2e_script_cpu_mode(tmp_path):
                          timeout=900)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for line in ("held-out accuracy:", "(balanced)", "trainer: MFU", "weight sync:", "predicted vs measured step:",
-                 "trajectory accounting balances: MET"):
+                 "trajectory accounting balances: MET", "checks the pipeline", "s in all"):
         assert line in out.stdout, out.stdout[-3000:]
 
 

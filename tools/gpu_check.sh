@@ -1,75 +1,93 @@
 #!/usr/bin/env bash
-# Everything a lent GPU should run, in one device call (issue 8):
-#   install the carried wheels -> versions -> bench_kernels (writes profiles/<gpu>.json)
-#   -> compare_cost_model -> pytest -m gpu -> bench_sampling -> bench_train (if present) -> bench_rollout -> bench_fused -> bench_host_overhead.
-# Here, once: `bash tools/prepare_device_wheels.sh` (fills .whl/). On the device:
-#   run(command="bash tools/gpu_check.sh", carry=[".whl"], timeout_s=600)
-# Every stage runs under its own cap and a global deadline (BUDGET_S, default 300 s, so one short
-# GPU slot also fits the end-to-end run): a stage that fails or times out is reported and the rest
-# still run; each stage prints its time and the budget left. Expected on an H100 (2026-11-26 log,
-# 338 s then): kernels ~70 s, pytest -m gpu ~80 s, train ~50 s, rollout ~75 s, the rest ~20 s.
-# A follow-up call can run what was cut off: STAGES="wheels pytest rollout" bash tools/gpu_check.sh
-# QUICK=1 shrinks every grid (a smoke run). Grids are small on purpose: bench_kernels' decode grid
-# is 4 batches x 3 contexts (~1-2 min plus FlashInfer's JIT), bench_rollout runs 1024 output
-# tokens at batch 1, 64, 256 and HF generate only on short runs (batch 1 x 128, batch 64 x 256,
-# ours beside each: HF's 1024-token runs took 186 s), bench_train runs plain, decoupled and
-# checkpointing in one process.
-# Logs and the profile land in $OUT (the device returns at most 8 files): gpu_check.log (all
-# output), pytest.log, summary.txt, and the profile JSON.
+# Everything a lent GPU should measure, in two device calls of at most 5 minutes each, by priority (issue 42):
+#   call 1: (a) trainer step MFU and peak memory at the 1.5B shape (bench_train plain, decoupled)
+#           (b) the decode grid (bench_kernels, which writes profiles/<gpu>.json) and the sampling kernels
+#               (bench_sampling); (d) compare_cost_model reads that profile (~1 s, so right after (b))
+#           (c) the one-GPU end-to-end run (tools/gpu_e2e.sh: bf16, FlashInfer, CUDA graphs, overlap)
+#   call 2: (e) pytest -m gpu   (f) the rest: bench_rollout, bench_fused, bench_host_overhead
+# Both start with the carried wheels and prebuilt FlashInfer modules (tools/prepare_device_wheels.sh fills
+# .whl/ here first) and the versions. Each stage runs under its own cap and the call's deadline (BUDGET_S,
+# default 290 s); a stage cut off or failed is recorded and the next one runs. As it goes, every stage's
+# figures land in $OUT: gpu_check.log (all output), gpu_results.json (machine-readable, updated after each
+# stage: tools/gpu_results.py), pytest.log, summary.txt and the profile.
+#   run(command="bash tools/gpu_check.sh --call 1", carry=[".whl"], timeout_s=300)
+#   run(command="bash tools/gpu_check.sh --call 2", carry=[".whl"], timeout_s=300)
+#   bash tools/gpu_check.sh --rehearse [--call N]   # on CPU: the same script, each stage's command in its
+#       smallest CPU form (or its argument parsing where a CPU cannot run it): no typo, missing file or flag
+# STAGES="train e2e" runs a subset of the call's stages (names: wheels versions train kernels compare sampling
+# e2e pytest rollout fused overlap). Without CUDA (and without --rehearse) it refuses in one line.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+CALL=1 REHEARSE=0
+while (( $# )); do
+  case $1 in
+    --call) CALL=${2:-}; shift 2 ;;
+    --rehearse) REHEARSE=1; shift ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    *) echo "gpu_check: unknown argument '$1' (--call 1|2, --rehearse)"; exit 2 ;;
+  esac
+done
+[[ $CALL == 1 || $CALL == 2 ]] || { echo "gpu_check: --call must be 1 or 2, got '$CALL'"; exit 2; }
 OUT=${OUT:-/tmp/gpu_check_out}
-QUICK=${QUICK:-0}
-STAGES=${STAGES:-all}  # or a subset: "wheels versions kernels compare pytest sampling train rollout fused overlap e2e"
-BUDGET_S=${BUDGET_S:-300}
+STAGES=${STAGES:-all}
+BUDGET_S=${BUDGET_S:-290}
 PY=${PYTHON:-python3}
 START=$(date +%s)
 SUMMARY=()
 mkdir -p "$OUT" profiles
+if (( ! REHEARSE )) && ! "$PY" -c 'import sys, torch; sys.exit(not torch.cuda.is_available())' 2>/dev/null; then
+  echo "gpu_check: no CUDA device here (torch.cuda.is_available() is False): run it on the GPU machine, or --rehearse"
+  exit 2
+fi
+RESULTS=$OUT/gpu_results.json
+STAGE_LOG=$OUT/.stage.log
 
 elapsed() { echo $(( $(date +%s) - START )); }
+want() { [[ $STAGES == all || " $STAGES " == *" $1 "* ]]; }
 
-# stage NAME CAP_S CMD...: run CMD under min(CAP_S, time left before the deadline); record the outcome
+# stage NAME CAP_S CMD...: run CMD under min(CAP_S, time left), log it, record its outcome and its figures
 stage() {
   local name=$1 cap=$2
   shift 2
-  local left=$(( BUDGET_S - $(elapsed) - 10 ))
+  local left=$(( BUDGET_S - $(elapsed) - 5 ))
   (( cap > left )) && cap=$left
-  if (( cap < 15 )); then
+  if (( cap < 10 )); then
     SUMMARY+=("$(printf '%-8s %-22s %s' SKIPPED "$name" "(out of time)")")
     echo "=== $name: skipped, out of time ==="
-    return
+    "$PY" tools/gpu_results.py stage "$RESULTS" "$name" SKIPPED 0 /dev/null
+    return 1
   fi
   echo
   echo "=== $name (cap ${cap}s, at $(elapsed)s) ==="
   local t0 rc status
   t0=$(date +%s)
-  timeout --kill-after=10 "$cap" "$@"
-  rc=$?
+  timeout --kill-after=10 "$cap" "$@" 2>&1 | tee "$STAGE_LOG"
+  rc=${PIPESTATUS[0]}
   case $rc in
     0) status=OK ;;
     124|137) status=TIMEOUT ;;
     *) status="FAIL($rc)" ;;
   esac
-  SUMMARY+=("$(printf '%-8s %-22s %4ds' "$status" "$name" $(( $(date +%s) - t0 )))")
-  echo "--- $name: $status in $(( $(date +%s) - t0 ))s; $(elapsed)s of the ${BUDGET_S}s budget used ---"
+  local took=$(( $(date +%s) - t0 ))
+  SUMMARY+=("$(printf '%-8s %-22s %4ds' "$status" "$name" "$took")")
+  echo "--- $name: $status in ${took}s; $(elapsed)s of the ${BUDGET_S}s budget used ---"
+  "$PY" tools/gpu_results.py stage "$RESULTS" "$name" "$status" "$took" "$STAGE_LOG"
+  [[ $status == OK ]]
 }
 
-install_wheels() {
-  if ! ls .whl/*.whl >/dev/null 2>&1; then
-    echo "no .whl/*.whl carried (run tools/prepare_device_wheels.sh here and carry .whl): flashinfer, pyzmq, highspy missing"
-    return 1
-  fi
-  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+rehearse_wheels() {  # a CPU cannot install CUDA wheels usefully: parse the scripts, list the modules
+  bash -n tools/prepare_device_wheels.sh && "$PY" tools/flashinfer_aot.py --help >/dev/null \
+    && echo "rehearsal: prepare_device_wheels.sh parses; flashinfer_aot.py runs" \
+    && if "$PY" -c "import flashinfer" 2>/dev/null; then "$PY" tools/flashinfer_aot.py list; fi
 }
 
 show_versions() {
   nvidia-smi || echo "nvidia-smi failed"
-  $PY - <<'EOF'
+  "$PY" - <<'EOF'
 import importlib, torch, triton
 print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__)
 print("device", torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA")
-for name in ("flashinfer", "zmq", "highspy", "transformers"):
+for name in ("flashinfer", "tvm_ffi", "zmq", "highspy", "transformers"):
     try:
         mod = importlib.import_module(name)
         print(name, getattr(mod, "__version__", "?"), "import ok")
@@ -78,59 +96,75 @@ for name in ("flashinfer", "zmq", "highspy", "transformers"):
 EOF
 }
 
-want() { [[ $STAGES == all || " $STAGES " == *" $1 "* ]]; }
+# pick DEVICE_FORM REHEARSAL_FORM: the stage's command on the GPU, or its smallest CPU form
+pick() { if (( REHEARSE )); then eval "CMD=($2)"; else eval "CMD=($1)"; fi; }
 
-main() {
-  echo "gpu_check: QUICK=$QUICK STAGES=$STAGES BUDGET_S=$BUDGET_S OUT=$OUT ($(date -u +%FT%TZ))"
-  export PY PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py would otherwise turn the interpreter on
-  local marker
+call1() {
+  local B=tools/bench CMD
+  pick "$PY $B/bench_train.py --configs plain,decoupled --steps 2" \
+       "$PY $B/bench_train.py --shape tiny --seqs 2 --prompt-len 8 --completion-len 8 --micro-batch-tokens 64 --steps 1 --configs plain,decoupled"
+  want train && stage bench_train 75 "${CMD[@]}"
+  local marker profile=
   marker=$(mktemp)  # profiles written after this are this run's
-  want wheels && stage wheels 90 bash -c "$(declare -f install_wheels); install_wheels"
-  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-  want versions && stage versions 60 bash -c "$(declare -f show_versions); show_versions"
-  local quick=() train=(--configs plain,decoupled,checkpointing --steps 2)
-  local rollout=(--batch 1 --batch 64 --batch 256 --output-len 1024 --hf-runs 1x128,64x256)
-  if [[ $QUICK == 1 ]]; then
-    quick=(--quick); train=(--seqs 8 --steps 2); rollout=(--batch 1 --batch 64 --output-len 128 --no-hf)
-  fi
-  # FlashInfer JIT-compiles its kernels on first use (minutes on a fresh machine): bench_kernels
-  # goes first, so the profile is written even if later stages run out of time
-  want kernels && stage bench_kernels 100 $PY tools/bench/bench_kernels.py --out profiles/ "${quick[@]}"
-  local profile
-  profile=$(find profiles -maxdepth 1 -name '*.json' -newer "$marker" 2>/dev/null | head -1)
+  pick "$PY $B/bench_kernels.py --out profiles/" "$PY $B/bench_kernels.py --grid cpu --out $OUT/profiles"
+  want kernels && stage bench_kernels 90 "${CMD[@]}"
+  profile=$(find profiles "$OUT/profiles" -maxdepth 1 -name '*.json' -newer "$marker" 2>/dev/null | head -1)
+  rm -f "$marker"
   if want compare && [[ -n $profile ]]; then
-    stage compare_cost_model 60 $PY tools/bench/compare_cost_model.py "$profile"
+    stage compare_cost_model 20 "$PY" $B/compare_cost_model.py "$profile"
+    cp "$profile" "$OUT/"
   elif want compare; then
     SUMMARY+=("$(printf '%-8s %-22s %s' SKIPPED compare_cost_model '(no profile written by this run)')")
   fi
-  want pytest && stage "pytest -m gpu" 100 bash -c \
-    "set -o pipefail; $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs 2>&1 | tee '$OUT/pytest.log'"
-  want sampling && stage bench_sampling 60 $PY tools/bench/bench_sampling.py
-  if want train && [[ -f tools/bench/bench_train.py ]]; then
-    stage bench_train 75 $PY tools/bench/bench_train.py "${train[@]}"
-  fi
-  want rollout && stage bench_rollout 90 $PY tools/bench/bench_rollout.py "${rollout[@]}"
-  # issue 34: split vs fused weights vs fused + FlashInfer kernels, per decode step (last: runs if time is left)
-  want fused && stage bench_fused 150 $PY tools/bench/bench_fused.py
-  # issue 34: engine loop without / with host-GPU overlap, host vs wall ms per decode step (1.5B, random weights)
-  want overlap && stage bench_host_overhead 120 $PY tools/bench/bench_host_overhead.py --model qwen2.5-1.5b \
-    --batch 64 --context 1024 --steps 40 --repeats 2
-  # issue 33: one GPU runs the whole loop (trainer and rollout colocated), <= 240 s; alone: STAGES="wheels e2e"
-  want e2e && stage e2e 240 bash tools/gpu_e2e.sh
+  pick "$PY $B/bench_sampling.py" "$PY $B/bench_sampling.py --batch 1"
+  want sampling && stage bench_sampling 30 "${CMD[@]}"
+  pick "bash tools/gpu_e2e.sh" "bash tools/gpu_e2e.sh --cpu --rehearse"
+  want e2e && stage e2e 200 "${CMD[@]}"
+}
 
-  [[ -n $profile ]] && cp "$profile" "$OUT/"
-  rm -f "$marker"
+call2() {
+  local B=tools/bench CMD
+  pick "bash -c 'set -o pipefail; $PY -m pytest -m gpu -q -p no:cacheprovider -rfEs 2>&1 | tee $OUT/pytest.log'" \
+       "bash -c 'set -o pipefail; $PY -m pytest -m gpu -q -p no:cacheprovider --collect-only 2>&1 | tee $OUT/pytest.log'"
+  want pytest && stage "pytest -m gpu" 150 "${CMD[@]}"
+  pick "$PY $B/bench_rollout.py --batch 1 --batch 64 --batch 256 --output-len 1024 --hf-runs 1x128,64x256" \
+       "$PY $B/bench_rollout.py --batch 1 --batch 2 --prompt-len 4 --output-len 4 --no-hf"
+  want rollout && stage bench_rollout 90 "${CMD[@]}"
+  pick "$PY $B/bench_fused.py" "$PY $B/bench_fused.py --batch 1 --context 8"
+  want fused && stage bench_fused 80 "${CMD[@]}"
+  pick "$PY $B/bench_host_overhead.py --model qwen2.5-1.5b --batch 64 --context 1024 --steps 40 --repeats 2" \
+       "$PY $B/bench_host_overhead.py --model tiny --batch 2 --context 8 --steps 3 --repeats 1"
+  want overlap && stage bench_host_overhead 60 "${CMD[@]}"
+}
+
+main() {
+  echo "gpu_check: call $CALL$( (( REHEARSE )) && echo ' (REHEARSAL on CPU: smallest forms, no GPU figures)')" \
+       "STAGES=$STAGES BUDGET_S=$BUDGET_S OUT=$OUT ($(date -u +%FT%TZ))"
+  export PY PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py would otherwise turn the interpreter on
+  "$PY" tools/gpu_results.py init "$RESULTS" --call "$CALL" $( (( REHEARSE )) && echo --rehearse)
+  if want wheels; then
+    if (( REHEARSE )); then
+      stage wheels 60 bash -c rehearse_wheels
+    elif ! stage wheels 60 bash tools/install_wheels.sh; then
+      echo "gpu_check: the wheels stage failed: every later stage needs flashinfer, pyzmq and highspy; stopping"
+      return 1
+    fi
+  fi
+  export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+  want versions && stage versions 30 bash -c show_versions
+  if (( CALL == 1 )); then call1; else call2; fi
   {
-    echo "gpu_check summary ($(elapsed)s in all of a ${BUDGET_S}s budget: $( (( $(elapsed) <= BUDGET_S )) && echo within || echo OVER); QUICK=$QUICK STAGES=$STAGES)"
+    echo "gpu_check call $CALL summary ($(elapsed)s of a ${BUDGET_S}s budget$( (( REHEARSE )) && echo '; REHEARSAL'))"
     printf '  %s\n' "${SUMMARY[@]}"
-    [[ -n $profile ]] && echo "  profile: $profile (copied to \$OUT)"
     [[ -f $OUT/pytest.log ]] && echo "  pytest: $(tail -1 "$OUT/pytest.log")"
     grep -hE "^planner keys|median error|^targets:" "$OUT/gpu_check.log" 2>/dev/null | sed 's/^/  /'
   } > "$OUT/summary.txt"
+  rm -f "$STAGE_LOG"
   echo
   cat "$OUT/summary.txt"
   [[ ! "${SUMMARY[*]}" =~ FAIL|TIMEOUT ]]  # exit status: 0 only if every stage that ran passed
 }
 
-main "$@" 2>&1 | tee "$OUT/gpu_check.log"
+export -f rehearse_wheels show_versions
+main 2>&1 | tee "$OUT/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -43,11 +43,18 @@ def gpu_type() -> str:
 
 
 SMALL = {"batch_size": 16, "group_size": 4, "ppo_minibatches": 2, "eval_every": 2}  # the CPU smoke run's rl
+# The warm-started model of gpu_e2e.sh (tools/warm_start.py's flags): head_dim 64, one FlashInfer dispatches
+# (hexrl.model.ops.HEAD_DIMS), so the bf16 run goes through FlashInfer, CUDA graphs, the split sampler and overlap
+WARM_SHAPE = ["--hidden", "256", "--heads", "4", "--kv-heads", "2", "--intermediate", "512"]
 
 
 def write_job(config: Path, run: Path, gpu: str, small: bool = False) -> Path:
-    """The config with this run's model, out_dir and GPU type; `small`: SMALL's batch (a CPU smoke run)."""
+    """The config with this run's model, out_dir and GPU type; `small`: SMALL's batch (a CPU smoke run).
+    On CPU the dtypes become float32 (the config's bf16 is the GPU's rollout path)."""
     job = json.loads(config.read_text())
+    if gpu == "cpu":
+        for role in ("trainer", "rollout"):
+            job.setdefault("runtime", {}).setdefault(role, {})["dtype"] = "float32"
     if small:
         job["rl"].update(SMALL)
         job["data"]["synthetic"]["n_heldout"] = 100  # the warm start's --n-heldout: the same split
@@ -173,6 +180,7 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("gpu")
+    sub.add_parser("warm-shape", help="the warm start's model-shape flags")
     j = sub.add_parser("job")
     j.add_argument("config", type=Path)
     j.add_argument("run", type=Path)
@@ -185,6 +193,8 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "gpu":
         print(gpu_type())
+    elif a.cmd == "warm-shape":
+        print(" ".join(WARM_SHAPE))
     elif a.cmd == "job":
         print(write_job(a.config, a.run, a.gpu_type, a.small))
     else:

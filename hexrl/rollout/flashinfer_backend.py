@@ -59,6 +59,20 @@ def _use_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
     return num_qo_heads // num_kv_heads >= 4  # large GQA groups decode faster as a tensor-core prefill
 
 
+def attention_modules(num_qo_heads: int, num_kv_heads: int, head_dim: int,
+                      dtype: torch.dtype) -> list[tuple[str, tuple]]:
+    """The FlashInfer JIT modules our plans load for a model, as (kind, the arguments FlashInfer's
+    `gen_batch_{kind}_module` takes): the fa2 prefill (mixed steps, and decode with tensor cores), else
+    also the decode kernel. q, kv and out in `dtype`, int32 indptr, no RoPE in the kernel, no sliding
+    window, no soft cap (and no fp16 qk reduction for prefill): what `plan(...)` passes for our calls.
+    tools/flashinfer_aot.py builds these ahead of time."""
+    common = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False)
+    mods = [("prefill", ("fa2", *common, False))]
+    if not _use_tensor_cores(num_qo_heads, num_kv_heads):
+        mods.append(("decode", common))
+    return mods
+
+
 class FlashInferAttention:
     """Eager FlashInfer backend; `begin(meta)` plans a step and returns the attention callable.
     Its int workspace is shared with the CUDA-graph wrappers (only one plan is live at a time)."""

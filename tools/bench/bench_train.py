@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import resource
 import sys
 import tempfile
 import time
@@ -132,7 +133,10 @@ def run_config(a: argparse.Namespace, name: str, model_dir: Path, cfg: ModelConf
     flops = step_flops(cfg, batch, opts["decoupled"])
     tokens = sum(t.num_tokens - 1 for t in batch)
     cuda = device.type == "cuda"
-    mem = f"  peak mem {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB" if cuda else ""
+    if cuda:
+        mem = f"  peak mem {torch.cuda.max_memory_allocated(device) / 2**30:.1f} GiB"
+    else:  # the process's peak resident memory (Linux: KiB): every config so far, not this one alone
+        mem = f"  peak mem {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.3f} GiB (process RSS)"
     print(f"[{name}] {a.shape} on {torch.cuda.get_device_name(device) if cuda else 'cpu'}: {tokens} tokens/step, "
           f"{seconds * 1e3:.0f} ms/step, {tokens / seconds:,.0f} tokens/s, {cfg.num_params / 1e6:,.1f}M params{mem}")
     print(f"[{name}] MFU  {flops / seconds / 1e12:.4g} TFLOP/s / {peak / 1e12:.4g} TFLOP/s measured matmul peak = "
