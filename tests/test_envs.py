@@ -115,3 +115,27 @@ def test_every_env_problem_is_reported_at_once():
         load_job(job(env={"max_turns": 2}))
     with pytest.raises(ConfigError, match="env: must be an object"):
         load_job(job(env="calculator"))
+
+
+def test_the_documented_example_environment_runs_as_written(tmp_path, monkeypatch):
+    """docs/agentic.md's complete environment (< 60 lines), imported by name like a user's own."""
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "agentic.md").read_text()
+    code = doc.split("```python\n", 1)[1].split("```", 1)[0]
+    assert len(code.splitlines()) < 60
+    (tmp_path / "my_envs.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("my_envs", None)
+    j = load_job(job(env={"name": "my_envs:HigherLower", "max_turns": 3, "penalty": 0.2}))
+    assert j.env.options == {"penalty": 0.2}
+    with pytest.raises(ConfigError, match=r"penalty must be in \[0, 1\)"):
+        load_job(job(env={"name": "my_envs:HigherLower", "penalty": 1.5}))
+    p = Problem("6+1=", "7")
+    with EnvPool("my_envs:HigherLower", j.env.options, workers=1, timeout_s=30) as pool:
+        assert pool.run([("start", p, [])]) == [Step()]
+        assert pool.run_step(p, ["5\n"]) == Step(observation=" higher\n")
+        assert pool.run_step(p, ["5\n", "9\n"]) == Step(observation=" lower\n")
+        assert pool.run_step(p, ["5\n", "9\n", "7\n"]) == Step(done=True, reward=pytest.approx(0.6), reason="answer")
+        assert pool.run_step(p, ["seven\n"]) == Step(done=True, reason="not_a_number")

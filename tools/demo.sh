@@ -6,6 +6,9 @@ cd "$(dirname "$0")/.."
 bash tools/setup.sh
 source tools/python.sh
 export OMP_NUM_THREADS=1
+if [ "${1:-}" = agentic ]; then  # the calculator environment vs no tool, briefly (docs/agentic.md)
+  exec "$PY" tools/experiments/agentic_study.py "${RUN:-runs/agentic}" --quick
+fi
 RUN=${RUN:-runs/demo}
 mkdir -p "$RUN"
 if [ ! -f "$RUN/model/config.json" ]; then
