@@ -150,7 +150,9 @@ def _store_state(st_ptr, buf, B, rows, rmask, lo, hi, mbh, mass_lo, zk):
     tl.store(s + 4 * B, zk.to(tl.int32, bitcast=True), mask=rmask)
 
 
-@triton.jit
+# The batch size B and the search round `it` are not specialised: Triton would compile a variant per value
+# class (1, multiple of 16, other) of each, 33 compiles per engine start instead of 10 (tools/compile_sm90.py)
+@triton.jit(do_not_specialize=["B"])
 def _stats_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, stream_ptr,
                   pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, pbest_ptr, ptok_ptr, cidx_ptr, cn_ptr, cdrop_ptr, B, V,
                   GREEDY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
@@ -212,7 +214,7 @@ def _stats_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr
         tl.store(cdrop_ptr + out, drop, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B"])
 def _cand_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, stream_ptr,
                  pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, cidx_ptr, cn_ptr, cdrop_ptr, cbeg_ptr, dense_ptr, didx_ptr,
                  fast_ptr, ftok_ptr, fz_ptr, B, V, NB,
@@ -297,7 +299,7 @@ def _cand_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr,
     tl.store(fz_ptr + rows, zp, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "it"])
 def _round_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr,
                   st_ptr, part_ptr, fast_ptr, B, V, NB, it,
                   PHASE: tl.constexpr, FIRST: tl.constexpr, GREEDY: tl.constexpr, ROWS: tl.constexpr,
@@ -364,7 +366,7 @@ def _round_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, p
             tl.store(p + 3 * n, maxlt, mask=pmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "it"])
 def _kept_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, stream_ptr,
                  st_ptr, part_ptr, fast_ptr, kbest_ptr, ktok_ptr, B, V, NB, it,
                  GREEDY: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, CHUNK: tl.constexpr,
@@ -406,7 +408,7 @@ def _kept_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr,
         tl.store(ktok_ptr + rows * NBP + chunk, tok, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["B", "it"])
 def _finish_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr,
                    pbest_ptr, ptok_ptr, st_ptr, kbest_ptr, ktok_ptr, fast_ptr, ftok_ptr, fz_ptr, tok_ptr, lp_ptr,
                    B, V, NB, it,

@@ -165,3 +165,18 @@ def test_every_split_kernel_compiles_for_sm90_without_a_gpu():
                          text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count(" ok") == 10
+
+
+def test_one_engine_start_compiles_each_split_kernel_variant_once_not_per_batch_size():
+    """Issue 42: with B and `it` unspecialised, the 286 sampler launches of one engine start's graph
+    capture (13 sizes x plain and filtered heads) are 10 Triton variants, by Triton's own specialisation
+    rule (33 before: one per value class of B and it). The real sm_90 build of those is
+    `TRITON_INTERPRET=0 python tools/compile_sm90.py --engine-start --compile`."""
+    pytest.importorskip("triton.backends.compiler")
+    import compile_sm90
+
+    variants = compile_sm90.engine_start_compiles(256, 151936)
+    assert len(list(compile_sm90.engine_start_launches(256, 151936))) == 286
+    assert len(variants) == 10
+    names = sorted(k[0] for k in variants)
+    assert names.count("_round_kernel") == 4 and names.count("_stats_kernel") == 2  # (PHASE, FIRST); CAND 0/128

@@ -43,11 +43,13 @@ os.environ.setdefault("FLASHINFER_CUDA_ARCH_LIST", ARCH)  # before flashinfer re
 
 def specs() -> dict:
     """{name: FlashInfer JitSpec} of every module the runs load, made by FlashInfer's own generators."""
-    from flashinfer.jit import gen_act_and_mul_module, gen_batch_decode_module, gen_batch_prefill_module
+    from flashinfer.jit import core, gen_act_and_mul_module, gen_batch_decode_module, gen_batch_prefill_module
     from flashinfer.jit.norm import gen_norm_module  # the imports flashinfer's norm.py, rope.py, page.py make
     from flashinfer.jit.page import gen_page_module
     from flashinfer.jit.rope import gen_rope_module
 
+    if not core.current_compilation_context.TARGET_CUDA_ARCHS:  # flashinfer imported before ARCH was set
+        core.current_compilation_context.TARGET_CUDA_ARCHS = {(int(ARCH[0]), ARCH[2:])}
     out = {s.name: s for s in (gen_norm_module(), gen_rope_module(), gen_page_module(), gen_act_and_mul_module("silu"))}
     gen = {"prefill": gen_batch_prefill_module, "decode": gen_batch_decode_module}
     for _, hq, hkv, d, dtype in RUNS:
