@@ -257,7 +257,7 @@ def main(argv=None) -> None:
     args.resume = restart_resume(args, rank)
     plan, inputs = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
     set_run_umask(plan.job.share_run_dir)  # before this rank writes anything
-    pinning = affinity.pin(plan.job.cpu_affinity, local_rank)  # before any thread or child process starts
+    pinning = affinity.pin(plan.job.cpu_affinity, local_rank, local_world)  # before any thread or child starts
     print(affinity.describe(rank, plan.ranks[rank].role, pinning), flush=True)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
     device = init_distributed(rank, world, plan)

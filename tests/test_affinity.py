@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hexrl.runtime.affinity import core_problems, proc_cpu_seconds
+from hexrl.runtime import affinity
+from hexrl.runtime.affinity import busy_cores, core_problems, fair_threads, proc_cpu_seconds
 from hexrl.schema import ConfigError, load_job
 from hexrl.schema.affinity import CpuAffinity
 
@@ -108,3 +109,26 @@ def test_pinning_to_a_core_outside_the_allowed_set_fails_loudly():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_threads_are_the_free_cores_shared_out():
+    """2 cores that other CPU-bound jobs keep busy: 1 thread, not 2 (a 13x slower warm start, issue 45)."""
+    assert fair_threads(cores=2, busy=0.0) == 2  # a quiet 2-core machine
+    assert fair_threads(cores=2, busy=2.0) == 1 and fair_threads(cores=2, busy=7.5) == 1  # never 0
+    assert fair_threads(share=3, cores=2, busy=0.0) == 1  # the CPU demo's 3 ranks
+    assert fair_threads(share=2, cores=16, busy=3.2) == 6  # 12.8 free cores, 2 ranks
+    # /proc/loadavg: 1-, 5-, 15-minute loads, running/total tasks, last pid. This process is one of the running.
+    assert busy_cores("2.95 2.10 1.00 3/170 123") == 2  # two others running, for a while
+    assert busy_cores("0.20 0.10 0.05 4/170 123") == 0.2  # a momentary burst: the load average caps it
+    assert busy_cores("5.00 5.00 5.00 1/170 123") == 0  # only this process runs now
+    assert busy_cores() >= 0
+
+
+def test_an_unpinned_rank_takes_its_fair_share_of_threads(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(affinity, "busy_cores", lambda: 0.0)
+    cores = len(os.sched_getaffinity(0))
+    p = affinity.pin(None, 0, local_world=1)
+    assert p.requested is None and p.threads == torch.get_num_threads() == cores
+    assert affinity.pin(None, 0, local_world=cores + 1).threads == 1

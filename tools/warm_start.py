@@ -39,6 +39,7 @@ from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.model.decoder import Decoder  # noqa: E402
 from hexrl.model.tiny import tiny_config  # noqa: E402
 from hexrl.rewards import exact_match_reward  # noqa: E402
+from hexrl.runtime.affinity import available_cores, busy_cores, fair_threads  # noqa: E402
 
 
 @dataclass
@@ -113,7 +114,7 @@ def train_sft(model, tokenizer, train, dev, heldout, max_steps: int, batch: int,
     rng, dev_set = random.Random(seed), {p.prompt for p in dev}
     pool = [p for p in train if p.prompt not in dev_set]
     model.train()
-    res = {}
+    res, t0, prev = {}, time.time(), None
     for step in range(1, max_steps + 1):
         for g in opt.param_groups:  # linear warmup: the tiny model diverges without it
             g["lr"] = lr * min(1.0, step / 20)
@@ -126,11 +127,26 @@ def train_sft(model, tokenizer, train, dev, heldout, max_steps: int, batch: int,
             res = {"steps": step, "loss": loss.item(),
                    "dev_accuracy": greedy_accuracy(model, tokenizer, dev, max_new_tokens)[0],
                    "heldout_accuracy": greedy_accuracy(model, tokenizer, heldout, max_new_tokens)[0]}
+            elapsed = time.time() - t0
             log(f"sft step {step:5d}  loss {res['loss']:.4f}  dev_acc {res['dev_accuracy']:.3f}  "
-                f"heldout_acc {res['heldout_accuracy']:.3f}")
+                f"heldout_acc {res['heldout_accuracy']:.3f}  {elapsed:6.1f}s  "
+                + time_left(elapsed, step, max_steps, res["dev_accuracy"], prev, target_acc))
             if target_acc and res["dev_accuracy"] >= target_acc:
                 break
+            prev = (step, res["dev_accuracy"])
     return res
+
+
+def time_left(elapsed: float, step: int, max_steps: int, acc: float, prev: tuple[int, float] | None,
+              target: float) -> str:
+    """'left ~A s (at most B s)': B at this pace to max_steps; A where the dev accuracy's trend since
+    the previous evaluation reaches the target sooner."""
+    per_step = elapsed / step
+    most = per_step * (max_steps - step)
+    rate = (acc - prev[1]) / (step - prev[0]) if prev else 0.0
+    if target and acc < target and rate > 0:
+        return f"left ~{min(most, per_step * (target - acc) / rate):.0f}s (at most {most:.0f}s)"
+    return f"left at most {most:.0f}s"
 
 
 # ----------------------------------------------------------------------------- RL check (reference)
@@ -219,7 +235,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, default=256)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads (default: the cores this process may use that other work leaves free)")
     p.add_argument("--device", default="cpu", help="where the supervised phase runs (cpu, cuda); saved from the CPU")
     p.add_argument("--rl-check", type=int, default=0, metavar="STEPS", help="then run this many reference GRPO steps")
     p.add_argument("--rl-prompts", type=int, default=64)
@@ -228,7 +245,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = p.parse_args(argv)
     errors = [f"--{k.replace('_', '-')} must be >= 1, got {getattr(a, k)}"
               for k in ("steps", "batch", "eval_every", "n_train", "n_heldout", "n_dev", "threads", "rl_prompts")
-              if getattr(a, k) < 1]
+              if getattr(a, k) is not None and getattr(a, k) < 1]
     if a.rl_n < 2:
         errors.append(f"--rl-n must be >= 2 (GRPO compares samples of one prompt), got {a.rl_n}")
     if not 0 <= a.target_acc <= 1:
@@ -242,6 +259,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> dict:
     a = parse_args(argv)
+    if a.threads is None:
+        a.threads = fair_threads()
+        print(f"{a.threads} torch thread(s): {len(available_cores())} core(s), {busy_cores():.1f} kept busy by "
+              "other work (--threads to choose)", flush=True)
     torch.set_num_threads(a.threads)
     task = Task(tuple(a.digits), a.ops, a.n_train, a.n_heldout, a.n_dev, a.seed)
     train, dev, heldout = task.split()

@@ -7,9 +7,12 @@
 The job's `cpu_affinity` section (hexrl/schema/affinity.py) gives each local rank its cores.
 `pin` applies them to every thread that already exists (Linux affinity is per thread; threads
 and processes started later inherit it), sets torch's thread count, and checks the kernel
-reports exactly the requested set. Utilisation is the process's CPU seconds (its own and its
-waited-for children's, e.g. reward workers) from /proc/self/stat over the wall time since `pin`:
-with one thread on one core, 1 - utilisation is the fraction of the run the rank sat idle.
+reports exactly the requested set. Unpinned, a rank takes `fair_threads`: its share of the cores it
+may run on that other work leaves free (on 2 cores at load 15, 2 threads made 100 warm-start steps
+13x slower than 1 thread: each op waits for its descheduled thread). Utilisation is the process's
+CPU seconds (its own and its waited-for children's, e.g. reward workers) from /proc/self/stat
+over the wall time since `pin`: with one thread on one core, 1 - utilisation is the fraction of
+the run the rank sat idle.
 """
 from __future__ import annotations
 
@@ -36,6 +39,21 @@ class Pinning:
 def available_cores() -> set[int]:
     """The cores this process may run on (a launcher's cgroup or taskset may restrict them)."""
     return set(os.sched_getaffinity(0))
+
+
+def busy_cores(loadavg: str | None = None) -> float:
+    """Cores other work keeps busy now: runnable tasks (/proc/loadavg's running count, this process
+    excluded), at most the 1-minute load average, so a momentary burst does not count."""
+    fields = (Path("/proc/loadavg").read_text() if loadavg is None else loadavg).split()
+    return max(0.0, min(float(fields[0]), int(fields[3].split("/")[0]) - 1))
+
+
+def fair_threads(share: int = 1, cores: int | None = None, busy: float | None = None) -> int:
+    """Torch threads for each of `share` processes of ours: the cores this process may run on
+    (affinity) less those other work keeps busy (`busy_cores`), split evenly, at least 1."""
+    cores = len(available_cores()) if cores is None else cores
+    busy = busy_cores() if busy is None else busy
+    return max(1, int((cores - busy) // max(1, share)))
 
 
 def core_problems(spec: CpuAffinity | None, available: set[int] | None = None) -> list[str]:
@@ -67,13 +85,16 @@ def last_cpu(pid: int | str = "self") -> int:
     return int(text[text.rindex(")") + 2:].split()[36])
 
 
-def pin(spec: CpuAffinity | None, local_rank: int) -> Pinning:
-    """Pin this process's threads to the local rank's cores and set torch's thread count.
+def pin(spec: CpuAffinity | None, local_rank: int, local_world: int = 1) -> Pinning:
+    """Pin this process's threads to the local rank's cores and set torch's thread count (the job's
+    `cpu_affinity.threads`; unpinned: `fair_threads` for one of `local_world` ranks on this machine).
 
     Raises RuntimeError if the kernel reports a different core set than requested."""
     import torch
 
     requested = None
+    if spec is None:
+        torch.set_num_threads(fair_threads(local_world))
     if spec is not None:
         requested = sorted(set(spec.cores[local_rank]))
         for tid in os.listdir("/proc/self/task"):  # every thread that exists now (gloo, ZeroMQ come later)
