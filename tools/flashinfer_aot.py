@@ -31,7 +31,7 @@ ARCH = "9.0a"  # sm_90a: H100 and H200 (FlashInfer's own choice for a capability
 RUNS = [
     ("gpu_check: bench_kernels, bench_rollout, bench_fused, bench_host_overhead (qwen2.5-1.5b)", 12, 2, 128,
      torch.bfloat16),
-    ("gpu_e2e.sh and the colocated GPU test: warm_start --shape gpu", 4, 2, 64, torch.bfloat16),
+    ("gpu_e2e.sh and the colocated GPU test: tools/one_gpu.py WARM_SHAPE", 2, 1, 64, torch.bfloat16),
     ("pytest -m gpu: test_rollout_gpu gqa2 (bf16 parity, memory budget)", 4, 2, 64, torch.bfloat16),
     ("pytest -m gpu: test_rollout_gpu gqa4-tensor-cores (bf16 parity)", 8, 2, 64, torch.bfloat16),
     ("pytest -m gpu: test_rollout_gpu engines, test_rollout_overlap, test_rollout_uploads (fp16)", 4, 2, 64,

@@ -14,7 +14,7 @@
 #   bash tools/gpu_e2e.sh --cpu --rehearse   # gpu_check.sh --rehearse: a 5-step warm start, the job and its plan
 # The model: tools/warm_start.py's recipe in the shape `one_gpu.py warm-shape` gives (head_dim 64, so the bf16
 # rollout runs FlashInfer, CUDA graphs, the split sampler and overlap), trained in fp32 on the device (a
-# 1.6M-parameter model: seconds on a GPU, unmeasured), then run in bf16 as tools/configs/one_gpu.json says.
+# 0.4M-parameter model, ~1000 steps: seconds on a GPU, unmeasured), then run in bf16 as one_gpu.json says.
 # Environment: RUN (run directory), STEPS (GRPO steps), PYTHON; PROFILE=1 first measures the warm-started
 # model's own shape with bench_kernels --quick (its fixed per-pass costs dominate a tiny model's step) and
 # plans and simulates with that profile (RUN/profiles), at the price of the bench's time.
