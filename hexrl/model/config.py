@@ -11,12 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hexrl.input_files import read_json
+from hexrl.ranges import number_problem
 
 if TYPE_CHECKING:  # torch is imported where it is needed: the planner reads configs without it
     import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
-_REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass
@@ -46,58 +46,24 @@ class ModelConfig:
     @staticmethod
     def problems(d: dict) -> list[str]:
         """Every reason `d` (a parsed HF config.json) cannot be built, each naming its field."""
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
-        out = []
-        if arch not in SUPPORTED_ARCHITECTURES:
-            out.append(f"architectures: unsupported architecture {arch!r} "
-                       f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-        for key in _REQUIRED:
-            v = d.get(key)
-            if v is None:
-                out.append(f"{key}: missing")
-            elif not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-                out.append(f"{key}: expected a positive integer, got {v!r}")
-        for key in ("num_key_value_heads", "head_dim"):
-            v = d.get(key)
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v <= 0):
-                out.append(f"{key}: expected a positive integer, got {v!r}")
-        if out:
-            return out
-        heads = d["num_attention_heads"]
-        kv = d.get("num_key_value_heads") or heads
-        if heads % kv:
-            out.append(f"num_key_value_heads: {kv} does not divide num_attention_heads {heads}")
-        if "head_dim" not in d and d["hidden_size"] % heads:
-            out.append(f"hidden_size: {d['hidden_size']} not divisible by num_attention_heads {heads}")
-        return out
+        return read_hf(d)[1]
 
     @classmethod
     def from_hf(cls, d: dict) -> "ModelConfig":
         """Build from a parsed HF config.json, raising ValueError listing every problem."""
-        problems = cls.problems(d)
+        v, problems = read_hf(d)
         if problems:
             raise ValueError("invalid model config: " + "; ".join(problems))
-        archs = d.get("architectures") or []
-        arch = archs[0] if archs else _arch_from_model_type(d.get("model_type"))
-        heads = d["num_attention_heads"]
-        kv_heads = d.get("num_key_value_heads") or heads
-        head_dim = d.get("head_dim") or d["hidden_size"] // heads
-        rope = d.get("rope_parameters") or {}  # transformers >= 5 nests rope settings here
-        theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
-        scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        is_qwen = arch == "Qwen2ForCausalLM"
+        is_qwen = v["architecture"] == "Qwen2ForCausalLM"
         return cls(
-            vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"], num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=float(theta), rope_scaling=scaling,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            qkv_bias=True if is_qwen else bool(d.get("attention_bias", False)),
-            o_bias=False if is_qwen else bool(d.get("attention_bias", False)),
-            mlp_bias=False if is_qwen else bool(d.get("mlp_bias", False)),
-            max_position_embeddings=d.get("max_position_embeddings", 32768), architecture=arch,
-            eos_token_id=d.get("eos_token_id"), bos_token_id=d.get("bos_token_id"), hf=dict(d),
+            vocab_size=v["vocab_size"], hidden_size=v["hidden_size"], intermediate_size=v["intermediate_size"],
+            num_hidden_layers=v["num_hidden_layers"], num_attention_heads=v["num_attention_heads"],
+            num_key_value_heads=v["num_key_value_heads"], head_dim=v["head_dim"], rms_norm_eps=v["rms_norm_eps"],
+            rope_theta=v["rope_theta"], rope_scaling=v["rope_scaling"], tie_word_embeddings=v["tie_word_embeddings"],
+            qkv_bias=True if is_qwen else v["attention_bias"], o_bias=False if is_qwen else v["attention_bias"],
+            mlp_bias=False if is_qwen else v["mlp_bias"], max_position_embeddings=v["max_position_embeddings"],
+            architecture=v["architecture"], eos_token_id=v["eos_token_id"], bos_token_id=v["bos_token_id"],
+            hf=dict(d),
         )
 
     @classmethod
@@ -154,6 +120,121 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V cache bytes for one token over all layers (whole model, not per TP rank)."""
         return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * dtype_bytes
+
+
+# ----------------------------------------------------------------------------- the typed reader
+
+# field -> (lo, hi) of a positive integer; the ranges bound what the model allocates from them
+_SHAPE = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 18, "num_hidden_layers": 1024,
+          "num_attention_heads": 1024}
+_OPTIONAL_SHAPE = {"num_key_value_heads": 1024, "head_dim": 1024}
+MAX_POSITIONS = 1 << 21  # the rotary table holds every position: 2M x head_dim floats at most
+ROPE_TYPES = ("default", "linear", "llama3")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+
+
+def read_hf(d) -> tuple[dict, list[str]]:
+    """(the typed values hexrl uses, every problem naming its field) of a parsed HF config.json:
+    the one reader of config fields, for the planner, hexrl.main and hexrl.generate alike. Each
+    field has its type and a finite range (hexrl.ranges); a field of the wrong type is named,
+    never coerced (`"false"` is not False)."""
+    if not isinstance(d, dict):
+        return {}, [f"config: must be an object of Hugging Face config fields, got {type(d).__name__}"]
+    v, out = {}, []
+
+    def get(key, default, check):
+        x = d.get(key, default)
+        why = check(x)
+        if why:
+            out.append(f"{key}: {why}")
+        v[key] = x if not why else default
+        return v[key]
+
+    archs = d.get("architectures")
+    if archs is not None and not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        out.append(f"architectures: must be a list of architecture names, got {archs!r}"[:200])
+        archs = None
+    model_type = d.get("model_type")
+    if model_type is not None and not isinstance(model_type, str):
+        out.append(f"model_type: must be a string, got {model_type!r}"[:200])
+        model_type = None
+    arch = archs[0] if archs else _arch_from_model_type(model_type)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        out.append(f"architectures: unsupported architecture {arch!r} "
+                   f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    v["architecture"] = arch
+    for key, hi in _SHAPE.items():
+        get(key, None, lambda x, hi=hi: "missing" if x is None else number_problem(x, 1, hi, integer=True))
+    for key, hi in _OPTIONAL_SHAPE.items():
+        get(key, None, lambda x, hi=hi: None if x is None else number_problem(x, 1, hi, integer=True))
+    get("rms_norm_eps", 1e-6, lambda x: number_problem(x, 0, 1, lo_open=True))
+    get("max_position_embeddings", 32768, lambda x: number_problem(x, 1, MAX_POSITIONS, integer=True))
+    for key in _FLAGS:
+        get(key, False, lambda x: None if isinstance(x, bool) else f"must be true or false, got {x!r}"[:200])
+    rope = get("rope_parameters", None, lambda x: None if x is None or isinstance(x, dict)
+               else f"must be an object or null, got {type(x).__name__}") or {}  # transformers >= 5 nests rope here
+    theta = d.get("rope_theta", rope.get("rope_theta", 10000.0))
+    if why := number_problem(theta, 0, 1e12, lo_open=True):
+        out.append(f"rope_theta: {why}")
+    v["rope_theta"] = float(theta) if not why else 10000.0
+    scaling = d.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    out += [f"rope_scaling: {p}" for p in _rope_scaling_problems(scaling)]
+    v["rope_scaling"] = scaling if isinstance(scaling, dict) and _rope_type(scaling) != "default" else None
+    get("eos_token_id", None, lambda x: _token_id_problem(x, v.get("vocab_size"), lists=True))
+    get("bos_token_id", None, lambda x: _token_id_problem(x, v.get("vocab_size"), lists=False))
+    for key in (*_SHAPE, *_OPTIONAL_SHAPE, "max_position_embeddings"):  # 4096.0 is read as 4096
+        v[key] = int(v[key]) if v.get(key) is not None else v.get(key)
+    if not out:
+        heads = v["num_attention_heads"]
+        v["num_key_value_heads"] = v["num_key_value_heads"] or heads
+        if heads % v["num_key_value_heads"]:
+            out.append(f"num_key_value_heads: {v['num_key_value_heads']} does not divide num_attention_heads {heads}")
+        if v["head_dim"] is None and v["hidden_size"] % heads:
+            out.append(f"hidden_size: {v['hidden_size']} not divisible by num_attention_heads {heads}")
+        v["head_dim"] = v["head_dim"] or v["hidden_size"] // heads
+    return v, out
+
+
+def _rope_type(s: dict):
+    return s.get("rope_type", s.get("type", "default"))
+
+
+def _rope_scaling_problems(s) -> list[str]:
+    """Why a rope_scaling object cannot be applied (rope_inv_freq reads exactly these fields)."""
+    if s is None:
+        return []
+    if not isinstance(s, dict):
+        return [f"must be an object or null, got {type(s).__name__}"]
+    kind = _rope_type(s)
+    if kind not in ROPE_TYPES:
+        return [f"rope_type {kind!r} is not supported (supported: {', '.join(ROPE_TYPES)})"[:200]]
+    if kind == "default":
+        return []
+    fields = {"factor": (None, 0, 1e6)}
+    if kind == "llama3":
+        fields.update(low_freq_factor=(1.0, 0, 1e6), high_freq_factor=(4.0, 0, 1e6),
+                      original_max_position_embeddings=(8192, 0, MAX_POSITIONS))
+    out = []
+    for key, (default, lo, hi) in fields.items():
+        x = s.get(key, default)
+        why = "missing" if x is None else number_problem(x, lo, hi, lo_open=True,
+                                                           integer=key.startswith("original"))
+        if why:
+            out.append(f"{key}: {why}")
+    if kind == "llama3" and not out and s.get("high_freq_factor", 4.0) <= s.get("low_freq_factor", 1.0):
+        out.append("high_freq_factor must be > low_freq_factor")
+    return out
+
+
+def _token_id_problem(x, vocab: int | None, lists: bool) -> str | None:
+    """A token id (or, for eos, a list of them) inside the vocabulary; None is allowed."""
+    ids = x if lists and isinstance(x, list) else [x]
+    if x is None or (lists and x == []):
+        return None
+    for i in ids:
+        if why := number_problem(i, 0, (vocab - 1) if vocab else None, integer=True):
+            return why
+    return None
 
 
 def _model_type(arch: str) -> str:

@@ -1,7 +1,8 @@
 """Reading typed fields out of parsed JSON, collecting every problem instead of stopping at the first."""
 
-import math
 from pathlib import Path
+
+from hexrl.ranges import DEFAULT_MAX, number_problem
 
 
 def plural(n: int, noun: str) -> str:
@@ -48,7 +49,9 @@ class Reader:
         return d
 
     def num(self, d: dict, key: str, where: str, default=None, *, integer=False, lo=None,
-            hi=None, lo_open=False, none_ok=False, required=False):
+            hi=DEFAULT_MAX, lo_open=False, none_ok=False, required=False):
+        """A number field, finite and in [lo, hi] (hexrl.ranges: a field that gives no `hi` is
+        bounded by DEFAULT_MAX); reports the problem and returns `default` otherwise."""
         name = f"{where}.{key}"
         if key not in d:
             if required:
@@ -57,20 +60,11 @@ class Reader:
         v = d[key]
         if v is None and none_ok:
             return None
-        ok_int = isinstance(v, int) and not isinstance(v, bool)
-        ok = ok_int if integer else (ok_int or isinstance(v, float))
-        if isinstance(v, float) and integer and v.is_integer():
-            v, ok = int(v), True
-        if not ok or (isinstance(v, float) and not math.isfinite(v)):
-            self.bad(name, f"must be {'an integer' if integer else 'a number'}, got {v!r}")
+        why = number_problem(v, lo, hi, integer=integer, lo_open=lo_open)
+        if why:
+            self.bad(name, why)
             return default
-        if lo is not None and (v <= lo if lo_open else v < lo):
-            self.bad(name, f"must be {'>' if lo_open else '>='} {lo}, got {v}")
-            return default
-        if hi is not None and v > hi:
-            self.bad(name, f"must be <= {hi}, got {v}")
-            return default
-        return v
+        return int(v) if integer else v
 
     def boolean(self, d: dict, key: str, where: str, default: bool) -> bool:
         v = d.get(key, default)

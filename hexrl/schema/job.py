@@ -10,11 +10,17 @@ from pathlib import Path
 
 from hexrl.gpus import CATALOGUE, canonical_name
 from hexrl.input_files import InputFileError, read_json
-from hexrl.model.config import ModelConfig
+from hexrl.model.config import MAX_POSITIONS, ModelConfig
+from hexrl.ranges import MAX_RANKS, MAX_SEED, number_problem, numbers_problem
 from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.colocate import Colocate, cluster_problems, read_colocate
 from hexrl.schema.fields import ConfigError, Reader, resolve
 from hexrl.schema.knobs import read_overrides
+
+# sane ceilings of the numbers a job gives (hexrl.ranges bounds the rest by DEFAULT_MAX)
+MAX_BATCH, MAX_GROUP, MAX_SAMPLES = 1 << 16, 1 << 12, 1 << 20  # prompts, samples per prompt, samples per step
+MAX_GPUS_PER_NODE, MAX_NODES = 1024, 4096
+MAX_GBPS, MAX_PRICE = 1e5, 1e4  # GB/s of a link; $/h of one GPU
 
 # ----------------------------------------------------------------------------- model
 
@@ -117,7 +123,7 @@ def _read_data(r: Reader, d, base: Path, check_paths: bool) -> DataSpec:
             return DataSpec(synthetic={"task": "arithmetic", "n": 1000, "seed": 0})
         task = r.choice(s, "task", "data.synthetic", ("arithmetic",), "arithmetic")
         n = r.num(s, "n", "data.synthetic", 1000, integer=True, lo=1)
-        seed = r.num(s, "seed", "data.synthetic", 0, integer=True)
+        seed = r.num(s, "seed", "data.synthetic", 0, integer=True, hi=MAX_SEED)
         r.num(s, "n_heldout", "data.synthetic", 0, integer=True, lo=0)
         for k in sorted(set(s) - _SYNTHETIC_KEYS):
             r.bad(f"data.synthetic.{k}", f"unknown field (known: {', '.join(sorted(_SYNTHETIC_KEYS))})")
@@ -258,8 +264,11 @@ def _read_rl(r: Reader, d) -> RLSpec:
     known = set(RLSpec.__dataclass_fields__)
     d = r.section(d, "rl", known, renamed=RL_RENAMED)
     x, w = RLSpec(), "rl"
-    x.batch_size = r.num(d, "batch_size", w, x.batch_size, integer=True, lo=1)
-    x.group_size = r.num(d, "group_size", w, x.group_size, integer=True, lo=1)
+    x.batch_size = r.num(d, "batch_size", w, x.batch_size, integer=True, lo=1, hi=MAX_BATCH)
+    x.group_size = r.num(d, "group_size", w, x.group_size, integer=True, lo=1, hi=MAX_GROUP)
+    if x.batch_size * x.group_size > MAX_SAMPLES:  # before the planner simulates that many samples
+        r.bad("rl.group_size", f"batch_size x group_size = {x.batch_size * x.group_size:,} samples per step; "
+              f"at most {MAX_SAMPLES:,}")
     x.eta_max = r.num(d, "eta_max", w, x.eta_max, integer=True, lo=1)
     x.eta_w_std_target = float(r.num(d, "eta_w_std_target", w, x.eta_w_std_target, lo=0, lo_open=True))
     if d.get("eta") == "auto":
@@ -279,10 +288,10 @@ def _read_rl(r: Reader, d) -> RLSpec:
     x.lr_decay_steps = r.num(d, "lr_decay_steps", w, x.lr_decay_steps, integer=True, lo=0)
     x.lr_final_frac = float(r.num(d, "lr_final_frac", w, x.lr_final_frac, lo=0, hi=1))
     x.weight_decay = float(r.num(d, "weight_decay", w, x.weight_decay, lo=0))
-    x.max_new_tokens = r.num(d, "max_new_tokens", w, x.max_new_tokens, integer=True, lo=1)
+    x.max_new_tokens = r.num(d, "max_new_tokens", w, x.max_new_tokens, integer=True, lo=1, hi=MAX_POSITIONS)
     x.temperature = float(r.num(d, "temperature", w, x.temperature, lo=0))
     x.top_p = float(r.num(d, "top_p", w, x.top_p, lo=0, lo_open=True, hi=1))
-    top_k = r.num(d, "top_k", w, 0, integer=True, lo=-1)
+    top_k = r.num(d, "top_k", w, 0, integer=True, lo=-1, hi=1 << 22)
     x.top_k = max(top_k, 0)  # -1 (vLLM spelling) also means off
     x.clip_low = float(r.num(d, "clip_low", w, x.clip_low, lo=0, hi=1))
     x.clip_high = float(r.num(d, "clip_high", w, x.clip_high, lo=0))
@@ -292,7 +301,7 @@ def _read_rl(r: Reader, d) -> RLSpec:
     x.kl_coef = float(r.num(d, "kl_coef", w, x.kl_coef, lo=0))
     x.filter_equal_groups = r.boolean(d, "filter_equal_groups", w, True)
     x.steps = r.num(d, "steps", w, x.steps, integer=True, lo=1)
-    x.seed = r.num(d, "seed", w, x.seed, integer=True)
+    x.seed = r.num(d, "seed", w, x.seed, integer=True, hi=MAX_SEED)
     x.checkpoint_every = r.num(d, "checkpoint_every", w, 0, integer=True, lo=0)
     x.eval_every = r.num(d, "eval_every", w, 0, integer=True, lo=0)
     x.policy_kl_probe = r.num(d, "policy_kl_probe", w, 0, integer=True, lo=0)
@@ -349,7 +358,7 @@ def _read_workload(r: Reader, d, rl: RLSpec, env: EnvSpec | None = None) -> Work
     d = r.section(d, "workload", {"prompt_len", "output_len", "reward_s_per_sample", "equal_reward_fraction",
                                   "turns", "obs_len", "env_latency_s"} | _DIST_KEYS)
     w = WorkloadSpec()
-    w.prompt_len = r.num(d, "prompt_len", "workload", 256, integer=True, lo=1)
+    w.prompt_len = r.num(d, "prompt_len", "workload", 256, integer=True, lo=1, hi=MAX_POSITIONS)
     w.reward_s_per_sample = r.num(d, "reward_s_per_sample", "workload", None, lo=0)
     w.equal_reward_fraction = r.num(d, "equal_reward_fraction", "workload", 0.0, lo=0, hi=0.99)
     if w.equal_reward_fraction and not rl.filter_equal_groups:
@@ -404,15 +413,15 @@ def _check_lengths(r: Reader, raw, where: str, max_new: int) -> float | None:
         return None
     if kinds == ["samples"]:
         s = raw["samples"]
-        if not isinstance(s, list) or not s or not all(_is_num(v) and v >= 1 for v in s):
-            r.bad(f"{where}.samples", "must be a non-empty list of lengths >= 1")
+        if why := numbers_problem(s, 1, MAX_POSITIONS):
+            r.bad(f"{where}.samples", f"lengths {why}")
             return None
         return float(max(s))
     if kinds == ["histogram"]:
         return _check_histogram(r, raw["histogram"], f"{where}.histogram")
     n0 = len(r.problems)
-    mean = r.num(raw, "mean", where, lo=1)
-    mx = r.num(raw, "max", where, max_new, lo=1)
+    mean = r.num(raw, "mean", where, lo=1, hi=MAX_POSITIONS)
+    mx = r.num(raw, "max", where, max_new, lo=1, hi=MAX_POSITIONS)
     if mean is not None and mx is not None and mean > mx:
         r.bad(f"{where}.mean", f"{mean} > max {mx}")
     return None if len(r.problems) > n0 else float(mx)
@@ -426,17 +435,17 @@ def _check_histogram(r: Reader, h, where: str) -> float | None:
     if len(e) != len(c) + 1 or not c:
         r.bad(where, f"needs len(edges) == len(counts) + 1, got {len(e)} and {len(c)}")
         return None
-    if not all(_is_num(v) for v in e + c) or any(v < 0 for v in c) or sum(c) <= 0:
-        r.bad(where, "edges and counts must be numbers, counts >= 0 with a positive sum")
+    for name, values, hi in (("edges", e, MAX_POSITIONS), ("counts", c, 1e15)):
+        if why := numbers_problem(values, 0, hi, max_len=100_000):
+            r.bad(f"{where}.{name}", why)
+            return None
+    if sum(c) <= 0:
+        r.bad(f"{where}.counts", "must have a positive sum")
         return None
-    if any(b <= a for a, b in zip(e, e[1:])) or e[0] < 0:
+    if any(b <= a for a, b in zip(e, e[1:])):
         r.bad(f"{where}.edges", "must be increasing and >= 0")
         return None
     return max(max(1.0, (a + b) / 2) for (a, b), n in zip(zip(e, e[1:]), c) if n > 0)
-
-
-def _is_num(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 # ----------------------------------------------------------------------------- cluster
@@ -528,8 +537,11 @@ def _read_cluster(r: Reader, d) -> ClusterSpec:
         r.bad("cluster.nodes", f"all nodes must have the same number of GPUs (torchrun uses one "
               f"--nproc_per_node), got {', '.join(f'nodes[{i}]={g}' for i, g in counts)}")
     c = ClusterSpec(nodes)
-    c.inter_node_GBps = float(r.num(d, "inter_node_GBps", "cluster", 12.5, lo=0, lo_open=True))
-    c.intra_node_GBps = r.num(d, "intra_node_GBps", "cluster", None, lo=0, lo_open=True)
+    c.inter_node_GBps = float(r.num(d, "inter_node_GBps", "cluster", 12.5, lo=0, lo_open=True, hi=MAX_GBPS))
+    c.intra_node_GBps = r.num(d, "intra_node_GBps", "cluster", None, lo=0, lo_open=True, hi=MAX_GBPS)
+    if len(nodes) > MAX_NODES or c.world_size > MAX_RANKS:
+        r.bad("cluster.nodes", f"{len(nodes):,} nodes, {c.world_size:,} GPUs; at most {MAX_NODES:,} nodes and "
+              f"{MAX_RANKS:,} GPUs")
     c.cross_type_GBps = _read_cross(r, d.get("cross_type_GBps"))
     return c
 
@@ -544,7 +556,7 @@ def _read_node(r: Reader, n, i: int) -> NodeSpec | None:
     gpu_type = canonical_name(raw_type) if raw_type else None
     if raw_type and gpu_type is None:
         r.bad(f"{where}.gpu_type", f"unknown GPU type {raw_type!r} (known: {known_types()})")
-    gpus = r.num(n, "gpus", where, integer=True, lo=1, required=True)
+    gpus = r.num(n, "gpus", where, integer=True, lo=1, hi=MAX_GPUS_PER_NODE, required=True)
     address = r.text(n, "address", where, "127.0.0.1")
     if address in ("0.0.0.0", "*", "::", ""):  # peers connect to it, and the controller binds only it
         r.bad(f"{where}.address", f"must be the node's own address or hostname, not the wildcard {address!r}")
@@ -565,13 +577,13 @@ def _read_cross(r: Reader, c):
             if len(parts) != 2 or None in names:
                 r.bad(where, f"key must be 'TYPE/TYPE' with known types (known: {known_types()})")
                 continue
-            if not isinstance(v, (int, float)) or isinstance(v, bool) or v <= 0:
-                r.bad(where, f"must be a number > 0, got {v!r}")
+            if why := number_problem(v, 0, MAX_GBPS, lo_open=True):
+                r.bad(where, why)
                 continue
             out[f"{names[0]}/{names[1]}"] = float(v)
         return out
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or c <= 0:
-        r.bad("cluster.cross_type_GBps", f"must be a number > 0 or a {{'A/B': GBps}} object, got {c!r}")
+    if why := number_problem(c, 0, MAX_GBPS, lo_open=True):
+        r.bad("cluster.cross_type_GBps", f"{why} (or a {{'A/B': GBps}} object)")
         return None
     return float(c)
 
@@ -585,8 +597,8 @@ def _read_prices(r: Reader, d, cluster: ClusterSpec) -> dict[str, float]:
         name = canonical_name(k)
         if name is None:
             r.bad(f"prices.{k}", f"unknown GPU type (known: {known_types()})")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-            r.bad(f"prices.{k}", f"must be a number >= 0 ($/h per GPU), got {v!r}")
+        elif number_problem(v, 0, MAX_PRICE):
+            r.bad(f"prices.{k}", f"must be a number >= 0 and <= {MAX_PRICE:g} ($/h per GPU), got {v!r}")
         else:
             out[name] = float(v)
     for t in cluster.types():
@@ -606,12 +618,11 @@ def _read_layout(r: Reader, d) -> dict | None:
         return None
     d = r.section(d, "layout", _LAYOUT_KEYS)
     for k in ("train_gpus", "dp", "tp", "pp", "rollout_tp"):
-        r.num(d, k, "layout", integer=True, lo=1)
+        r.num(d, k, "layout", integer=True, lo=1, hi=MAX_RANKS)
     if "train_gpu_type" in d and canonical_name(d["train_gpu_type"]) is None:
         r.bad("layout.train_gpu_type", f"unknown GPU type {d['train_gpu_type']!r} (known: {known_types()})")
     tr = d.get("train_ranks")
-    if tr is not None and (not isinstance(tr, list) or not tr or
-                           not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in tr)):
+    if tr is not None and numbers_problem(tr, 0, MAX_RANKS - 1, integer=True, max_len=MAX_RANKS):
         r.bad("layout.train_ranks", "must be a non-empty list of global ranks (integers >= 0)")
     if "trainer" in d and not isinstance(d["trainer"], dict):
         r.bad("layout.trainer", "must be {dp, stages: [{gpu_type, tp, layers: [start, end]}]}")
@@ -706,7 +717,7 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     workload = _read_workload(r, d.get("workload"), rl, env)
     cluster = _read_cluster(r, d.get("cluster"))
     prices = _read_prices(r, d.get("prices"), cluster)
-    budget = r.num(d, "budget", "job", None, lo=0, lo_open=True, none_ok=True)
+    budget = r.num(d, "budget", "job", None, lo=0, lo_open=True, hi=1e12, none_ok=True)
     layout = _read_layout(r, d.get("layout"))
     runtime = read_overrides(r, d.get("runtime"))
     out_dir = r.text(d, "out_dir", "job", f"runs/{name}")

@@ -48,7 +48,8 @@ def read_train_knobs(r: Reader, d: dict, where: str, base: TrainKnobs) -> TrainK
     """`base` with the knobs `d` gives (only TRAIN_KEYS of d are read; the caller checks unknown keys)."""
     return TrainKnobs(
         activation_checkpointing=r.boolean(d, "activation_checkpointing", where, base.activation_checkpointing),
-        micro_batch_tokens=r.num(d, "micro_batch_tokens", where, base.micro_batch_tokens, integer=True, lo=1),
+        micro_batch_tokens=r.num(d, "micro_batch_tokens", where, base.micro_batch_tokens, integer=True, lo=1,
+                                 hi=1 << 24),
         dtype=r.choice(d, "dtype", where, DTYPES, base.dtype),
         grad_reduce_dtype=r.choice(d, "grad_reduce_dtype", where, GRAD_REDUCE_DTYPES, base.grad_reduce_dtype))
 
@@ -57,9 +58,9 @@ def read_rollout_knobs(r: Reader, d: dict, where: str, base: RolloutKnobs, whole
     """`base` with the knobs `d` gives; in a whole replica max_batch_tokens must cover max_running."""
     k = RolloutKnobs(
         max_running=r.num(d, "max_running", where, base.max_running, integer=True, lo=1),
-        max_batch_tokens=r.num(d, "max_batch_tokens", where, base.max_batch_tokens, integer=True, lo=1),
-        kv_pages=r.num(d, "kv_pages", where, base.kv_pages, integer=True, lo=1, none_ok=True),
-        page_size=r.num(d, "page_size", where, base.page_size, integer=True, lo=1),
+        max_batch_tokens=r.num(d, "max_batch_tokens", where, base.max_batch_tokens, integer=True, lo=1, hi=1 << 24),
+        kv_pages=r.num(d, "kv_pages", where, base.kv_pages, integer=True, lo=1, hi=1 << 26, none_ok=True),
+        page_size=r.num(d, "page_size", where, base.page_size, integer=True, lo=1, hi=1 << 16),
         dtype=r.choice(d, "dtype", where, DTYPES, base.dtype))
     if whole and k.max_batch_tokens < k.max_running:  # else some running sequences would skip decode steps
         r.bad(f"{where}.max_batch_tokens", f"{k.max_batch_tokens} < max_running {k.max_running}")

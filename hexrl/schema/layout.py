@@ -14,6 +14,8 @@ receiver mapped to them.
 
 from dataclasses import dataclass
 
+from hexrl.ranges import MAX_RANKS, number_problem
+
 
 @dataclass(frozen=True)
 class Stage:
@@ -57,6 +59,8 @@ class TrainerLayout:
             gpu_type = s.get("gpu_type") if isinstance(s, dict) else None
             stages.append(Stage(gpu_type, tp if _positive_int(tp) else 1, tuple(lay) if _is_range(lay) else (0, 0)))
         layout = cls(dp if _positive_int(dp) else 1, stages, d.get("ranks") if isinstance(d, dict) else None)
+        if not problems and layout.world_size > MAX_RANKS:  # before anything enumerates the grid
+            problems.append(f"layout: dp x stage tp = {layout.world_size:,} ranks; at most {MAX_RANKS:,}")
         problems = problems or layout.problems(num_layers)
         if problems:
             raise ValueError("invalid trainer layout:\n  " + "\n  ".join(problems))
@@ -139,7 +143,7 @@ class TrainerLayout:
 
 
 def _positive_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+    return number_problem(v, 1, MAX_RANKS, integer=True) is None and isinstance(v, int)
 
 
 def _is_rank(v) -> bool:

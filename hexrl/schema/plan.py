@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hexrl.gpus import CATALOGUE, canonical_name
+from hexrl.ranges import MAX_RANKS
 from hexrl.schema.colocate import FRACTIONS, RANKS_PER_DEVICE, fraction_problems
 from hexrl.schema.fields import ConfigError, Reader, plural, short
 from hexrl.schema.job import Job, known_types, parse_job, read_source
@@ -120,8 +121,8 @@ class Plan:
 
 
 def _read_ranks(r: Reader, raw) -> list[RankInfo]:
-    if not isinstance(raw, list) or not raw:
-        r.bad("ranks", "must be a non-empty list with one object per global rank")
+    if not isinstance(raw, list) or not raw or len(raw) > MAX_RANKS:
+        r.bad("ranks", f"must be a non-empty list with one object per global rank (at most {MAX_RANKS:,})")
         return []
     out, seen = [], {}
     for i, x in enumerate(raw):
@@ -129,7 +130,8 @@ def _read_ranks(r: Reader, raw) -> list[RankInfo]:
         x = r.section(x, w, {"rank", "node", "local_rank", "gpu_type", "role", "dp", "pp", "tp", "replica", "device"})
         if not x:
             continue
-        ints = {k: r.num(x, k, w, None, integer=True, lo=0, required=k in ("rank", "node", "local_rank", "tp"))
+        ints = {k: r.num(x, k, w, None, integer=True, lo=0, hi=MAX_RANKS,
+                         required=k in ("rank", "node", "local_rank", "tp"))
                 for k in ("rank", "node", "local_rank", "dp", "pp", "tp", "replica", "device")}
         if ints["rank"] in seen:
             r.bad(f"{w}.rank", f"rank {ints['rank']} listed twice (also ranks[{seen[ints['rank']]}])")
@@ -157,7 +159,7 @@ def _read_ranks(r: Reader, raw) -> list[RankInfo]:
 
 def _read_trainer(r: Reader, raw, max_seq: int) -> tuple[TrainerLayout | None, TrainKnobs]:
     t = r.section(raw, "trainer", {"dp", "stages"} | TRAIN_KEYS, required=True)
-    dp = r.num(t, "dp", "trainer", None, integer=True, lo=1, required=bool(t))
+    dp = r.num(t, "dp", "trainer", None, integer=True, lo=1, hi=MAX_RANKS, required=bool(t))
     stages = []
     raw_stages = t.get("stages")
     if t and (not isinstance(raw_stages, list) or not raw_stages):
@@ -169,7 +171,7 @@ def _read_trainer(r: Reader, raw, max_seq: int) -> tuple[TrainerLayout | None, T
         gt = canonical_name(s.get("gpu_type"))
         if gt is None:
             r.bad(f"{w}.gpu_type", f"unknown GPU type {s.get('gpu_type')!r} (known: {known_types()})")
-        tp = r.num(s, "tp", w, None, integer=True, lo=1, required=True)
+        tp = r.num(s, "tp", w, None, integer=True, lo=1, hi=MAX_RANKS, required=True)
         lay = s.get("layers")
         if not (isinstance(lay, list) and len(lay) == 2 and all(isinstance(v, int) for v in lay)):
             r.bad(f"{w}.layers", f"must be [start, end] integers, got {lay!r}")
@@ -179,6 +181,10 @@ def _read_trainer(r: Reader, raw, max_seq: int) -> tuple[TrainerLayout | None, T
     base = TrainKnobs(micro_batch_tokens=max_seq, dtype=default_dtype([s.gpu_type for s in stages]))
     knobs = read_train_knobs(r, t, "trainer", base)
     if dp is None or len(stages) != len(raw_stages or []):
+        return None, knobs
+    if dp * sum(s.tp for s in stages) > MAX_RANKS:  # before anything enumerates the grid
+        r.bad("trainer", f"dp {dp} x stage tp {[s.tp for s in stages][:8]} = {dp * sum(s.tp for s in stages):,} "
+              f"ranks; at most {MAX_RANKS:,}")
         return None, knobs
     return TrainerLayout(dp, stages), knobs
 
@@ -193,8 +199,8 @@ def _read_replicas(r: Reader, raw) -> list[Replica]:
     for i, x in enumerate(reps or []):
         w = f"rollout.replicas[{i}]"
         x = r.section(x, w, {"id", "gpu_type", "tp", "ranks", "share"} | ROLLOUT_KEYS)
-        rid = r.num(x, "id", w, None, integer=True, lo=0, required=True)
-        tp = r.num(x, "tp", w, None, integer=True, lo=1, required=True)
+        rid = r.num(x, "id", w, None, integer=True, lo=0, hi=MAX_RANKS, required=True)
+        tp = r.num(x, "tp", w, None, integer=True, lo=1, hi=MAX_RANKS, required=True)
         share = r.num(x, "share", w, None, lo=0, hi=1, required=True)
         gt = canonical_name(x.get("gpu_type"))
         if gt is None:

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from hexrl import ranges
 from hexrl.input_files import InputFileError, read_json
 from hexrl.model.checkpoint import CheckpointError
 from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
@@ -227,7 +228,7 @@ def _torch_load(path: Path, **kw):
         raise CheckpointError(f"{path}: corrupt or truncated ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-MAX_RANKS = 1 << 16  # a saved layout with more trainer ranks is damaged (and would list billions of files)
+MAX_RANKS = ranges.MAX_RANKS  # a saved layout with more trainer ranks is damaged (and would list billions of files)
 
 
 def expected_files(layout) -> list[str]:
