@@ -81,7 +81,8 @@ def specialization(fn, values: dict) -> tuple:
     from triton.runtime.jit import native_specialize_impl
 
     # a JITFunction keeps the list; under TRITON_INTERPRET=1 an InterpretedFunction keeps its jit keywords
-    skip = set(getattr(fn, "do_not_specialize", None) or fn.kwargs.get("do_not_specialize") or ())
+    skip = getattr(fn, "do_not_specialize", None)
+    skip = set(skip if skip is not None else fn.kwargs.get("do_not_specialize") or ())
     return tuple((name, native_specialize_impl(BaseBackend, v, False, name not in skip, name not in skip))
                  for name, v in values.items() if name in fn.arg_names)
 
