@@ -53,3 +53,9 @@ def test_the_carried_modules_are_complete_and_fit_the_carry_limit():
     assert flashinfer_aot.would_compile(ROOT / ".whl" / "aot") == []
     size = sum(f.stat().st_size for f in (ROOT / ".whl").rglob("*") if f.is_file())
     assert size < 64 * 2**20 - 4 * 2**20, size  # the work tree travels within the same 64 MiB
+
+
+def test_the_compile_seconds_saved_are_read_from_ninjas_log(tmp_path):
+    (tmp_path / ".ninja_log").write_text("# ninja log v5\n0\t1000\t1\tnorm/a.o\th\n5\t2500\t1\tnorm/norm.so\th\n"
+                                         "0\t9000\t1\trope/rope.o\th\n100\t3100\t2\trope/rope.o\th\n")
+    assert flashinfer_aot.compile_seconds(tmp_path) == {"norm": 3.495, "rope": 3.0}  # the latest run of each output

@@ -91,23 +91,41 @@ def would_compile(aot_dir: Path) -> list[str]:
     return missing
 
 
+def compile_seconds(jit_dir: Path) -> dict[str, float]:
+    """{module: seconds its compile and link jobs ran} from ninja's log in FlashInfer's JIT directory (the
+    latest run of each output): what the device would otherwise spend compiling, one job at a time."""
+    last = {}
+    for line in (Path(jit_dir) / ".ninja_log").read_text().splitlines():
+        if not line.startswith("#"):
+            start, end, _, out, _ = line.split("\t")
+            last[out] = (int(end) - int(start)) / 1000
+    per: dict[str, float] = {}
+    for out, s in last.items():
+        per[out.split("/")[0]] = per.get(out.split("/")[0], 0.0) + s
+    return per
+
+
 def build(aot_dir: Path, jobs: int) -> None:
     """Compile every module with FlashInfer's own ninja rules (its JIT directory under build/), then copy
     each `<name>.so` to `aot_dir/<name>/`, stripped of symbols the loader does not need."""
     from flashinfer.jit import build_jit_specs
+    from flashinfer.jit import env as jit_env
 
     os.environ.setdefault("MAX_JOBS", str(jobs))
     todo = specs()
     t0 = time.perf_counter()
     build_jit_specs(list(todo.values()), verbose=False, skip_prebuilt=False)
     print(f"compiled {len(todo)} modules in {time.perf_counter() - t0:.0f} s ({jobs} jobs)", flush=True)
+    secs = compile_seconds(jit_env.FLASHINFER_JIT_DIR)
+    print(f"compiling saved on the device: {sum(secs.get(n, 0.0) for n in todo):.0f} s of compile jobs here (one "
+          "job at a time; per module below)", flush=True)
     for name, spec in todo.items():
         dst = Path(aot_dir) / name / f"{name}.so"
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(spec.jit_library_path, dst)
         if shutil.which("strip"):
             os.system(f"strip --strip-unneeded '{dst}'")
-        print(f"  {name}: {dst.stat().st_size / 2**20:.1f} MiB", flush=True)
+        print(f"  {name}: {dst.stat().st_size / 2**20:.1f} MiB, {secs.get(name, 0.0):.0f} s", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
