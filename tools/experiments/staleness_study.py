@@ -496,7 +496,8 @@ def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict
             f"{f'lr decaying linearly to {a.lr_final:g} x lr by the last step, ' if a.lr_final is not None else ''}"
             f"{lr.layout(a.shared_cores)[1]}; warm start "
             f"{ws['heldout_accuracy']:.3f} held-out ({ws.get('n_heldout', 500)} problems); mean [min-max] over seeds "
-            f"{seeds}. Wall time excludes evaluation and the KL probe; trainer wait = time the trainer waited for a "
+            f"{sorted({x['seed'] for v in stats.values() for x in v})} (finished runs). "
+            "Wall time excludes evaluation and the KL probe; trainer wait = time the trainer waited for a "
             "batch / wall.")
     goals = targets(by, sorted({x for x, _, _ in configs}))
     text = head + "\n\n" + tables(rows) + ("\n\nThe issue's targets:\n\n" + "\n".join(goals) if goals else "")
@@ -505,7 +506,7 @@ def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict
                  a.docs_name)
     pair_text, pair_data = paired_report(stats, runs)
     if pair_text:
-        print(pair_text)
+        print("\n" + pair_text)
         write_report(a.out, "paired", head + "\n\n" + pair_text, pair_data, None, a.docs, "staleness-paired")
     return by
 
