@@ -96,3 +96,17 @@ def test_the_results_parsers_read_the_gpu_tools_lines():
                                                  "logprob_mismatch_mean": 3.1e-3, "logprob_mismatch_p99": 2.24e-2}}
     assert gpu_results.pytest_counts(H100_LOG) == {"pytest": {"passed": 25, "skipped": 3, "deselected": 931,
                                                               "error": 1}}
+
+
+def test_the_rehearsal_checks_the_device_forms_flags(tmp_path):
+    """A flag the GPU form passes that its tool does not declare stops the rehearsal, though the CPU form
+    (which the rehearsal runs) is fine."""
+    shutil.copytree(ROOT / "tools", tmp_path / "tools", ignore=shutil.ignore_patterns("__pycache__"))
+    script = tmp_path / "tools" / "gpu_check.sh"
+    text = script.read_text()
+    assert "bench_train.py --configs plain,decoupled --steps 2" in text
+    script.write_text(text.replace("bench_train.py --configs plain,decoupled --steps 2",
+                                   "bench_train.py --config plain,decoupled --steps 2"))
+    env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "STAGES": "versions"}
+    out = subprocess.run(["bash", str(script), "--rehearse"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "passes --config, which tools/bench/bench_train.py does not declare" in out.stdout

@@ -96,8 +96,23 @@ for name in ("flashinfer", "tvm_ffi", "zmq", "highspy", "transformers"):
 EOF
 }
 
-# pick DEVICE_FORM REHEARSAL_FORM: the stage's command on the GPU, or its smallest CPU form
-pick() { if (( REHEARSE )); then eval "CMD=($2)"; else eval "CMD=($1)"; fi; }
+# pick DEVICE_FORM REHEARSAL_FORM: the stage's command on the GPU, or its smallest CPU form; a rehearsal also
+# checks the device form: its tool exists and declares every --flag the form passes
+pick() {
+  if (( ! REHEARSE )); then eval "CMD=($1)"; return; fi
+  eval "CMD=($2)"
+  local dev tool= word
+  eval "dev=($1)"
+  for word in "${dev[@]}"; do [[ $word == *.py || $word == *.sh ]] && { tool=$word; break; }; done
+  [[ -z $tool ]] && return
+  [[ -f $tool ]] || { echo "gpu_check: the device form names $tool, which does not exist"; exit 3; }
+  for word in "${dev[@]}"; do
+    if [[ $word == --* ]] && ! grep -q -- "[\"]${word%%=*}[\"]" "$tool"; then
+      echo "gpu_check: the device form passes $word, which $tool does not declare"
+      exit 3
+    fi
+  done
+}
 
 call1() {
   local B=tools/bench CMD
