@@ -134,3 +134,25 @@ def test_many_episodes_interleave_under_page_pressure_and_a_weight_update(ckpt):
     assert s.interrupts == 1 and s.finished["length"] == 8 * 4 + 4
     assert s.evictions > 0  # pressure was real: waiting episodes gave their pages up
     assert engine.pool.num_free == engine.pool.num_pages and not engine._parked and not engine._live
+
+
+def test_a_turn_looks_for_its_stop_string_only_in_its_own_tokens(tmp_path):
+    """The previous turn ended with the stop string; the next turn must not stop on it again."""
+    from hexrl.data.tokenizer import CharTokenizer
+
+    tok = CharTokenizer()
+    path = make_tiny_model(tmp_path / "c", seed=3, vocab=tok.vocab_size, tie=False)
+    prompt = tok.encode("12+34=")
+    free = Engine(load_pretrained(path), EngineConfig(page_size=4, max_pages=64), tokenizer=tok)
+    text = tok.decode(free.generate([Request(0, prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True)])[0]
+                      .token_ids)
+    stop = text[:2]  # greedy writes it at once
+    engine = Engine(load_pretrained(path), EngineConfig(page_size=4, max_pages=64), tokenizer=tok)
+    engine.add(Request("e", prompt, max_new_tokens=12, temperature=0.0, ignore_eos=True, stop_strings=(stop,),
+                       episode=True))
+    assert tok.decode(_next_turn(engine)) == stop
+    engine.extend("e", tok.encode("7"), 12)
+    second = tok.decode(_next_turn(engine))
+    # the window once reached back into the previous turn, which ends with the stop string: it stopped
+    # after one token
+    assert len(second) >= 2 and stop not in second[:-1] and (second.endswith(stop) or len(second) == 12)

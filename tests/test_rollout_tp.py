@@ -1,5 +1,6 @@
 """A tensor-parallel replica (2 CPU processes over gloo) generates what a single process does,
-through an interrupt with new weights as well."""
+through an interrupt with new weights as well, and with an episode extended and released between
+turns (the followers apply the leader's extends in the same order)."""
 from pathlib import Path
 
 import torch
@@ -29,7 +30,8 @@ def requests() -> list[Request]:
     reqs = [Request(i, torch.randint(3, 128, (n,), generator=g).tolist(), max_new_tokens=10, temperature=0.0,
                     ignore_eos=True) for i, n in enumerate([4, 9, 2, 13])]
     return reqs + [Request("sampled", [5, 6, 7], max_new_tokens=10, temperature=1.0, top_k=30, seed=3,
-                           ignore_eos=True)]
+                           ignore_eos=True), Request("ep", [9, 8], max_new_tokens=3, temperature=0.0, ignore_eos=True,
+                                                     episode=True)]
 
 
 def run_leader(engine: Engine, new_weights) -> dict:
@@ -39,7 +41,13 @@ def run_leader(engine: Engine, new_weights) -> dict:
     while engine.has_work():
         if k == SWITCH_AT:
             engine.update_weights(new_weights, 1)
-        outs.update({str(f.id): (f.token_ids, f.versions) for f in engine.step()})
+        for f in engine.step():
+            key = str(f.id) if f.id != "ep" else f"ep{sum(x.startswith('ep') for x in outs)}"
+            outs[key] = (f.token_ids, f.versions)
+            if f.id == "ep" and key != "ep3":  # three observations, then the episode ends
+                engine.extend("ep", [11, 12, 13][:int(key[2]) + 1], 3)
+            elif f.id == "ep":
+                engine.release("ep")
         k += 1
     return outs
 
@@ -64,3 +72,4 @@ def test_tp2_equals_tp1_through_an_interrupt(tmp_path):
     sharded, _ = run_world(worker, 2, str(a), str(b))
     assert sharded == single
     assert any(0 < versions.count(0) < 10 for _, versions in single.values())  # the switch hit mid-sequence
+    assert [k for k in single if k.startswith("ep")] == ["ep0", "ep1", "ep2", "ep3"]

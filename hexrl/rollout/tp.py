@@ -21,8 +21,9 @@ def _group(tp: TPGroup):
 def broadcast_from_leader(event: tuple[str, object] | None, tp: TPGroup) -> tuple[str, object]:
     """Send an engine event `(kind, arg)` from TP rank 0 to the others; every rank returns it.
 
-    `arg` is None, an int (a version) or a list of Requests. Events travel as msgpack bytes,
-    never pickle: a length broadcast, then the payload.
+    `arg` is None, an int (a version) or a list of Requests and episode ops (("extend", id, ids,
+    max_new_tokens) or ("release", id)). Events travel as msgpack bytes, never pickle: a length
+    broadcast, then the payload.
     """
     group, src = _group(tp), dist.get_global_rank(_group(tp), 0)
     device = compute_device()  # the rank's own (rule 1 of hexrl/runtime/dist_rules.py)
@@ -33,14 +34,15 @@ def broadcast_from_leader(event: tuple[str, object] | None, tp: TPGroup) -> tupl
 def _encode(event: tuple[str, object]) -> bytes:
     kind, arg = event
     if kind == "step":
-        arg = [dataclasses.asdict(r) for r in arg]
+        arg = [dataclasses.asdict(r) if isinstance(r, Request) else list(r) for r in arg]
     return msgpack.packb([kind, arg])
 
 
 def _decode(raw: bytes) -> tuple[str, object]:
     kind, arg = msgpack.unpackb(raw)
     if kind == "step":
-        arg = [Request(**{k: tuple(v) if k in ("stop_ids", "stop_strings") else v for k, v in r.items()}) for r in arg]
+        arg = [Request(**{k: tuple(v) if k in ("stop_ids", "stop_strings") else v for k, v in r.items()})
+               if isinstance(r, dict) else tuple(r) for r in arg]
     return kind, arg
 
 
