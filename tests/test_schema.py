@@ -133,6 +133,18 @@ def test_every_problem_reported_at_once():
     assert len(e.value.problems) == len(expected)
 
 
+def test_an_unknown_field_suggests_the_known_one_it_resembles():
+    bad = small_job()
+    bad["rl"] = {"learning_rate": 1e-4, "etta": 2, "zzz": 1}
+    bad["data"] = {"synthetic": {"task": "arithmetic", "n": 10, "n_held_out": 5}}
+    with pytest.raises(ConfigError) as e:
+        load_job(bad)
+    msg = str(e.value)
+    assert "rl.etta: unknown field (did you mean 'eta'? known: " in msg
+    assert "data.synthetic.n_held_out: unknown field (did you mean 'n_heldout'? known: " in msg
+    assert "rl.zzz: unknown field (known: " in msg  # nothing close: the list alone
+
+
 def test_model_path_reads_config_json(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(PRESETS["tiny"]))

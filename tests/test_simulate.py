@@ -263,8 +263,16 @@ def test_cli(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "tokens/s" in text and "staleness" in text
     assert json.loads(out.read_text())["steps"] == 6
+    assert "{" not in text  # staleness is a table, not a Python dict
     bad = plan.to_dict()
     bad["ranks"][0]["role"] = "critic"
     (tmp_path / "bad.json").write_text(json.dumps(bad))
     assert main(["simulate", str(tmp_path / "bad.json")]) == 2
     assert "unknown role 'critic'" in capsys.readouterr().err
+
+
+def test_staleness_prints_as_a_table():
+    from hexrl.plan.__main__ import staleness_table
+
+    assert staleness_table({0: 120, 1: 8, 12: 3}) == ["  versions behind   0  1  12",
+                                                      "  trajectories    120  8   3"]

@@ -3,6 +3,7 @@
     python tools/warm_start.py OUT_DIR                  # 2-digit addition; stops at dev accuracy >= 0.4
     python tools/warm_start.py OUT_DIR --rl-check 200   # then a quick single-process GRPO check
     python tools/warm_start.py OUT_DIR --device cuda    # the supervised phase on the GPU
+    python tools/warm_start.py OUT_DIR --gym '{"tasks": "chain_sum", "prompt": "{expression} ="}'  # reasoning-gym
 
 Creates a random tiny Qwen2-shaped model and trains it with cross-entropy on the answer tokens
 plus eos (prompt masked). The budget is deliberately SHORT: training stops at the first
@@ -32,13 +33,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hexrl.data.datasets import load_dataset  # noqa: E402
+from hexrl.data.gym import gym_answer  # noqa: E402
 from hexrl.data.heldout import greedy_accuracy, prompt_ids  # noqa: E402
 from hexrl.data.tokenizer import CharTokenizer  # noqa: E402
 from hexrl.model.checkpoint import save_pretrained  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.model.decoder import Decoder  # noqa: E402
 from hexrl.model.tiny import tiny_config  # noqa: E402
-from hexrl.rewards import exact_match_reward  # noqa: E402
+from hexrl.rewards import exact_match_reward, reward_fn_by_name  # noqa: E402
 from hexrl.runtime.affinity import available_cores, busy_cores, fair_threads  # noqa: E402
 
 
@@ -52,20 +54,39 @@ class Task:
     n_heldout: int = 500
     n_dev: int = 200  # last problems of the train split: SFT stopping rule only, not trained on
     seed: int = 0
+    gym: dict | None = None  # a reasoning-gym task instead: data.reasoning_gym's tasks (and prompt)
 
     def synthetic(self) -> dict:
         """The job.json `data.synthetic` section that rebuilds exactly this split."""
         return {"task": "arithmetic", "n": self.n_train, "n_heldout": self.n_heldout, "seed": self.seed,
                 "digits": list(self.digits), "ops": self.ops}
 
-    def split(self):
-        """(train, dev, held_out); dev is the tail of train, so RL may still train on it."""
-        train, heldout = load_dataset(synthetic=self.synthetic())
-        return train, train[-self.n_dev:], heldout
+    def data(self) -> dict:
+        """The job.json `data` section that rebuilds exactly this split."""
+        if self.gym is None:
+            return {"synthetic": self.synthetic()}
+        return {"reasoning_gym": {**self.gym, "size": self.n_train, "n_heldout": self.n_heldout, "seed": self.seed}}
 
     @property
-    def max_new_tokens(self) -> int:
-        return self.digits[1] + 3  # carry digit, eos, one token of slack
+    def reward(self) -> str:
+        """The job's reward: exact match, or the reasoning-gym task's own scorer."""
+        return "exact" if self.gym is None else "gym"
+
+    def split(self):
+        """(train, dev, held_out); dev is the tail of train, so RL may still train on it."""
+        data = self.data()
+        train, heldout = load_dataset(synthetic=data.get("synthetic"), gym=data.get("reasoning_gym"))
+        return train, train[-self.n_dev:], heldout
+
+    def max_new_tokens(self, problems) -> int:
+        if self.gym is None:
+            return self.digits[1] + 3  # carry digit, eos, one token of slack
+        return max(len(target(p)) for p in problems) + 2  # eos, one token of slack
+
+
+def target(p) -> str:
+    """What the model should answer (a reasoning-gym problem's answer field holds its whole entry)."""
+    return gym_answer(p) if p.kind == "gym" else p.answer
 
 
 @dataclass
@@ -90,7 +111,7 @@ def sft_batch(tokenizer, problems) -> tuple[torch.Tensor, torch.Tensor]:
     seqs, starts = [], []
     for p in problems:
         prompt = prompt_ids(tokenizer, p.prompt)
-        seqs.append(prompt + tokenizer.encode(p.answer) + [tokenizer.eos_id])
+        seqs.append(prompt + tokenizer.encode(target(p)) + [tokenizer.eos_id])
         starts.append(len(prompt))
     s = max(map(len, seqs))
     ids = torch.full((len(seqs), s), tokenizer.pad_id, dtype=torch.long)
@@ -108,8 +129,10 @@ def sft_loss(model, ids: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
 
 
 def train_sft(model, tokenizer, train, dev, heldout, max_steps: int, batch: int, lr: float, seed: int,
-              eval_every: int, target_acc: float, max_new_tokens: int, log=print) -> dict:
-    """AdamW on random batches until dev accuracy >= target_acc (0: run all max_steps)."""
+              eval_every: int, target_acc: float, max_new_tokens: int, log=print,
+              reward_fn=exact_match_reward) -> dict:
+    """AdamW on random batches until dev accuracy >= target_acc (0: run all max_steps); the held-out
+    accuracy is measured once, at the end (it decides nothing)."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     rng, dev_set = random.Random(seed), {p.prompt for p in dev}
     pool = [p for p in train if p.prompt not in dev_set]
@@ -125,15 +148,15 @@ def train_sft(model, tokenizer, train, dev, heldout, max_steps: int, batch: int,
         opt.step()
         if step % eval_every == 0 or step == max_steps:
             res = {"steps": step, "loss": loss.item(),
-                   "dev_accuracy": greedy_accuracy(model, tokenizer, dev, max_new_tokens)[0],
-                   "heldout_accuracy": greedy_accuracy(model, tokenizer, heldout, max_new_tokens)[0]}
+                   "dev_accuracy": greedy_accuracy(model, tokenizer, dev, max_new_tokens, reward_fn=reward_fn)[0]}
             elapsed = time.time() - t0
-            log(f"sft step {step:5d}  loss {res['loss']:.4f}  dev_acc {res['dev_accuracy']:.3f}  "
-                f"heldout_acc {res['heldout_accuracy']:.3f}  {elapsed:6.1f}s  "
+            log(f"sft step {step:5d}  loss {res['loss']:.4f}  dev_acc {res['dev_accuracy']:.3f}  {elapsed:6.1f}s  "
                 + time_left(elapsed, step, max_steps, res["dev_accuracy"], prev, target_acc))
             if target_acc and res["dev_accuracy"] >= target_acc:
                 break
             prev = (step, res["dev_accuracy"])
+    res["heldout_accuracy"] = greedy_accuracy(model, tokenizer, heldout, max_new_tokens, reward_fn=reward_fn)[0]
+    log(f"held-out accuracy {res['heldout_accuracy']:.3f} ({len(heldout)} problems)")
     return res
 
 
@@ -237,6 +260,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--intermediate", type=int, default=256)
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads (default: the cores this process may use that other work leaves free)")
+    p.add_argument("--gym", type=json.loads, metavar="JSON",
+                   help='a reasoning-gym task instead of --digits/--ops: data.reasoning_gym\'s "tasks" and "prompt" '
+                        '(pip install -e .[gym]); --n-train, --n-heldout, --seed as for arithmetic')
     p.add_argument("--device", default="cpu", help="where the supervised phase runs (cpu, cuda); saved from the CPU")
     p.add_argument("--rl-check", type=int, default=0, metavar="STEPS", help="then run this many reference GRPO steps")
     p.add_argument("--rl-prompts", type=int, default=64)
@@ -264,16 +290,17 @@ def main(argv=None) -> dict:
         print(f"{a.threads} torch thread(s): {len(available_cores())} core(s), {busy_cores():.1f} kept busy by "
               "other work (--threads to choose)", flush=True)
     torch.set_num_threads(a.threads)
-    task = Task(tuple(a.digits), a.ops, a.n_train, a.n_heldout, a.n_dev, a.seed)
+    task = Task(tuple(a.digits), a.ops, a.n_train, a.n_heldout, a.n_dev, a.seed, a.gym)
     train, dev, heldout = task.split()
+    max_new_tokens, reward_fn = task.max_new_tokens(train), reward_fn_by_name(task.reward)
     tok = CharTokenizer()
     shape = ModelShape(a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate)
     model = build_model(shape, a.seed).to(a.device)
-    acc0 = greedy_accuracy(model, tok, heldout, task.max_new_tokens)[0]
+    acc0 = greedy_accuracy(model, tok, heldout, max_new_tokens, reward_fn=reward_fn)[0]
     print(f"model {model.cfg.num_params} params; task {asdict(task)}; random-init heldout_acc {acc0:.3f}")
     t0 = time.time()
     res = train_sft(model, tok, train, dev, heldout, a.steps, a.batch, a.lr, a.seed, a.eval_every,
-                    a.target_acc, task.max_new_tokens)
+                    a.target_acc, max_new_tokens, reward_fn=reward_fn)
     wall = time.time() - t0
     model.to("cpu")  # saved, and the RL check run, from the host
     if a.target_acc and res["dev_accuracy"] < a.target_acc:
@@ -281,14 +308,15 @@ def main(argv=None) -> dict:
     save_pretrained(model, a.out)
     tok.save(a.out)
     info = {**res, "init_heldout_accuracy": acc0, "wall_seconds": round(wall, 2), "batch": a.batch, "lr": a.lr,
-            "target_acc": a.target_acc, "task": asdict(task), "data_synthetic": task.synthetic(),
-            "model": asdict(shape), "max_new_tokens": task.max_new_tokens, "threads": a.threads,
+            "target_acc": a.target_acc, "task": asdict(task), "data": task.data(), "reward": task.reward,
+            **({"data_synthetic": task.synthetic()} if a.gym is None else {}),
+            "model": asdict(shape), "max_new_tokens": max_new_tokens, "threads": a.threads,
             "device": a.device}
     Path(a.out, "warm_start.json").write_text(json.dumps(info, indent=2))
     print(f"warm start: {res['steps']} steps in {wall:.1f}s, heldout_acc {res['heldout_accuracy']:.3f}; wrote {a.out}")
     if a.rl_check:
         curve = rl_check(model, tok, train, heldout, a.rl_check, a.rl_prompts, a.rl_n, a.rl_lr, a.seed,
-                         a.eval_every, task.max_new_tokens)
+                         a.eval_every, max_new_tokens)
         info["rl_check"] = {"prompts_per_step": a.rl_prompts, "n": a.rl_n, "lr": a.rl_lr, "curve": curve}
         Path(a.out, "rl_check.json").write_text(json.dumps(info["rl_check"], indent=2))  # model not saved
     return info

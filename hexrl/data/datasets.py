@@ -222,12 +222,17 @@ def make_arithmetic_split(n_train: int, n_heldout: int, seed: int = 0, **kwargs)
 
 
 def load_dataset(synthetic: dict | None = None, path: str | None = None,
-                 kind: str = "math") -> tuple[list[Problem], list[Problem]]:
+                 kind: str = "math", gym: dict | None = None) -> tuple[list[Problem], list[Problem]]:
     """(train, held-out) problems of a job's `data` section.
 
     Synthetic: `{"task": "arithmetic", "n": N, "seed": S, "n_heldout": H, digits/ops/negatives}`
     gives N training and H disjoint held-out problems. JSONL: all lines train, none held out.
+    gym: the `reasoning_gym` section (hexrl.data.gym).
     """
+    if gym is not None:
+        from hexrl.data.gym import load_reasoning_gym  # an optional dependency: only its jobs import it
+
+        return load_reasoning_gym(gym)
     if synthetic is not None:
         opts = {k: v for k, v in synthetic.items() if k not in ("task", "n", "seed", "n_heldout")}
         if "digits" in opts:
@@ -256,12 +261,13 @@ def _is_code_benchmark(path: str) -> bool:
     return isinstance(rec, dict) and (("entry_point" in rec and "test" in rec) or "test_list" in rec)
 
 
-def dataset_problems(synthetic: dict | None) -> list[str]:
-    """Why a job's synthetic data section cannot be generated (cheap: run before any process starts)."""
-    if synthetic is None:
+def dataset_problems(synthetic: dict | None, gym: dict | None = None) -> list[str]:
+    """Why a job's synthetic or reasoning-gym data section cannot be generated (cheap: run before any
+    process starts)."""
+    if synthetic is None and gym is None:
         return []
     try:
-        load_dataset(synthetic=synthetic)
-    except (TypeError, ValueError) as e:
-        return [f"data.synthetic: {e}"]
+        load_dataset(synthetic=synthetic, gym=gym)
+    except (TypeError, ValueError, KeyError, ImportError) as e:
+        return [f"data.{'synthetic' if gym is None else 'reasoning_gym'}: {e}"]
     return []

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-KINDS = ("math", "synthetic", "code")
+KINDS = ("math", "synthetic", "code", "gym")
 
 
 @dataclass

@@ -74,9 +74,16 @@ def plan_main(argv) -> int:
     return 0
 
 
+def staleness_table(hist: dict[int, int]) -> list[str]:
+    """Two aligned rows: versions behind, and how many trajectories were trained that far behind."""
+    cols = [(str(k), str(v)) for k, v in sorted(hist.items())] or [("-", "0")]
+    width = [max(len(a), len(b)) for a, b in cols]
+    return ["  versions behind " + "  ".join(a.rjust(w) for (a, _), w in zip(cols, width)),
+            "  trajectories    " + "  ".join(b.rjust(w) for (_, b), w in zip(cols, width))]
+
+
 def report(res, plan) -> str:
     pr = plan.predicted
-    stale = ", ".join(f"{k}: {v}" for k, v in res.staleness.items())
     return "\n".join([
         f"steps     : {res.steps} simulated, {res.window_s:.1f} s measured after warm-up",
         f"step time : {res.step_time_s:.2f} s simulated, {res.predicted_step_s:.2f} s predicted by the cost model",
@@ -85,8 +92,8 @@ def report(res, plan) -> str:
         f"busy      : trainer {res.trainer_busy:.0%}, rollout GPUs {res.rollout_busy:.0%}, "
         f"weight sync {res.sync_fraction:.0%}",
         f"idle      : trainer GPUs {res.idle['train']:.0%}, rollout GPUs {res.idle['rollout']:.0%}",
-        f"staleness : {{{stale}}} trajectories by versions behind; over eta: {res.violations}; "
-        f"dropped as stale: {res.dropped_stale}",
+        f"staleness : over eta: {res.violations}; dropped as stale: {res.dropped_stale}; trained on:",
+        *staleness_table(res.staleness),
         *([f"eta auto  : {res.eta_by_step} after each step (w std {plan.job.rl.eta_w_std_target:g} allowed)"]
           if plan.job.rl.eta == "auto" else []),
     ])

@@ -18,6 +18,17 @@ def pyplot(what: str, path: str):
     return plt
 
 
+LEGEND = ("T sS dD tT: trainer, pipeline stage S, data-parallel rank D, tensor-parallel rank T;  "
+          "RN tT: rollout replica N, its tensor-parallel rank T")
+
+
+def box_label(rank) -> str:
+    """A GPU's two-line label in the picture (abbreviations: LEGEND, printed under it)."""
+    if rank.role == "train":
+        return f"T s{rank.pp}\nd{rank.dp} t{rank.tp}"
+    return f"R{rank.replica}\nt{rank.tp}"
+
+
 def draw_plan(plan: Plan, path: str) -> bool:
     """Write a PNG of the assignment; False (with a message on stderr) if matplotlib is missing."""
     plt = pyplot("--draw", path)
@@ -32,10 +43,9 @@ def draw_plan(plan: Plan, path: str) -> bool:
         y = len(c.nodes) - 1 - x.node
         if x.role == "train":
             color = train_cm(0.35 + 0.55 * x.pp / pp)
-            label = f"T s{x.pp}\nd{x.dp} t{x.tp}"
         else:
             color = roll_cm(0.3 + 0.6 * (x.replica % 8) / min(8, n_rep))
-            label = f"R{x.replica}\nt{x.tp}"
+        label = box_label(x)
         ax.add_patch(plt.Rectangle((x.local_rank, y), 0.92, 0.85, color=color))
         ax.text(x.local_rank + 0.46, y + 0.42, label, ha="center", va="center", fontsize=7)
     ax.set_yticks([len(c.nodes) - 1 - i + 0.42 for i in range(len(c.nodes))])
@@ -47,7 +57,8 @@ def draw_plan(plan: Plan, path: str) -> bool:
     ax.set_title(f"step {pr.get('step_time_s', 0):.1f} s, {pr.get('tokens_per_s', 0):.0f} tokens/s, "
                  f"${pr.get('cost_per_hour', 0):.2f}/h  (blue: train stages, orange: rollout replicas)",
                  fontsize=8)
-    fig.tight_layout()
+    fig.text(0.5, 0.01, LEGEND, ha="center", va="bottom", fontsize=6)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True

@@ -28,17 +28,19 @@ from multiprocessing.reduction import ForkingPickler
 from typing import Callable, Iterable
 
 from hexrl.rewards.code import code_reward, unsafe_default
+from hexrl.rewards.gym import gym_reward, import_gym
 from hexrl.rewards.math import math_reward
 from hexrl.rewards.sandbox import check_isolation
 from hexrl.rewards.synthetic import exact_match_reward
 
 RewardFn = Callable[[str, object], float]
 
-REWARD_FNS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_match_reward, "code": code_reward}
+REWARD_FNS: dict[str, RewardFn] = {"math": math_reward, "exact": exact_match_reward, "code": code_reward,
+                                   "gym": gym_reward}
 
 
 def reward_fn_by_name(name: str) -> RewardFn:
-    """The reward function called `name`: "math", "exact" or "code"."""
+    """The reward function called `name`: "math", "exact", "code" or "gym"."""
     if name not in REWARD_FNS:
         raise ValueError(f"unknown reward {name!r}; choose one of {sorted(REWARD_FNS)}")
     return REWARD_FNS[name]
@@ -67,6 +69,8 @@ def _warm_up(fn: RewardFn) -> None:
     """Pay one-time import costs before the first timed call (math-verify's first: seconds)."""
     if fn is math_reward:
         math_reward("\\boxed{\\sqrt{4}}", "2")
+    if fn is gym_reward:  # importing reasoning-gym's ~100 tasks takes seconds
+        import_gym()
 
 
 MAX_CHUNK = 32  # items handed to one worker at once: enough to outlast a decode step

@@ -63,7 +63,7 @@ def encode_prompts(problems: list[Problem], tokenizer, vocab_size: int, max_len:
 
 def run_prompts(job, tokenizer) -> tuple[Prompts, Prompts]:
     """(train, held-out) prompts of `job` that the run can use (raises what load_dataset raises)."""
-    train, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
+    train, heldout = load_dataset(job.data.synthetic, job.data.path, job.data.kind, job.data.reasoning_gym)
     cfg = job.model.config
     room = cfg.max_position_embeddings - job.rl.max_new_tokens
     return (encode_prompts(train, tokenizer, cfg.vocab_size, room),
@@ -85,7 +85,7 @@ class Inputs:
 def _dataset_problems(job: Job, where: str) -> list[str]:
     """Why the job's dataset gives no training problems (read without a tokenizer)."""
     try:
-        train, _ = load_dataset(job.data.synthetic, job.data.path, job.data.kind)
+        train, _ = load_dataset(job.data.synthetic, job.data.path, job.data.kind, job.data.reasoning_gym)
     except (OSError, ValueError, TypeError) as e:
         return [f"{where}: {e}"]
     return [] if train else [f"{where}: holds no training problems"]
@@ -95,7 +95,7 @@ def check_inputs(job: Job, resume: str | None = None, layout: dict | None = None
     """Every reason the run's inputs cannot be used (the synthetic data spec, the --resume checkpoint
     for the trainer `layout`, the model's weight files, the tokenizer, every prompt), each naming
     its file. The prompts are tokenized once, here, and the trainer takes them from the result."""
-    out = Inputs(dataset_problems(job.data.synthetic))
+    out = Inputs(dataset_problems(job.data.synthetic, job.data.reasoning_gym))
     if out.problems:
         return out
     if resume is not None:
@@ -108,7 +108,8 @@ def check_inputs(job: Job, resume: str | None = None, layout: dict | None = None
             out.notes += [f"--resume {resume}: {n}; resuming from {step.name} instead" for n in passed_over]
     if job.model.path:
         out.problems += weight_file_problems(job.model.path)
-    where = f"data.path {job.data.path}" if job.data.path else "data.synthetic"
+    where = (f"data.path {job.data.path}" if job.data.path else
+             "data.reasoning_gym" if job.data.reasoning_gym else "data.synthetic")
     if not job.model.path:  # no tokenizer to encode prompts with: the dataset must still hold some
         out.problems += _dataset_problems(job, where)
         return out
@@ -132,7 +133,8 @@ def plan_time_checks(job: Job) -> tuple[list[str], list[str]]:
     """(problems, warnings) of a job at plan time. The planner may run where the dataset is not
     (it is read at run time, on the cluster): a missing data.path is then a loud warning, and the
     model's files are still checked; a dataset that is here is checked in full."""
-    if job.data.synthetic or (job.data.path and Path(job.data.path).exists()):  # a FIFO is refused, not skipped
+    # a FIFO is refused, not skipped
+    if job.data.synthetic or job.data.reasoning_gym or (job.data.path and Path(job.data.path).exists()):
         return check_inputs(job).problems, []
     warning = (f"WARNING: data.path {job.data.path} does not exist here; the run reads it at start on every "
                "node and refuses to start without it")

@@ -1,5 +1,6 @@
 """Reading typed fields out of parsed JSON, collecting every problem instead of stopping at the first."""
 
+import difflib
 from pathlib import Path
 
 from hexrl.ranges import DEFAULT_MAX, number_problem
@@ -20,6 +21,13 @@ class ConfigError(ValueError):
 
 
 # ----------------------------------------------------------------------------- reading
+
+def unknown_field(name: str, known) -> str:
+    """'unknown field (did you mean 'x'? known: ...)': the closest known name when one is close."""
+    close = difflib.get_close_matches(str(name), sorted(known), n=1, cutoff=0.6)
+    hint = f"did you mean {close[0]!r}? " if close else ""
+    return f"unknown field ({hint}known: {', '.join(sorted(known))})"
+
 
 class Reader:
     """Reads typed fields from nested dicts, collecting problems instead of raising."""
@@ -45,7 +53,7 @@ class Reader:
             if renamed and k in renamed:
                 self.bad(f"{where}.{k}", f"renamed to {where}.{renamed[k]}; rename it in the job file")
             elif k not in known:
-                self.bad(f"{where}.{k}", f"unknown field (known: {', '.join(sorted(known))})")
+                self.bad(f"{where}.{k}", unknown_field(k, known))
         return d
 
     def num(self, d: dict, key: str, where: str, default=None, *, integer=False, lo=None,

@@ -14,7 +14,7 @@ from hexrl.model.config import MAX_POSITIONS, ModelConfig
 from hexrl.ranges import MAX_RANKS, MAX_SEED, number_problem, numbers_problem
 from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.colocate import Colocate, cluster_problems, read_colocate
-from hexrl.schema.fields import ConfigError, Reader, resolve
+from hexrl.schema.fields import ConfigError, Reader, resolve, unknown_field
 from hexrl.schema.knobs import read_overrides
 
 # sane ceilings of the numbers a job gives (hexrl.ranges bounds the rest by DEFAULT_MAX)
@@ -102,20 +102,46 @@ class DataSpec:
     path: str | None = None  # JSONL, one prompt record per line
     kind: str = "math"  # math | code (ignored for synthetic data)
     synthetic: dict | None = None  # {"task": "arithmetic", "n": ..., "seed": ..., task options}
+    reasoning_gym: dict | None = None  # {"tasks": ..., "size": ..., "n_heldout": ..., "seed": ..., "prompt": ...}
 
     def to_dict(self) -> dict:
         if self.synthetic is not None:
             return {"synthetic": dict(self.synthetic)}
+        if self.reasoning_gym is not None:
+            return {"reasoning_gym": dict(self.reasoning_gym)}
         return {"path": self.path, "kind": self.kind}
 
 
 _SYNTHETIC_KEYS = {"task", "n", "seed", "n_heldout", "digits", "ops", "negatives"}
+_GYM_KEYS = {"tasks", "size", "n_heldout", "seed", "prompt"}
+
+
+def _read_gym(r: Reader, g) -> DataSpec:
+    """data.reasoning_gym (hexrl/data/gym.py); the task names are checked where reasoning-gym is installed
+    (hexrl.data.datasets.dataset_problems, at plan time and before launch)."""
+    g = r.section(g, "data.reasoning_gym", _GYM_KEYS)
+    tasks = g.get("tasks")
+    ok = (isinstance(tasks, str) and tasks) or (isinstance(tasks, list) and tasks and all(
+        isinstance(t, str) for t in tasks)) or (isinstance(tasks, dict) and tasks and all(
+            isinstance(c, dict) for c in tasks.values()))
+    if not ok:
+        r.bad("data.reasoning_gym.tasks", "a task name, a list of names, or {name: {its config options}}, "
+              f"got {tasks!r}")
+    size = r.num(g, "size", "data.reasoning_gym", 1000, integer=True, lo=1)
+    held = r.num(g, "n_heldout", "data.reasoning_gym", 0, integer=True, lo=0)
+    seed = r.num(g, "seed", "data.reasoning_gym", 0, integer=True)
+    prompt = g.get("prompt", "{question}")
+    if not isinstance(prompt, str) or not prompt:
+        r.bad("data.reasoning_gym.prompt", f"a format string like \"{{question}}\", got {prompt!r}")
+    return DataSpec(reasoning_gym={"tasks": tasks, "size": size, "n_heldout": held, "seed": seed, "prompt": prompt})
 
 
 def _read_data(r: Reader, d, base: Path, check_paths: bool) -> DataSpec:
-    d = r.section(d, "data", {"path", "kind", "synthetic"}, required=True)
-    if "synthetic" in d and "path" in d:
-        r.bad("data", "give either path or synthetic, not both")
+    d = r.section(d, "data", {"path", "kind", "synthetic", "reasoning_gym"}, required=True)
+    if len({"synthetic", "path", "reasoning_gym"} & set(d)) > 1:
+        r.bad("data", "give one of path, synthetic or reasoning_gym")
+    if "reasoning_gym" in d:
+        return _read_gym(r, d["reasoning_gym"])
     if "synthetic" in d:
         s = d["synthetic"]
         if not isinstance(s, dict):
@@ -126,7 +152,7 @@ def _read_data(r: Reader, d, base: Path, check_paths: bool) -> DataSpec:
         seed = r.num(s, "seed", "data.synthetic", 0, integer=True, hi=MAX_SEED)
         r.num(s, "n_heldout", "data.synthetic", 0, integer=True, lo=0)
         for k in sorted(set(s) - _SYNTHETIC_KEYS):
-            r.bad(f"data.synthetic.{k}", f"unknown field (known: {', '.join(sorted(_SYNTHETIC_KEYS))})")
+            r.bad(f"data.synthetic.{k}", unknown_field(k, _SYNTHETIC_KEYS))
         # whether the task can produce n distinct problems is hexrl.data.datasets.dataset_problems' call
         return DataSpec(synthetic={**s, "task": task, "n": n, "seed": seed})
     if "path" not in d:
@@ -142,7 +168,7 @@ def _read_data(r: Reader, d, base: Path, check_paths: bool) -> DataSpec:
 
 @dataclass
 class RewardSpec:
-    name: str = "math"  # math | exact | code
+    name: str = "math"  # math | exact | code | gym
     timeout_s: float = 5.0
 
     def to_dict(self) -> dict:
@@ -151,8 +177,11 @@ class RewardSpec:
 
 def _read_reward(r: Reader, d, data: DataSpec) -> RewardSpec:
     d = r.section(d, "reward", {"name", "timeout_s"})
-    default = "exact" if data.synthetic is not None else data.kind
-    name = r.choice(d, "name", "reward", ("math", "exact", "code"), default)
+    default = "exact" if data.synthetic is not None else "gym" if data.reasoning_gym is not None else data.kind
+    name = r.choice(d, "name", "reward", ("math", "exact", "code", "gym"), default)
+    if (name == "gym") != (data.reasoning_gym is not None):
+        r.bad("reward.name", "\"gym\" (the reasoning-gym task's own scorer) goes with data.reasoning_gym, "
+              f"and only with it; got {name!r}")
     timeout = r.num(d, "timeout_s", "reward", 5.0, lo=0, lo_open=True)
     return RewardSpec(name, float(timeout))
 
@@ -198,7 +227,7 @@ def _read_env(r: Reader, d) -> EnvSpec | None:
     x.workers = r.num(d, "workers", "env", x.workers, integer=True, lo=1, hi=64)
     known = _ENV_KEYS | set(cls.options if cls else ())
     for k in sorted(set(d) - known):
-        r.bad(f"env.{k}", f"unknown field (known: {', '.join(sorted(known))})")
+        r.bad(f"env.{k}", unknown_field(k, known))
     if cls is None:
         return None
     x.options = {k: r.num(d, k, "env", default) for k, default in cls.options.items()}

@@ -24,6 +24,7 @@ from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_h
 from hexrl.data.heldout import greedy_accuracy
 from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
 from hexrl.model.checkpoint import load_pretrained
+from hexrl.rewards import reward_fn_by_name
 from hexrl.runtime import effective
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.nodes import bind_host
@@ -104,7 +105,8 @@ class HeldoutEval:
         trainer.export_hf(path, extra_files=tokenizer_files(self.ctx.plan.job.model.path))
         acc = None
         if self.tokenizer is not None:
-            acc, _ = greedy_accuracy(load_pretrained(path), self.tokenizer, self.heldout, self.max_new_tokens)
+            acc, _ = greedy_accuracy(load_pretrained(path), self.tokenizer, self.heldout, self.max_new_tokens,
+                                     reward_fn=reward_fn_by_name(self.ctx.plan.job.reward.name))  # the job's own
             with open(self.ctx.run_dir / "eval.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "version": trainer.version, "heldout_accuracy": acc,
                                     "wall_s": self.wall(), "n": len(self.heldout)}) + "\n")

@@ -65,8 +65,8 @@ def layout(shared: bool) -> tuple[dict, dict]:
 def job_for(out: Path, ws: dict, name: str, eta, decoupled: bool, a, seed: int | None = None) -> dict:
     return {
         "name": name, "model": {"path": str(out / "model")},
-        "data": {"synthetic": ws["data_synthetic"]},  # the warm start's train / held-out split
-        "reward": {"name": "exact", "timeout_s": 5},
+        "data": ws.get("data") or {"synthetic": ws["data_synthetic"]},  # the warm start's train / held-out split
+        "reward": {"name": ws.get("reward", "exact"), "timeout_s": 5},
         "rl": {"batch_size": a.batch, "group_size": a.group, "eta": eta, "lr": a.lr, "decoupled": decoupled,
                "ppo_minibatches": a.minibatches, "behav_cap": a.behav_cap,
                "max_new_tokens": ws["max_new_tokens"], "temperature": 1.0, "steps": a.steps,

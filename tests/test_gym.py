@@ -1,0 +1,82 @@
+"""reasoning-gym as a data source (hexrl/data/gym.py) with the task's own scorer as the reward
+(hexrl/rewards/gym.py), run in the reward pool: the job section checked, the held-out split apart from
+training, and the task's scorer agreeing with ours where both apply."""
+import json
+
+import pytest
+
+from hexrl.rewards import RewardPool, exact_match_reward
+from hexrl.schema import ConfigError, load_job
+
+rg = pytest.importorskip("reasoning_gym")  # the [gym] extra (also in [dev])
+
+from hexrl.data.datasets import dataset_problems, load_dataset  # noqa: E402
+from hexrl.data.gym import gym_answer  # noqa: E402
+from hexrl.rewards.gym import gym_reward  # noqa: E402
+
+CHAIN = {"tasks": {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
+         "size": 200, "n_heldout": 50, "seed": 3, "prompt": "{expression} ="}
+
+
+def job(data: dict, **reward) -> dict:
+    return {"model": {"preset": "tiny"}, "data": data, "reward": reward,
+            "cluster": {"nodes": [{"name": "a", "gpu_type": "cpu", "gpus": 2}]}}
+
+
+def test_the_job_section_is_checked_naming_each_field(tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job({"reasoning_gym": CHAIN})))
+    spec = load_job(path)
+    assert spec.data.reasoning_gym["size"] == 200 and spec.reward.name == "gym"  # the task's scorer by default
+    path.write_text(json.dumps(job({"reasoning_gym": {"tasks": 7, "size": 0, "sead": 1}, "path": "x.jsonl"})))
+    with pytest.raises(ConfigError) as e:
+        load_job(path)
+    text = str(e.value)
+    for field in ("data: give one of", "data.reasoning_gym.tasks", "data.reasoning_gym.size",
+                  "data.reasoning_gym.sead"):
+        assert field in text, text
+    path.write_text(json.dumps(job({"synthetic": {"task": "arithmetic", "n": 10}}, name="gym")))
+    with pytest.raises(ConfigError, match="reward.name"):  # the gym scorer needs gym problems
+        load_job(path)
+    assert dataset_problems(None, {**CHAIN, "tasks": "nosuch"}) == [  # before launch, where the package is
+        "data.reasoning_gym: Dataset 'nosuch' not registered"]
+
+
+def test_held_out_problems_are_drawn_apart_from_training():
+    train, heldout = load_dataset(gym=CHAIN)
+    assert len(train) == 200 and len(heldout) == 50
+    assert not {p.prompt for p in heldout} & {p.prompt for p in train}
+    assert len({p.prompt for p in heldout}) == 50
+    assert train[0].prompt.endswith(" =") and all(p.kind == "gym" for p in train + heldout)
+    again, _ = load_dataset(gym=CHAIN)  # the same seed: the same problems
+    assert [p.answer for p in again] == [p.answer for p in train]
+    entry = json.loads(train[0].answer)
+    assert entry["task"] == "chain_sum" and entry["answer"] == gym_answer(train[0])
+    assert train[0].prompt == entry["metadata"]["expression"] + " ="  # the prompt format
+
+
+def test_the_tasks_scorer_and_ours_agree_where_both_apply():
+    """chain_sum's scorer (compute_decimal_reward) and our exact match: the same verdict on right answers,
+    answers with surrounding space or an eos marker, and wrong answers that do not contain the right one.
+    Where they differ it is by the task's design, partial credit, not ours to change."""
+    train, _ = load_dataset(gym={**CHAIN, "size": 40, "n_heldout": 0})
+    cases = 0
+    for p in train:
+        answer = gym_answer(p)
+        wrong = str(int(answer) + 7)
+        for completion in (answer, f" {answer} ", f"{answer}<eos>", f"{answer}\nmore text", wrong, "", "abc"):
+            if answer in completion or completion == wrong and answer not in wrong:
+                assert gym_reward(completion, p.answer) == exact_match_reward(completion, answer), completion
+                cases += 1
+    assert cases >= 4 * 40
+    p = train[0]
+    assert gym_reward(f"<answer>{gym_answer(p)}</answer>", p.answer) == 1.0  # reasoning-gym's own format
+    assert 0 < gym_reward(gym_answer(p) + "0", p.answer) < 1 == exact_match_reward(gym_answer(p), gym_answer(p))
+
+
+def test_the_reward_pool_runs_the_tasks_scorer():
+    train, _ = load_dataset(gym={**CHAIN, "size": 6, "n_heldout": 0})
+    items = [(gym_answer(p) if i % 2 else "wrong", p.answer) for i, p in enumerate(train)]
+    with RewardPool("gym", workers=1, timeout_s=30) as pool:
+        assert pool.score(items) == [float(i % 2) for i in range(6)]
+        assert pool.stats.ok == 6
