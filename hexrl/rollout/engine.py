@@ -241,6 +241,8 @@ class Engine:
 
     def release(self, id) -> None:
         """Leader: end the parked episode `id` and free its pages."""
+        if not self.is_leader:
+            raise RuntimeError("only TP rank 0 releases episodes; the other ranks run follow()")
         if id not in self._parked or id in self._resuming:
             raise ValueError(f"episode {id!r} is not parked between turns")
         self._resuming.add(id)
