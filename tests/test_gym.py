@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from hexrl.plan.planner import plan_job
 from hexrl.rewards import RewardPool, exact_match_reward
 from hexrl.schema import ConfigError, load_job
 
@@ -28,6 +29,7 @@ def test_the_job_section_is_checked_naming_each_field(tmp_path):
     path.write_text(json.dumps(job({"reasoning_gym": CHAIN})))
     spec = load_job(path)
     assert spec.data.reasoning_gym["size"] == 200 and spec.reward.name == "gym"  # the task's scorer by default
+    assert plan_job(spec).predicted["step_time_s"] > 0  # the planner prices the gym scorer too
     path.write_text(json.dumps(job({"reasoning_gym": {"tasks": 7, "size": 0, "sead": 1}, "path": "x.jsonl"})))
     with pytest.raises(ConfigError) as e:
         load_job(path)

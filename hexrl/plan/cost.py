@@ -22,7 +22,8 @@ ALLREDUCE_LATENCY_S = 8e-6  # one small NVLink all-reduce (decode-time TP)
 MAX_DECODE_BATCH = 1024  # engine cap on running sequences per replica
 # short sequences are packed up to this (the trainer's default): tiny micro-batches pay per-op overhead
 MIN_MICRO_TOKENS = 4096
-REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5}
+# gym: as exact (chain_sum's scorer took 8 us of CPU a call); other tasks vary: workload.reward_s_per_sample
+REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5, "gym": 2e-4}
 # The rollout leader hands a finished group to its RewardPool (hexrl/rollout/worker.py, default
 # reward_workers=2) and decodes on: scoring overlaps decoding; only the step's last group, and any
 # backlog when scoring is slower than decoding, comes after it.
