@@ -20,6 +20,7 @@ from .config import ModelConfig, rope_inv_freq
 from .decoder import Decoder
 from .fused import hf_state_dict
 from .parallel import TPGroup, shard_dim_of
+from .safetensors_header import weight_file_problems
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -84,6 +85,9 @@ def load_pretrained(
     if not path.is_dir():
         raise FileNotFoundError(f"{path}: checkpoint directory does not exist")
     cfg = ModelConfig.from_dir(path)
+    if problems := weight_file_problems(path, cfg):  # the headers, and every shape against config.json, first
+        raise CheckpointError(f"{path}: checkpoint is damaged or does not match config.json:\n  "
+                              + "\n  ".join(problems))
     with torch.device("meta"):
         model = Decoder(cfg, layers=layers, tp=tp)
     files = tensor_files(path)

@@ -6,6 +6,7 @@ model the decoder cannot build is refused when the job is planned, not under tor
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ if TYPE_CHECKING:  # torch is imported where it is needed: the planner reads con
     import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 @dataclass
@@ -116,6 +118,43 @@ class ModelConfig:
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied)."""
         return self.num_hidden_layers * self.layer_params() + self.embed_params()
+
+    def expected_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of a whole checkpoint of this config, by HF name, with its shape (the
+        decoder's own parameters; `lm_head.weight` may be absent when the embeddings are tied)."""
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_attention_heads * self.head_dim, self.num_key_value_heads * self.head_dim
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                 "self_attn.v_proj.weight": (kv, h), "self_attn.o_proj.weight": (h, q),
+                 "mlp.gate_proj.weight": (i, h), "mlp.up_proj.weight": (i, h), "mlp.down_proj.weight": (h, i)}
+        if self.qkv_bias:
+            layer |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,), "self_attn.v_proj.bias": (kv,)}
+        if self.o_bias:
+            layer["self_attn.o_proj.bias"] = (h,)
+        if self.mlp_bias:
+            layer |= {"mlp.gate_proj.bias": (i,), "mlp.up_proj.bias": (i,), "mlp.down_proj.bias": (h,)}
+        out = {"model.embed_tokens.weight": (v, h), "model.norm.weight": (h,), "lm_head.weight": (v, h)}
+        for n in range(self.num_hidden_layers):
+            out |= {f"model.layers.{n}.{k}": s for k, s in layer.items()}
+        return out
+
+    def checkpoint_problems(self, shapes: dict[str, tuple[int, ...]], where: str) -> list[str]:
+        """Why a checkpoint holding tensors `shapes` (name -> shape) is not this config's model:
+        a missing tensor, a shape the config does not give, or layers past num_hidden_layers
+        (a config claiming fewer layers than its checkpoint holds). At most 5, naming `where`."""
+        out = []
+        for name, shape in self.expected_shapes().items():
+            if name not in shapes:
+                if not (name == "lm_head.weight" and self.tie_word_embeddings):
+                    out.append(f"{where}: lacks tensor {name}")
+            elif tuple(shapes[name]) != shape:
+                out.append(f"{where}: tensor {name} has shape {list(shapes[name])}, config.json gives {list(shape)}")
+        extra = sorted({int(m.group(1)) for n in shapes if (m := _LAYER.match(n))} - set(range(self.num_hidden_layers)))
+        if extra:
+            out.insert(0, f"{where}: holds layers {extra[:5]}{' ...' if len(extra) > 5 else ''} but config.json says "
+                          f"num_hidden_layers {self.num_hidden_layers}")
+        return out[:5] + ([f"{where}: and {len(out) - 5} more mismatches"] if len(out) > 5 else [])
 
     def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
         """K and V cache bytes for one token over all layers (whole model, not per TP rank)."""

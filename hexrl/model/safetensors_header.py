@@ -21,7 +21,17 @@ DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2
 
 def header_problems(file: Path) -> list[str]:
     """Why `file` is not a whole safetensors file: its header length, header JSON, and each
-    tensor's dtype, shape and data extent against the file's size."""
+    tensor's dtype, shape and data extent against the file's size and the other tensors'."""
+    return read_header(file)[1]
+
+
+def read_header(file: Path) -> tuple[dict[str, list[int]], list[str]]:
+    """(tensor name -> shape, the problems of header_problems) of one safetensors file."""
+    shapes: dict[str, list[int]] = {}
+    return shapes, _read_header(file, shapes)
+
+
+def _read_header(file: Path, shapes: dict) -> list[str]:
     try:
         with open_input(file, "safetensors file") as f:  # a FIFO is refused, never waited on
             size = os.fstat(f.fileno()).st_size
@@ -36,8 +46,21 @@ def header_problems(file: Path) -> list[str]:
     if not isinstance(header, dict):
         return [f"{file}: corrupt safetensors header (a {type(header).__name__}, not an object)"]
     data = size - 8 - n
-    out = [p for name, t in header.items() if name != "__metadata__" for p in _tensor_problems(file, name, t, data)]
+    tensors = {name: t for name, t in header.items() if name != "__metadata__"}
+    out = [p for name, t in tensors.items() for p in _tensor_problems(file, name, t, data)]
+    if not out:
+        shapes.update({name: t["shape"] for name, t in tensors.items()})
+        out = _overlaps(file, tensors)
     return out[:5] + ([f"{file}: and {len(out) - 5} more problems"] if len(out) > 5 else [])
+
+
+def _overlaps(file: Path, tensors: dict) -> list[str]:
+    """Tensors whose data extents share bytes (each must own its own: a header that maps two
+    tensors onto one range, or one over another, describes no real checkpoint)."""
+    spans = sorted((t["data_offsets"][0], t["data_offsets"][1], name) for name, t in tensors.items()
+                   if t["data_offsets"][1] > t["data_offsets"][0])
+    return [f"{file}: tensors {a!r} [{b0}, {b1}) and {b!r} [{c0}, {c1}) overlap"
+            for (b0, b1, a), (c0, c1, b) in zip(spans, spans[1:]) if c0 < b1]
 
 
 def _tensor_problems(file: Path, name: str, t, data: int) -> list[str]:
@@ -56,8 +79,10 @@ def _tensor_problems(file: Path, name: str, t, data: int) -> list[str]:
     return []
 
 
-def weight_file_problems(model_dir: str | Path) -> list[str]:
-    """Every problem of the model directory's safetensors files (those its index names, else all)."""
+def weight_file_problems(model_dir: str | Path, config=None) -> list[str]:
+    """Every problem of the model directory's safetensors files (those its index names, else all);
+    with `config` (a ModelConfig), also every tensor whose shape it does not give, a missing one,
+    and layers beyond its num_hidden_layers."""
     model_dir = Path(model_dir)
     if (model_dir / INDEX).is_file():
         try:
@@ -72,4 +97,11 @@ def weight_file_problems(model_dir: str | Path) -> list[str]:
         files = sorted(model_dir.glob("*.safetensors"))
         if not files:
             return [f"{model_dir}: no *.safetensors files (and no {INDEX})"]
-    return [p for f in files for p in header_problems(f)]
+    shapes, out = {}, []
+    for f in files:
+        found, problems = read_header(f)
+        shapes.update(found)
+        out += problems
+    if out or config is None:
+        return out
+    return config.checkpoint_problems(shapes, str(model_dir))

@@ -102,12 +102,12 @@ def check_inputs(job: Job, resume: str | None = None, layout: dict | None = None
         from hexrl.train.checkpoint import problems as checkpoint_problems  # torch: only the run needs it
         from hexrl.train.checkpoint import resolve_complete
 
-        out.problems += [f"--resume {resume}: {p}" for p in checkpoint_problems(resume, layout)]
+        out.problems += [f"--resume {resume}: {p}" for p in checkpoint_problems(resume, layout, job.model.config)]
         if not out.problems:
             step, passed_over = resolve_complete(resume)
             out.notes += [f"--resume {resume}: {n}; resuming from {step.name} instead" for n in passed_over]
     if job.model.path:
-        out.problems += weight_file_problems(job.model.path)
+        out.problems += weight_file_problems(job.model.path, job.model.config)
     where = (f"data.path {job.data.path}" if job.data.path else
              "data.reasoning_gym" if job.data.reasoning_gym else "data.synthetic")
     if not job.model.path:  # no tokenizer to encode prompts with: the dataset must still hold some
@@ -138,4 +138,4 @@ def plan_time_checks(job: Job) -> tuple[list[str], list[str]]:
         return check_inputs(job).problems, []
     warning = (f"WARNING: data.path {job.data.path} does not exist here; the run reads it at start on every "
                "node and refuses to start without it")
-    return (weight_file_problems(job.model.path) if job.model.path else []), [warning]
+    return (weight_file_problems(job.model.path, job.model.config) if job.model.path else []), [warning]

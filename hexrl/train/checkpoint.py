@@ -30,6 +30,7 @@ import torch.distributed as dist
 from hexrl import ranges
 from hexrl.input_files import InputFileError, read_json
 from hexrl.model.checkpoint import CheckpointError
+from hexrl.model.config import ModelConfig
 from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 from hexrl.weights import stage_specs
 
@@ -289,21 +290,49 @@ def resolve_complete(path: str | os.PathLike) -> tuple[Path, list[str]]:
     return resolve(path), []
 
 
-def problems(path: str | os.PathLike, layout: dict | None = None) -> list[str]:
+def problems(path: str | os.PathLike, layout: dict | None = None, config: ModelConfig | None = None) -> list[str]:
     """Why the checkpoint at `path` (a root or one checkpoint) cannot be resumed from, by a trainer
-    with `layout` (a TrainerLayout.to_dict(); None: any). Cheap (reads the JSON files and each .pt
-    file's zip directory, not the tensors), so it runs before launch on every rank."""
+    with `layout` (a TrainerLayout.to_dict(); None: any) of the model `config` (None: any; compared
+    with the config.json the run wrote beside its checkpoints). Cheap (reads the JSON files and
+    each .pt file's zip directory, not the tensors), so it runs before launch on every rank."""
     try:
         path, _ = resolve_complete(path)
     except FileNotFoundError as e:
         return [str(e)]
-    out = incomplete(path)
+    out = incomplete(path) or (_model_problems(path.parent, config) if config is not None else [])
     if not out and layout is not None:
         have = _read_json_file(path / "meta.json")["layout"]
         if have.get("stages") != layout["stages"]:
             out.append(f"{path}: saved with stages {have.get('stages')}, this plan's trainer has {layout['stages']}; "
                        "resume needs the same stages (the DP degree may differ)")
     return out
+
+
+SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "tie_word_embeddings", "qkv_bias", "o_bias", "mlp_bias")
+
+
+def _model_problems(root: Path, config: ModelConfig) -> list[str]:
+    """Why the checkpoints under `root` hold another model than `config`: every shape field of
+    the config.json the run wrote there that differs."""
+    if not (root / "config.json").exists():
+        return []  # written by every run since checkpoints had one; the load checks the shapes anyway
+    try:
+        saved = ModelConfig.from_dir(root)
+    except ValueError as e:
+        return [str(e)]
+    diff = [f"{k} {getattr(saved, k)} (this job: {getattr(config, k)})" for k in SHAPE_FIELDS
+            if getattr(saved, k) != getattr(config, k)]
+    return [f"{root}: checkpoints of another model: " + ", ".join(diff)] if diff else []
+
+
+def check_shapes(state: dict, want: dict, where: str) -> None:
+    """CheckpointError naming every tensor of a loaded shard `state` that is missing or whose shape
+    is not the one this trainer's model has (`want`: its state_dict)."""
+    bad = [f"{k}: shape {list(state[k].shape)}, the model has {list(v.shape)}" if k in state else f"{k}: missing"
+           for k, v in want.items() if k not in state or tuple(state[k].shape) != tuple(v.shape)]
+    if bad:
+        raise CheckpointError(f"{where}: does not match this job's model ({len(bad)} tensors): " + "; ".join(bad[:5]))
 
 
 def load(path: str | os.PathLike, grid: Grid) -> tuple[dict, dict | None, dict, dict]:

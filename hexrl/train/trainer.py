@@ -388,6 +388,7 @@ class Trainer:
     def load(self, path: str | os.PathLike) -> dict:
         """Restore a checkpoint written by save() with the same stages (any DP degree); returns its `extra`."""
         shard, rng, meta, extra = ckpt.load(path, self.grid)  # on the CPU; copied into place here
+        ckpt.check_shapes(shard["model"], self.model.state_dict(), f"{path}: model shard")
         self.model.load_state_dict(shard["model"])
         self.optimizer.load_state_dict(shard["optim"])
         if rng is not None:  # a DP replica new since the save keeps its own
