@@ -1,12 +1,14 @@
 """The planner's command line.
 
-    python -m hexrl.plan JOB.json -o PLAN.json [--baseline exhaustive|homogeneous|uniform] [--draw plan.png]
+    python -m hexrl.plan JOB.json -o PLAN.json [--baseline exhaustive|homogeneous|uniform] [--draw plan.png] [--json]
     python -m hexrl.plan simulate PLAN.json [--steps 12] [--warmup 2] [--gantt gantt.png] [--json out.json]
 
 The first plans a job; the second runs the plan through the discrete-event simulator
 (tokens/s, idle fractions, staleness histogram, a Gantt chart of the first steps). Exit code 0
 on success, 2 with every problem of an invalid or infeasible job or plan on stderr, 1 when a
-picture was asked for and could not be drawn (matplotlib missing). Layers are printed half-open,
+picture was asked for and could not be drawn (matplotlib missing). A plan that takes more than
+a few seconds shows its phase and how far along it is on stderr, when stderr is a terminal and
+--json (the predictions as JSON on stdout, in place of the summary) is not given. Layers are printed half-open,
 as plan.json stores them: [0, 12) is layers 0 to 11.
 """
 
@@ -16,6 +18,7 @@ import sys
 from dataclasses import asdict
 
 from hexrl.plan.planner import plan_job
+from hexrl.plan.progress import Progress
 from hexrl.plan.simulate import simulate
 from hexrl.runtime.preflight import plan_time_checks
 from hexrl.schema import ConfigError, load_job, load_plan
@@ -51,7 +54,9 @@ def plan_main(argv) -> int:
                     help="plan with a baseline instead of the two-phase search")
     ap.add_argument("--draw", metavar="PNG", help="also draw the assignment (needs matplotlib)")
     ap.add_argument("--no-profiles", action="store_true", help="ignore measured profiles/<gpu>.json")
+    ap.add_argument("--json", action="store_true", help="print the predictions as JSON (no progress on stderr)")
     args = ap.parse_args(argv)
+    progress = Progress(enabled=False if args.json else None)
     try:
         job = load_job(args.job, check_paths=False)
         problems, warnings = plan_time_checks(job)  # every prompt tokenized where the data is
@@ -59,18 +64,22 @@ def plan_main(argv) -> int:
             print(warning, file=sys.stderr)
         if problems:
             raise ConfigError(problems, "invalid job")
-        plan = plan_job(job, args.baseline or "two-phase", use_profiles=not args.no_profiles)
+        plan = plan_job(job, args.baseline or "two-phase", use_profiles=not args.no_profiles, progress=progress)
     except ConfigError as e:
+        progress.close()
         print(e, file=sys.stderr)
         return 2
+    progress.close()
     plan.save(args.out)
-    print(summary(plan))
-    print(f"wrote {args.out}")
+    print(json.dumps(plan.predicted, indent=1) if args.json else summary(plan))
+    if not args.json:
+        print(f"wrote {args.out}")
     if args.draw:
         from hexrl.plan.draw import draw_plan
         if not draw_plan(plan, args.draw):
             return 1  # the plan is written; the picture asked for is not
-        print(f"drew {args.draw}")
+        if not args.json:
+            print(f"drew {args.draw}")
     return 0
 
 

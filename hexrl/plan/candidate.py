@@ -5,6 +5,7 @@ from dataclasses import dataclass, replace
 
 from hexrl.plan.cost import CostModel
 from hexrl.plan.placement import counts_of, free_classes, train_per_node
+from hexrl.plan.progress import quiet
 from hexrl.plan.rollout_milp import RolloutPlan, combine, makespan, solve_rollout
 from hexrl.plan.train_search import TrainPlan, search_train
 
@@ -33,8 +34,9 @@ class Candidate:
 class Evaluator:
     """Search phase with memoisation: per_node split -> Candidate (or None if infeasible)."""
 
-    def __init__(self, cm: CostModel):
+    def __init__(self, cm: CostModel, progress=quiet):
         self.cm = cm
+        self.progress = progress  # (phase, done, total): hexrl/plan/progress.py
         self._train: dict = {}
         self._roll: dict = {}
         self._cand: dict = {}

@@ -6,6 +6,7 @@ catalogue (peak FLOP/s, HBM, NVLink) and the cluster's link bandwidths; nothing 
 here, so a measured profile (profiles/<gpu>.json) is the way to make predictions sharper.
 """
 
+import collections
 import math
 from dataclasses import dataclass
 
@@ -486,11 +487,12 @@ class CostModel:
         if eta in (0, None) or not active:
             return at_least
         groups, per_group = w.samples / w.group, self._decoding_per_group()
+        kinds = collections.Counter((r.gpu_type, r.tp, r.batch, r.share) for r in active)  # replicas repeat
 
         def gen_at(gen: float) -> float:  # generation time at the concurrency a step of gen + sync leaves
             running = groups * (eta + 0.5 - min(1.0, (train_s + sync_s) / (gen + sync_s)))
-            rate = sum(self.decode_point(r.gpu_type, r.tp, max(1, min(r.batch, round(running * per_group * r.share))))
-                       .tokens_per_s for r in active)
+            rate = sum(self.decode_point(t, tp, max(1, min(b, round(running * per_group * share)))).tokens_per_s * n
+                       for (t, tp, b, share), n in kinds.items())
             return w.gen_tokens / rate
 
         lo = at_least
@@ -536,9 +538,14 @@ class CostModel:
         one after the other (hexrl/rollout/worker.py), so the stages add up. NCCL's broadcast is a
         pipelined ring: each byte crosses the slowest link once, at NCCL_EFFICIENCY of its rate.
         """
+        by_type: dict[str, list[int]] = {}  # links depend only on node types: one node of each will do
+        for r in rollout_nodes:
+            by_type.setdefault(self.cluster.nodes[r].gpu_type, []).append(r)
         total = 0.0
         for node, nbytes, tp in stage_bytes:
-            bw = min(self.cluster.link_GBps(node, r) for r in rollout_nodes) * 1e9 * NCCL_EFFICIENCY
+            near = [node] if node in rollout_nodes else []
+            near += [next((r for r in rs if r != node), node) for rs in by_type.values()]
+            bw = min(self.cluster.link_GBps(node, r) for r in near) * 1e9 * NCCL_EFFICIENCY
             t = self.cluster.nodes[node].gpu_type
             gather = (tp - 1) / tp * nbytes / (self.cluster.intra_GBps(t) * 1e9)  # the other TP shards to the leader
             total += nbytes / bw + gather

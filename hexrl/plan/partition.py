@@ -167,7 +167,8 @@ def two_phase(ev: Evaluator, max_bisect: int = 16) -> tuple[Candidate | None, Se
     width = float(gs.flops.max() / (gs.total * gs.flops).sum())  # one GPU's share of FLOP/s
     best = _initial(ev, gs, log)
     q, r = 0.0, 1.0
-    for _ in range(max_bisect):
+    for it in range(max_bisect):
+        ev.progress("bisecting the training share", it, max_bisect)
         gamma = (q + r) / 2
         log.gammas.append(gamma)
         cand, failure = repartition(ev, gs, grid, obj, flop, gamma, width)
@@ -196,7 +197,9 @@ def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, t
     lb = _step_bound(ev, train_lb, gen_lb, sync_lb)
     limit = best.step_s * (1 - tol) if best is not None else np.inf
     floors = []
-    for i in (i for i in np.argsort(lb, kind="stable")[:ESTIMATES] if lb[i] < limit):
+    order = [i for i in np.argsort(lb, kind="stable")[:ESTIMATES] if lb[i] < limit]
+    for n, i in enumerate(order):
+        ev.progress("bounding splits", n, len(order))
         nodes = train_per_node(ev.cm.cluster, _as_counts(types, grid[i]))
         roll = ev.combined_rollout(nodes)
         if roll is not None and np.isfinite(train_lb[i]):
@@ -205,6 +208,7 @@ def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, t
     budget = budget if budget is not None else max(32, len(grid) // 20)
     estimates, k, spent = [], 0, 0
     while spent < budget:
+        ev.progress("sweeping splits", k, len(floors))
         while k < len(floors) and (not estimates or floors[k][0] <= estimates[0][0]):
             _, i, nodes, roll = floors[k]
             k += 1
@@ -241,6 +245,7 @@ def _initial(ev: Evaluator, gs: GraphScore, log: SearchLog) -> Candidate | None:
 
     lo, hi, best = 1, cm.cluster.world_size - 1, None
     while lo <= hi:
+        ev.progress("initial split", 0, 0)
         k = (lo + hi) // 2
         cand = prefix(k)
         if cand is None:  # too little memory on one side: move away from it
@@ -264,8 +269,9 @@ def exhaustive(ev: Evaluator, prune: bool = True) -> tuple[Candidate | None, Sea
     t0 = time.perf_counter()
     log = SearchLog("exhaustive")
     types = ev.cm.cluster.types()
-    best = None
-    for n in product(*[range(ev.cm.cluster.count(t) + 1) for t in types]):
+    best, total = None, n_splits(ev)
+    for done, n in enumerate(product(*[range(ev.cm.cluster.count(t) + 1) for t in types])):
+        ev.progress("exhaustive search", done, total)
         per_node = train_per_node(ev.cm.cluster, _as_counts(types, n))
         train = ev.train(per_node)
         if train is None or (prune and best is not None and train.time_s >= best.step_s):

@@ -4,8 +4,9 @@ or fills in a user-fixed layout) and writes ranks, trainer grid, replicas and pr
 from hexrl.plan import baselines, colocate, fixed, partition
 from hexrl.plan.budget import affordable_subsets
 from hexrl.plan.candidate import Candidate, Evaluator
-from hexrl.plan.cost import CostModel
+from hexrl.plan.cost import BYTES_PER_PARAM_TRAIN, CostModel
 from hexrl.plan.knobs import replica_knobs, train_knobs
+from hexrl.plan.progress import quiet
 from hexrl.schema import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout
 
 METHODS = {
@@ -25,9 +26,9 @@ def feasibility_problems(cm: CostModel) -> list[str]:
     total = sum(cm.usable_bytes(n.gpu_type) * n.gpus for n in c.nodes)
     need = cm.train_memory_floor()
     if need > total:
-        p.append(f"model: needs at least {need / 1e9:.0f} GB of GPU memory for training "
+        p.append(f"model: needs at least {_gb(need)} GB of GPU memory for training "
                  f"({cm.m.num_params / 1e9:.2f}B parameters x 18 bytes) but the whole cluster offers "
-                 f"{total / 1e9:.0f} GB; add GPUs or use a smaller model")
+                 f"{_gb(total)} GB; add GPUs or use a smaller model")
     fits = [(t, tp) for t in c.types() for tp in cm.tp_options(t) if cm.max_decode_batch(t, tp) > 0]
     if not fits:
         weights = 2 * cm.m.num_params / 1e9
@@ -40,15 +41,35 @@ def feasibility_problems(cm: CostModel) -> list[str]:
     return p
 
 
-def search(cm: CostModel, method: str = "two-phase") -> tuple[Candidate, dict]:
-    """Best candidate by `method`; ConfigError says why none fits."""
-    ev = Evaluator(cm)
+def memory_by_type(cm: CostModel) -> str:
+    """What each GPU type offers against what training and a rollout replica need, in GB."""
+    need = cm.train_memory_floor()
+    parts = [f"training needs at least {_gb(need)} GB ({cm.m.num_params / 1e9:.2f}B parameters x "
+             f"{BYTES_PER_PARAM_TRAIN} bytes) plus activations"]
+    for t in cm.cluster.types():
+        n, per_gpu = cm.cluster.count(t), cm.usable_bytes(t)
+        fits = [tp for tp in cm.tp_options(t) if cm.max_decode_batch(t, tp) > 0]
+        tp = fits[0] if fits else max(cm.tp_options(t))
+        replica = 2 * cm.m.num_params / tp + cm.kv_bytes_per_token(tp) * cm.w.max_seq
+        parts.append(f"{n} x {t} offer {_gb(n * per_gpu)} GB for training, {_gb(per_gpu)} GB per GPU where a "
+                     f"rollout replica at TP {tp} needs {_gb(replica)} GB per GPU"
+                     + ("" if fits else " (no TP fits)"))
+    return "; ".join(parts)
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3g}" if nbytes < 10e9 else f"{nbytes / 1e9:,.0f}"
+
+
+def search(cm: CostModel, method: str = "two-phase", progress=quiet) -> tuple[Candidate, dict]:
+    """Best candidate by `method`; ConfigError says why none fits. progress: (phase, done, total)."""
+    ev = Evaluator(cm, progress)
     best, log = METHODS[method](ev)
     if best is None:
         raise ConfigError([
-            f"cluster: no split of the {cm.cluster.world_size} GPUs fits both a training layout "
-            f"(at least {cm.train_memory_floor() / 1e9:.0f} GB in all) and rollout replicas covering every "
-            f"other GPU; add GPUs, use GPUs with more memory, or use a smaller model"], "infeasible job")
+            f"cluster: no split of the {cm.cluster.world_size} GPUs fits both a training layout and rollout "
+            f"replicas on the other GPUs; {memory_by_type(cm)}; add GPUs, use GPUs with more memory, "
+            f"or use a smaller model"], "infeasible job")
     info = {"method": method, "evaluations": log.evaluations, "wall_s": round(log.wall_s, 3)}
     return best, info
 
@@ -58,8 +79,9 @@ def plan_candidate(cm: CostModel, plan: Plan) -> Candidate:
     return colocate.recost(cm, plan) if plan.job.colocate is not None else fixed.recost(cm, plan)
 
 
-def plan_job(job: Job, method: str = "two-phase", use_profiles: bool = True) -> Plan:
-    """Plan a job: a fixed layout if the job has one, else the search `method`.
+def plan_job(job: Job, method: str = "two-phase", use_profiles: bool = True, progress=quiet) -> Plan:
+    """Plan a job: a fixed layout if the job has one, else the search `method` (progress: called
+    with the search's phase and how far along it is, hexrl/plan/progress.py).
 
     Over budget, the best affordable subset of whole nodes is planned (see budget.py). A job with
     `colocate` puts both roles on its one GPU (hexrl/plan/colocate.py).
@@ -70,11 +92,11 @@ def plan_job(job: Job, method: str = "two-phase", use_profiles: bool = True) -> 
                                f"${job.budget:.2f}/h; raise the budget"], "infeasible job")
         return colocated_plan(*colocate.best_colocated(job, use_profiles))
     if job.budget is not None and job.price_per_hour() > job.budget + 1e-9:
-        return _plan_within_budget(job, method, use_profiles)
-    return _plan(job, method, use_profiles)
+        return _plan_within_budget(job, method, use_profiles, progress)
+    return _plan(job, method, use_profiles, progress)
 
 
-def _plan_within_budget(job: Job, method: str, use_profiles: bool) -> Plan:
+def _plan_within_budget(job: Job, method: str, use_profiles: bool, progress) -> Plan:
     over = (f"budget: the cluster costs ${job.price_per_hour():.2f}/h, over the budget "
             f"${job.budget:.2f}/h")
     if job.layout is not None:
@@ -83,7 +105,7 @@ def _plan_within_budget(job: Job, method: str, use_profiles: bool) -> Plan:
     best, problems = None, []
     for sub in affordable_subsets(job):
         try:
-            plan = _plan(sub, method, use_profiles)
+            plan = _plan(sub, method, use_profiles, progress)
         except ConfigError as e:
             problems = problems or e.problems
             continue
@@ -98,7 +120,7 @@ def _plan_within_budget(job: Job, method: str, use_profiles: bool) -> Plan:
     return best
 
 
-def _plan(job: Job, method: str, use_profiles: bool) -> Plan:
+def _plan(job: Job, method: str, use_profiles: bool, progress=quiet) -> Plan:
     cm = CostModel(job, use_profiles)
     problems = feasibility_problems(cm)
     if problems:
@@ -106,7 +128,7 @@ def _plan(job: Job, method: str, use_profiles: bool) -> Plan:
     if job.layout is not None:
         cand, info = fixed.fixed_candidate(cm, job.layout), {"method": "fixed layout"}
     else:
-        cand, info = search(cm, method)
+        cand, info = search(cm, method, progress)
     return materialize(cm, cand, info)
 
 

@@ -67,6 +67,18 @@ def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):
     return cols, all_batches
 
 
+def _idle_columns(cm: CostModel, classes: list[FreeClass]):
+    """Replicas that get no work (share 0, batch 0 here): where the gate's cap on running
+    sequences keeps fewer replicas busy than the free GPUs hold (a large cluster, a small batch),
+    the rest still need a role. One column per class, at the smallest TP that fits."""
+    cols = []
+    for ci, c in enumerate(classes):
+        fits = [tp for tp in cm.tp_options(c.gpu_type) if tp <= c.free and cm.max_decode_batch(c.gpu_type, tp) > 0]
+        if fits:
+            cols.append((ci, DecodePoint(c.gpu_type, fits[0], 0, 0.0, 0.0, 0.0)))
+    return cols
+
+
 def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
                   period: float | None = None) -> RolloutPlan | None:
     """The rollout plan with the shortest makespan on these free GPUs (None if nothing fits).
@@ -84,11 +96,15 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
     cols, all_batches = _columns(cm, classes, concurrency)
     if not cols:
         return None
-    y, sol, theta = None, None, None
-    for _ in range(rounds):
+    y, sol, theta, done = None, None, None, 0
+    while done < rounds:
         rates = [pt.tokens_per_s * (1.0 if period is None else max(0.0, 1 - pt.recompute_s / period))
                  for _, pt in cols]
         y_new, sol_new = _solve(cm, classes, cols, rates, concurrency if all_batches else None)
+        if y_new is None and y is None and all_batches and not any(pt.batch == 0 for _, pt in cols):
+            cols = cols + _idle_columns(cm, classes)  # more GPUs than the gate keeps busy: let some idle
+            continue
+        done += 1
         if y_new is None:
             break
         y, sol = y_new, sol_new
@@ -200,13 +216,19 @@ def _assemble(cm: CostModel, classes, cols, y, sol, theta: float) -> RolloutPlan
         free = {node: list(range(cm.cluster.nodes[node].gpus - c.free, cm.cluster.nodes[node].gpus))
                 for node in c.nodes}
         mine = sorted((j for j in range(n) if cols[j][0] == ci and y[j] > 0), key=lambda j: -cols[j][1].tp)
+        at, tp = 0, None  # the first node that may have room: free GPUs only shrink, and TP only falls
         for j in mine:
             pt: DecodePoint = cols[j][1]
+            at = 0 if pt.tp != tp else at
+            tp = pt.tp
             for _ in range(y[j]):
-                node = next(k for k in c.nodes if len(free[k]) >= pt.tp)
+                while len(free[c.nodes[at]]) < pt.tp:
+                    at += 1
+                node = c.nodes[at]
                 locs, free[node] = free[node][:pt.tp], free[node][pt.tp:]
                 share = max(0.0, rate[j]) / y[j] / U
-                replicas.append(RolloutReplica(pt.gpu_type, pt.tp, pt.batch, node, locs, pt.tokens_per_s, share))
+                replicas.append(RolloutReplica(pt.gpu_type, pt.tp, max(1, pt.batch), node, locs, pt.tokens_per_s,
+                                               share))  # an idle one (batch 0) keeps the knobs of batch 1
     total = sum(r.share for r in replicas)  # replicas the gate leaves idle keep share 0
     for r in replicas:
         r.share /= total

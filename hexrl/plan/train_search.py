@@ -7,7 +7,9 @@ along the pipeline); the stage count of a type follows as n_t / (D * tp_t). Laye
 stages so that the slowest stage is as fast as possible within each stage's memory.
 """
 
+import bisect
 import heapq
+import itertools
 import math
 from dataclasses import dataclass
 from itertools import product
@@ -71,18 +73,36 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _span(slots: list[tuple[int, int]]) -> set[int]:
-    return {node for node, _ in slots}
+def _span(slots: list[tuple[int, int]]) -> tuple[int, int]:
+    """(first node, nodes) of a stage's GPUs."""
+    nodes = {node for node, _ in slots}
+    return min(nodes), len(nodes)
 
 
-def _send_GBps(cm: CostModel, nodes: set[int], nxt: set[int]) -> float:
+def _send_GBps(cm: CostModel, span: tuple[int, int], nxt: tuple[int, int]) -> float:
     """Link from one stage to the next: NVLink within one node, else the link between two distinct
     nodes of theirs (a stage's GPUs are all of one type, and links depend only on node types)."""
-    a, b = min(nodes), min(nxt)
-    if nodes == nxt and len(nodes) == 1:
+    a, b = span[0], nxt[0]
+    if span == nxt and span[1] == 1:
         return cm.cluster.link_GBps(a, a)
     ta, tb = cm.cluster.nodes[a].gpu_type, cm.cluster.nodes[b].gpu_type
     return cm.cluster.cross_GBps(ta, tb) if ta != tb else cm.cluster.inter_node_GBps
+
+
+def _stage_times(cm: CostModel, stages: list[tuple[str, int]], spans: list[tuple[int, int]], dp: int,
+                 recompute: bool, layers: list[int] | None = None):
+    """(layers, per-stage coefficients) of stages (gpu type, tp) spanning `spans`; layers balanced
+    unless given. None when the model does not fit in the stages' memory."""
+    pp = len(stages)
+    coeffs = []
+    for i, (t, tp) in enumerate(stages):
+        send = _send_GBps(cm, spans[i], spans[i + 1]) if i + 1 < pp else None
+        coeffs.append(cm.stage_coeffs(t, tp, dp, pp, i, spans[i][1], send, recompute))
+    if layers is None:
+        layers = assign_layers(coeffs, cm.m.num_hidden_layers)
+    elif any(n > c.max_layers for n, c in zip(layers, coeffs)):
+        layers = None
+    return None if layers is None else (layers, coeffs)
 
 
 def cost_layout(cm: CostModel, chunks: list[tuple[str, int, list]], dp: int, recompute: bool,
@@ -91,43 +111,43 @@ def cost_layout(cm: CostModel, chunks: list[tuple[str, int, list]], dp: int, rec
 
     None when the model does not fit in the stages' memory.
     """
-    pp = len(chunks)
-    spans = [_span(slots) for _, _, slots in chunks]
-    coeffs = []
-    for i, (t, tp, _) in enumerate(chunks):
-        send = _send_GBps(cm, spans[i], spans[i + 1]) if i + 1 < pp else None
-        coeffs.append(cm.stage_coeffs(t, tp, dp, pp, i, len(spans[i]), send, recompute))
-    if layers is None:
-        layers = assign_layers(coeffs, cm.m.num_hidden_layers)
-    elif any(l > c.max_layers for l, c in zip(layers, coeffs)):
-        layers = None
-    if layers is None:
+    fit = _stage_times(cm, [(t, tp) for t, tp, _ in chunks], [_span(s) for _, _, s in chunks], dp, recompute,
+                       layers)
+    if fit is None:
         return None
-    stages = [TrainStage(t, tp, l, slots, c.per_layer * l + c.fixed)
-              for (t, tp, slots), l, c in zip(chunks, layers, coeffs)]
+    stages = [TrainStage(t, tp, n, slots, c.per_layer * n + c.fixed)
+              for (t, tp, slots), n, c in zip(chunks, *fit)]
     return TrainPlan(dp, stages, recompute, max(s.time_s for s in stages))
-
-
-def _layout(cm: CostModel, order, tps, dp, slots_by_type) -> TrainPlan | None:
-    """Stages of each type in `order`, layers balanced; activation recompute only if needed."""
-    chunks = []  # (type, tp, slots)
-    for t in order:
-        size = dp * tps[t]
-        s = slots_by_type[t]
-        chunks += [(t, tps[t], s[i:i + size]) for i in range(0, len(s), size)]
-    return cost_layout_fitting(cm, chunks, dp)
 
 
 def cost_layout_fitting(cm: CostModel, chunks: list[tuple[str, int, list]], dp: int,
                         layers: list[int] | None = None) -> TrainPlan | None:
     """`cost_layout` without activation recompute if that fits, else with it; a job that sets
     runtime.trainer.activation_checkpointing gets only that choice."""
-    forced = cm.job.runtime.get("trainer", {}).get("activation_checkpointing")
-    for recompute in (False, True) if forced is None else (forced,):
+    for recompute in _recompute_choices(cm):
         plan = cost_layout(cm, chunks, dp, recompute, layers)
         if plan is not None:
             return plan
     return None
+
+
+def _recompute_choices(cm: CostModel) -> tuple[bool, ...]:
+    forced = cm.job.runtime.get("trainer", {}).get("activation_checkpointing")
+    return (False, True) if forced is None else (forced,)
+
+
+class _Packing:
+    """Where the i-th training GPU of a type sits (per_node's order), by arithmetic: a stage's
+    span without listing its GPUs (the hot path of a search over thousands of GPUs)."""
+
+    def __init__(self, cm: CostModel, per_node: tuple[int, ...], gpu_type: str):
+        self.nodes = [i for i, n in enumerate(cm.cluster.nodes) if n.gpu_type == gpu_type and per_node[i] > 0]
+        self.ends = list(itertools.accumulate(per_node[i] for i in self.nodes))
+
+    def span(self, a: int, b: int) -> tuple[int, int]:
+        """(first node, nodes) of GPUs a..b-1."""
+        first, last = bisect.bisect_right(self.ends, a), bisect.bisect_right(self.ends, b - 1)
+        return self.nodes[first], last - first + 1
 
 
 def search_train(cm: CostModel, per_node: tuple[int, ...]) -> TrainPlan | None:
@@ -136,8 +156,8 @@ def search_train(cm: CostModel, per_node: tuple[int, ...]) -> TrainPlan | None:
     if not counts:
         return None
     types = list(counts)
-    slots = {t: train_slots(cm.cluster, per_node, t) for t in types}
-    best = None
+    packing = {t: _Packing(cm, per_node, t) for t in types}
+    best = None  # (time, order, tps, dp, recompute, layers)
     tp_choices = [[tp for tp in cm.tp_options(t) if counts[t] % tp == 0] for t in types]
     for combo in product(*tp_choices):
         tps = dict(zip(types, combo))
@@ -147,8 +167,22 @@ def search_train(cm: CostModel, per_node: tuple[int, ...]) -> TrainPlan | None:
         for dp in _divisors(g):
             if sum(counts[t] // (dp * tps[t]) for t in types) > cm.m.num_hidden_layers:
                 continue
+            spans = {t: [packing[t].span(a, a + dp * tps[t]) for a in range(0, counts[t], dp * tps[t])]
+                     for t in types}
             for order in _orders(types, cm):
-                plan = _layout(cm, order, tps, dp, slots)
-                if plan and (best is None or plan.time_s < best.time_s):
-                    best = plan
-    return best
+                stages = [(t, tps[t]) for t in order for _ in spans[t]]
+                for recompute in _recompute_choices(cm):  # recompute only if needed
+                    fit = _stage_times(cm, stages, [x for t in order for x in spans[t]], dp, recompute)
+                    if fit is not None:
+                        time_s = max(c.per_layer * n + c.fixed for n, c in zip(*fit))
+                        if best is None or time_s < best[0]:
+                            best = (time_s, order, tps, dp, recompute, fit[0])
+                        break
+    if best is None:
+        return None
+    _, order, tps, dp, recompute, layers = best
+    chunks = []  # (type, tp, slots)
+    for t in order:
+        size, slots = dp * tps[t], train_slots(cm.cluster, per_node, t)
+        chunks += [(t, tps[t], slots[i:i + size]) for i in range(0, len(slots), size)]
+    return cost_layout(cm, chunks, dp, recompute, layers)
