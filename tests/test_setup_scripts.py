@@ -32,3 +32,27 @@ def test_setup_never_installs_outside_the_chosen_python():
     text = (ROOT / "tools" / "setup.sh").read_text()
     installs = [line for line in text.splitlines() if "pip install" in line and not line.lstrip().startswith("#")]
     assert installs and all(line.lstrip().startswith('"$PY" -m pip install') for line in installs), installs
+
+
+def test_the_demo_streams_the_warm_start_to_a_log_and_can_skip_setup(tmp_path):
+    """HEXRL_SKIP_SETUP=1 installs nothing; the warm start's output reaches RUN/warm_start.log as it is
+    printed (a stand-in python that prints a progress line, then waits until the log holds it)."""
+    calls, run = tmp_path / "calls", tmp_path / "run"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+echo "$* unbuffered=$PYTHONUNBUFFERED" >> {calls}
+if [ "$1" = tools/warm_start.py ]; then
+  echo "sft step    25  loss 1.0  dev_acc 0.1    3.0s  left at most 60s"
+  for i in $(seq 100); do grep -q "sft step" {run}/warm_start.log 2>/dev/null && break; sleep 0.05; done
+  grep -q "sft step" {run}/warm_start.log && mkdir -p "$2" && echo "{{}}" > "$2/config.json"
+fi
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "HEXRL_SKIP_SETUP": "1", "PYTHON": str(fake), "RUN": str(run)}
+    out = subprocess.run(["bash", "tools/demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "left at most 60s" in (run / "warm_start.log").read_text()
+    assert (run / "model" / "config.json").exists()  # the log held the line while the warm start still ran
+    lines = calls.read_text().splitlines()
+    assert lines[0].startswith("tools/warm_start.py") and lines[0].endswith("unbuffered=1")  # python's output too
+    assert not any("pip" in line for line in lines)
