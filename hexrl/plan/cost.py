@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hexrl.gpus import GPU, gpu
-from hexrl.plan.lengths import output_lengths
+from hexrl.plan.lengths import expected_max_wait, output_lengths
 from hexrl.plan.wave import Lengths, WaveSteps, bin_width, wave_steps
 from hexrl.schema import Job
 
@@ -58,6 +58,7 @@ class Workload:
     turns: float = 1.0  # model turns per episode (1: single-turn)
     obs_len: float = 0.0  # tokens of each observation between two turns (prefilled, not generated)
     env_s: float = 0.0  # mean environment latency per call
+    env_latency: dict | None = None  # its distribution (workload.env_latency_s)
 
     @property
     def obs_tokens(self) -> float:
@@ -94,7 +95,7 @@ def workload_of(job: Job) -> Workload:
         ctx_attn=seq_second / (2 * seq_mean),
         tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta_bound, minibatches=rl.ppo_minibatches,
         extra_fwd=int(rl.decoupled) + int(rl.kl_coef > 0), reward_s=reward_s,
-        turns=wl.turns, obs_len=wl.obs_len, env_s=wl.env_latency_mean,
+        turns=wl.turns, obs_len=wl.obs_len, env_s=wl.env_latency_mean, env_latency=wl.env_latency_s,
     )
 
 
@@ -328,6 +329,13 @@ class CostModel:
             return 0.0
         return (w.turns - 1) * self.prefill_s(gpu_type, tp, w.obs_len, w.ctx_decode)
 
+    def env_wait_s(self, episodes: int) -> float:
+        """The longest total environment wait among `episodes` episodes of (turns - 1) calls each."""
+        waits = self.__dict__.setdefault("_env_waits", {})  # memoised: the search asks for every candidate
+        if episodes not in waits:
+            waits[episodes] = expected_max_wait(self.w.env_latency, round(self.w.turns - 1), episodes)
+        return waits[episodes]
+
     def _decode_point(self, gpu_type: str, tp: int, b: int) -> DecodePoint:
         w = self.w
         a, c = self.decode_coeffs(gpu_type, tp, b)
@@ -433,8 +441,8 @@ class CostModel:
         waves = {kind: self.wave_s(*kind, samples) if join_s is None else
                  self.joined_wave_s(*kind, samples, join_s, pause_s) for kind in kinds}
         # an episode waits for its environment (turns - 1) times, holding no decode slot meanwhile:
-        # decoding goes on, but the step's last episode ends that much later
-        wave = max(waves.values()) + (self.w.turns - 1) * self.w.env_s
+        # decoding goes on, but the wave ends with the episode that waited longest
+        wave = max(waves.values()) + self.env_wait_s(max(n))
         if len(active) == 1:
             return wave
         # the slowest of m replicas, not the average one: E[max of m] ~ mean + sd sqrt(2 ln m)

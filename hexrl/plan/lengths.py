@@ -73,3 +73,33 @@ def output_lengths(spec: dict) -> LengthDist:
         total = float(sum(c))
         return LengthDist([max(1.0, (a + b) / 2) for a, b in zip(e, e[1:])], [v / total for v in c])
     return long_tail(float(spec["mean"]), float(spec["max"]))
+
+
+def draw_latency(spec: dict | None, rng, size: int | None = None):
+    """Environment call seconds from a validated workload.env_latency_s (0 without one): one draw,
+    or an array of `size` (rng: a numpy Generator)."""
+    import numpy as np
+
+    if not spec or spec["mean"] <= 0:
+        return 0.0 if size is None else np.zeros(size)
+    mean = spec["mean"]
+    if spec["dist"] == "exponential":
+        out = rng.exponential(mean, size)
+    elif spec["dist"] == "lognormal":  # mu such that the mean is `mean`
+        sigma = spec.get("sigma", 1.0)
+        out = rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma, size)
+    else:
+        out = mean if size is None else np.full(size, float(mean))
+    return float(out) if size is None else out
+
+
+def expected_max_wait(spec: dict | None, calls: int, episodes: int, trials: int = 200) -> float:
+    """E[the longest of `episodes` episodes' total environment wait], each `calls` draws summed: what
+    the last episode of a step adds to its wave (Monte Carlo, fixed seed: the same every call)."""
+    import numpy as np
+
+    if not spec or calls <= 0 or episodes <= 0:
+        return 0.0
+    rng = np.random.default_rng(0)
+    draws = draw_latency(spec, rng, trials * episodes * calls).reshape(trials, episodes, calls)
+    return float(draws.sum(-1).max(-1).mean())

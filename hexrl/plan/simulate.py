@@ -37,6 +37,7 @@ from hexrl.control.buffer import ReplayBuffer
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.plan.cost import CostModel
+from hexrl.plan.lengths import draw_latency
 from hexrl.plan.planner import plan_candidate
 from hexrl.schema import Plan
 from hexrl.trajectory import Trajectory
@@ -100,19 +101,6 @@ class SimResult:
     mean_batch: float  # sequences per decode step, over the run (the engine's RUN_DIR/engine figure)
     eta_by_step: list = field(default_factory=list)  # the bound in force after each step (rl.eta "auto" moves it)
     gantt: list = field(default_factory=list)  # (lane, kind, t0, t1) of the first steps
-
-
-def draw_latency(spec: dict | None, rng: np.random.Generator) -> float:
-    """One environment call's seconds from workload.env_latency_s (0 without one)."""
-    if not spec:
-        return 0.0
-    mean = spec["mean"]
-    if spec["dist"] == "exponential":
-        return float(rng.exponential(mean))
-    if spec["dist"] == "lognormal":  # mu such that the mean is `mean`
-        sigma = spec.get("sigma", 1.0)
-        return float(rng.lognormal(math.log(mean) - sigma * sigma / 2, sigma)) if mean > 0 else 0.0
-    return float(mean)
 
 
 def split_turns(n: int, turns: float, rng: np.random.Generator) -> tuple[int, int, int]:
