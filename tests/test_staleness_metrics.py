@@ -384,3 +384,25 @@ def test_a_pair_that_differs_beyond_its_configuration_is_flagged(tmp_path):
         runs.append(tmp_path / name)
     assert st.unpaired_fields(runs[0], runs[1]) == []
     assert st.unpaired_fields(runs[0], runs[2]) == ["rl.seed"]
+
+
+def test_the_study_detaches_with_one_flag_and_logs_to_its_directory(tmp_path, capsys):
+    """--background starts the same command in its own session (output in OUT/study.log) and returns at once."""
+    import os
+
+    import staleness_study as st
+
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "warm_start.json").write_text(json.dumps(
+        {"data_synthetic": {"task": "arithmetic"}, "max_new_tokens": 8, "heldout_accuracy": 0.4}))
+    for eta in ("0", "4"):
+        run = fake_run(tmp_path, f"{st.name_of(1e-4, eta, True)}-s0", [0.4, 0.7, 0.85, 0.9], [{"0": 10}] * 6, 1.0)
+        (run / "final").mkdir()
+        (run / "final" / "config.json").write_text("{}")
+    st.main([str(tmp_path), "--report", "--background", "--seeds", "1", "--configs", "1e-4:0:decoupled",
+             "1e-4:4:decoupled"])
+    out = capsys.readouterr().out
+    assert "running in the background" in out
+    os.waitpid(int(out.split("pid ")[1].split(",")[0]), 0)  # our child, though in its own session
+    assert "eta4-decoupled vs eta=0 | 1 |" in (tmp_path / "paired.md").read_text()
+    assert "Paired over seeds" in (tmp_path / "study.log").read_text()
