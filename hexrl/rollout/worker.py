@@ -89,6 +89,8 @@ def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device, ipc: bool
 class RolloutLeader:
     """Drives one replica's engine from controller messages; sends finished groups back."""
 
+    episodes: EpisodeDriver | None = None  # a job env's episodes; None: single-turn samples
+
     def __init__(self, engine: Engine, replica_id: int, rank: int, store, secret: bytes, receive_weights,
                  reward: str, reward_timeout_s: float, tokenizer, reward_workers: int = 2,
                  trace: Path | None = None, env=None):
@@ -96,7 +98,7 @@ class RolloutLeader:
         self.channel = DealerChannel(f"replica-{replica_id}", secret)
         self.channel.connect(lookup_endpoint(store, "controller", timeout_s=300))
         self.reward_name = reward
-        self.rewards = self.episodes = None  # an environment gives episodes their rewards
+        self.rewards = None  # an environment gives episodes their rewards
         if env is None:
             self.rewards = RewardPool(reward, workers=reward_workers, timeout_s=reward_timeout_s)
         else:
