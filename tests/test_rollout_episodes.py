@@ -74,7 +74,7 @@ def test_a_four_turn_episode_prefills_each_token_once(ckpt, overlap):
     s = engine.stats
     # model inputs that sample nothing: the prompt and each observation once, less the one input
     # per turn that samples its first token (a turn's last token enters with the next observation);
-    # re-prefilling the conversation each turn would make it 6 + 15 + 24 + 30
+    # re-prefilling the conversation each turn would make it 6 + 14 + 24 + 31 = 75
     assert s.prefill_tokens == len(prompt) + sum(map(len, obs)) - 1
     assert s.prefill_tokens + s.generated_tokens == len(final) - 1  # every position ran exactly once
     assert s.finished == {"length": 4} and not engine.has_work() and engine.pool.num_free == engine.pool.num_pages
