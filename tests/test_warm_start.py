@@ -96,7 +96,7 @@ def test_short_warm_start_learns_and_writes_a_loadable_checkpoint(tmp_path):
     model = load_pretrained(out)
     task = warm_start.Task(digits=(1, 2), n_train=600, n_heldout=60, n_dev=40)
     _, _, heldout = task.split()
-    acc, _ = greedy_accuracy(model, TOK, heldout, task.max_new_tokens)
+    acc, _ = greedy_accuracy(model, TOK, heldout, task.max_new_tokens(heldout))
     assert acc == pytest.approx(info["heldout_accuracy"])  # the checkpoint is the evaluated model
     # Loss on held-out answers, against the same architecture at its random init.
     batch = warm_start.sft_batch(TOK, heldout)
