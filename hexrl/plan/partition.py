@@ -185,19 +185,29 @@ def two_phase(ev: Evaluator, max_bisect: int = 16) -> tuple[Candidate | None, Se
     return best, log
 
 
+def wide_search(ev: Evaluator, factor: int = 10) -> Candidate | None:
+    """A slower, wider search: the yardstick where exhaustive search is infeasible. The two-phase
+    search, then its sweep again on a grid `factor` times finer, estimating `factor` times as many
+    splits and costing every one whose estimate is within 30% of the best (tools/bench/bench_planner.py --wide)."""
+    best, log = two_phase(ev)
+    types = ev.cm.cluster.types()
+    grid = split_grid([ev.cm.cluster.count(t) for t in types], factor * GRID_POINTS)
+    return _sweep(ev, types, grid, best, log, margin=0.3, budget=len(grid), estimates=factor * ESTIMATES)
+
+
 def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, tol: float = 0.005,
-           margin: float = MARGIN, budget: int | None = None) -> Candidate | None:
+           margin: float = MARGIN, budget: int | None = None, estimates: int = ESTIMATES) -> Candidate | None:
     """Cost the splits the two phases did not visit, best estimate (Evaluator.estimate) first,
     while an estimate is within `margin` of the best step time; at most `budget` of them (a
     twentieth of the splits, at least 32). Splits whose lower bound cannot beat the best by
-    `tol` are skipped; the ESTIMATES lowest bounds are considered. An estimate needs a training
+    `tol` are skipped; the `estimates` lowest bounds are considered. An estimate needs a training
     search, so splits are estimated lazily: in order of their floor (the combined rollout plan
     with training and sync at their lower bounds), which no estimate is below."""
     train_lb, gen_lb, sync_lb = bound_parts(ev, types, grid)
     lb = _step_bound(ev, train_lb, gen_lb, sync_lb)
     limit = best.step_s * (1 - tol) if best is not None else np.inf
     floors = []
-    order = [i for i in np.argsort(lb, kind="stable")[:ESTIMATES] if lb[i] < limit]
+    order = [i for i in np.argsort(lb, kind="stable")[:estimates] if lb[i] < limit]
     for n, i in enumerate(order):
         ev.progress("bounding splits", n, len(order))
         nodes = train_per_node(ev.cm.cluster, _as_counts(types, grid[i]))
