@@ -136,6 +136,13 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     return plan, inputs
 
 
+def say(line: str) -> None:
+    """One line to stderr in one write: ranks run with `python -u`, where print() writes the text and
+    its newline separately and another rank's output can land between them."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
 def restart_count() -> int:
     """How many times torchrun has restarted this job's workers (`--max-restarts K`; 0: first attempt)."""
     return int(os.environ.get(RESTART_ENV) or 0)
@@ -161,16 +168,16 @@ def restart_resume(args, rank: int) -> str | None:
 
         step, _ = resolve_complete(root)
         if rank == 0:
-            print(f"hexrl.main: torchrun restart {attempt}: resuming from {root} (its newest complete "
-                  f"checkpoint, {step.name})", file=sys.stderr, flush=True)
+            say(f"hexrl.main: torchrun restart {attempt}: resuming from {root} (its newest complete "
+                f"checkpoint, {step.name})")
         return str(root)
     if rank == 0 and args.resume is None:
         for name in ("metrics.jsonl", "eval.jsonl"):
             if (run_dir / name).exists():
                 os.replace(run_dir / name, run_dir / name.replace(".jsonl", f".attempt{attempt - 1}.jsonl"))
     if rank == 0:
-        print(f"hexrl.main: torchrun restart {attempt}: no checkpoint in {root} yet; starting "
-              + (f"again from --resume {args.resume}" if args.resume else "afresh"), file=sys.stderr, flush=True)
+        say(f"hexrl.main: torchrun restart {attempt}: no checkpoint in {root} yet; starting "
+            + (f"again from --resume {args.resume}" if args.resume else "afresh"))
     return args.resume
 
 

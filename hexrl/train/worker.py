@@ -225,10 +225,6 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             controller.publish_version(trainer.version)
             controller.wait_delivered(trainer.version)  # wakes, and raises, on a controller failure
         sync_s = sync_weights(ctx, trainer, dtype)
-    every = job.rl.checkpoint_every
-    if last or (every and (step + 1) % every == 0):
-        extra = {"step": step + 1, "controller": controller.state() if controller else None}
-        trainer.save(ctx.run_dir / "checkpoints", extra)
     if controller:
         c = controller.counters()
         elapsed = time.perf_counter() - t0
@@ -260,3 +256,9 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             "turns_mean": sum(t.meta.get("turns", 1) for t in batch) / len(batch),
             "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),
         })
+    # The step's metrics row is written before its checkpoint: a kill between the two then redoes the
+    # step on resume (its row is replaced), instead of resuming past a step whose row was never written.
+    every = job.rl.checkpoint_every
+    if last or (every and (step + 1) % every == 0):
+        extra = {"step": step + 1, "controller": controller.state() if controller else None}
+        trainer.save(ctx.run_dir / "checkpoints", extra)
