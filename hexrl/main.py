@@ -113,8 +113,7 @@ def refuse(rank: int, why: str) -> None:
     """Exit 2 naming why. Every rank prints it: torchrun stops the others as soon as one exits,
     so a message left to rank 0 alone is lost whenever another rank gets there first. The same
     message is what torchrun's summary shows last (hexrl/runtime/errors.py)."""
-    print(f"hexrl.main (rank {rank}): {why}", file=sys.stderr, flush=True)
-    errors.record_message(f"hexrl.main (rank {rank}): {why}")
+    errors.refuse_with(f"hexrl.main (rank {rank}): {why}")
     sys.exit(2)
 
 
@@ -134,13 +133,6 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     if steps is not None:
         plan.job.rl.steps = steps
     return plan, inputs
-
-
-def say(line: str) -> None:
-    """One line to stderr in one write: ranks run with `python -u`, where print() writes the text and
-    its newline separately and another rank's output can land between them."""
-    sys.stderr.write(line + "\n")
-    sys.stderr.flush()
 
 
 def restart_count() -> int:
@@ -168,7 +160,7 @@ def restart_resume(args, rank: int) -> str | None:
 
         step, _ = resolve_complete(root)
         if rank == 0:
-            say(f"hexrl.main: torchrun restart {attempt}: resuming from {root} (its newest complete "
+            errors.say(f"hexrl.main: torchrun restart {attempt}: resuming from {root} (its newest complete "
                 f"checkpoint, {step.name})")
         return str(root)
     if rank == 0 and args.resume is None:
@@ -176,7 +168,7 @@ def restart_resume(args, rank: int) -> str | None:
             if (run_dir / name).exists():
                 os.replace(run_dir / name, run_dir / name.replace(".jsonl", f".attempt{attempt - 1}.jsonl"))
     if rank == 0:
-        say(f"hexrl.main: torchrun restart {attempt}: no checkpoint in {root} yet; starting "
+        errors.say(f"hexrl.main: torchrun restart {attempt}: no checkpoint in {root} yet; starting "
             + (f"again from --resume {args.resume}" if args.resume else "afresh"))
     return args.resume
 
@@ -244,8 +236,7 @@ def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdo
     if not problems:
         problems = same_plan_problems(store, rank, digest, watchdog.describe)
     if problems:
-        print("hexrl.main: " + "\n  ".join(problems), file=sys.stderr, flush=True)
-        errors.record_message("hexrl.main: " + "\n  ".join(problems))
+        errors.refuse_with("hexrl.main: " + "\n  ".join(problems))
         watchdog.report_failure("; ".join(problems))
         os._exit(2)
 

@@ -11,11 +11,25 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 
 from torch.distributed.elastic.multiprocessing.errors import get_error_handler
 
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
+
+
+def say(text: str) -> None:
+    """`text` to stderr as one line in one write: ranks run with `python -u`, where print() writes the
+    text and its newline separately and another rank's output can land between them."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def refuse_with(text: str) -> None:
+    """A deliberate refusal: `text` on stderr and as what torchrun's summary shows last."""
+    say(text)
+    record_message(text)
 
 
 def record_message(text: str) -> None:

@@ -12,7 +12,6 @@ whose collective broke because of it names the silent ranks, not itself (`lost_p
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import time
 import traceback
@@ -157,8 +156,7 @@ class Watchdog:
 
 def _exit_now(msg: str) -> None:
     try:  # stderr may be a pipe whose reader died with the launcher: exit all the same
-        print(f"[hexrl] stopping: {msg}", file=sys.stderr, flush=True)
-        errors.record_message(f"[hexrl] stopping: {msg}")  # what torchrun's summary shows
+        errors.refuse_with(f"[hexrl] stopping: {msg}")  # also what torchrun's summary shows
     finally:
         os._exit(1)
 
