@@ -45,6 +45,16 @@ def test_the_bound_stays_when_the_trainer_does_not_wait():
     assert etas[-1] == 3 and max(etas) == 3  # more lag would buy nothing: the trainer is fed at 3
 
 
+def test_one_slow_step_in_five_does_not_buy_lag():
+    """The study's runs at eta 1: an evaluation takes the rollout's core and the next step waits ~20%,
+    once in five steps; the others wait under 1%. The median share is ~0: the bound stays at 1."""
+    rule = AutoEta(eta_max=4, target=0.1, per_version=0.01, waits=[0.0] * 5)
+    etas = [rule.update(0.2 if t % 5 == 4 else 0.005, 1.0, 0.01, {"1": 100}) for t in range(40)]
+    assert set(etas) == {1}
+    etas = [rule.update(0.2 if t % 5 < 3 else 0.005, 1.0, 0.01, {"1": 100}) for t in range(10)]
+    assert etas[-1] > 1  # three slow steps in five: generation is really behind, and it climbs
+
+
 def test_the_bound_falls_at_once_when_the_spread_per_version_rises():
     """A policy that starts moving faster (a larger step per version): the spread per version goes
     0.01 -> 0.06, so the affordable lag drops from eta_max to floor(0.1 / 0.06) = 1."""
@@ -78,7 +88,9 @@ def test_steps_without_stale_tokens_leave_the_estimate_alone():
     rule.update(WAITS, BUSY, 0.0, {"0": 50})
     assert rule.per_version == 0.05 and rule.afford() == 2
     rule.load_state({"eta": 9, "per_version": 0.02})
-    assert rule.eta == 4 and rule.afford() == 4  # clamped to eta_max
+    assert rule.eta == 4 and rule.afford() == 4 and rule.waits == []  # clamped; a pre-window state loads
+    rule.load_state(json.loads(json.dumps({**rule.state(), "waits": [0.1, 0.2]})))
+    assert rule.waits == [0.1, 0.2]
     with pytest.raises(ValueError):
         AutoEta(eta_max=0, target=0.1)
 
