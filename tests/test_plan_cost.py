@@ -8,6 +8,7 @@ import random
 import pytest
 
 from hexrl.gpus import PAPER_DECODE_FACTOR, SHIPPED_PROFILES, gpu, read_profile
+from hexrl.plan import train_search
 from hexrl.plan.candidate import Evaluator
 from hexrl.plan.cost import MAX_DECODE_BATCH, CostModel, StageCoeffs
 from hexrl.plan.partition import lower_bounds, split_grid
@@ -316,6 +317,35 @@ def test_lower_bounds_never_exceed_the_cost_model(spec):
                 assert bound <= cand.step_s * (1 + 1e-9)
                 checked += 1
         assert checked > 3
+
+
+@pytest.mark.parametrize("spec", [("H800", "H20", "H100", "A100-80G"), ("L40S", "H20"), ("H100", "RTX4090", "H800")])
+def test_the_training_search_prunes_only_layouts_that_cannot_win(spec):
+    """search_train costs layouts in order of a lower bound and stops when the bound passes the best:
+    every bound is at most its layout's time (with or without recompute), train_bound is at most the
+    search's answer, and the answer equals costing every layout (ties: the first enumerated)."""
+    rng = random.Random(len(spec))
+    for model in ("r1-distill-qwen-1.5b", "r1-distill-qwen-7b"):
+        cm = CostModel(job(nodes(*(spec * 3), gpus=8), model=model, ppo_minibatches=rng.choice([1, 4])),
+                       use_profiles=False)
+        for _ in range(12):  # random training GPUs per node, not only packed ones
+            per_node = tuple(rng.choice([0, 0, 2, 4, 8]) for _ in cm.cluster.nodes)
+            every = []  # (time, index) of each layout as the search prices it: no recompute if that fits
+            for bound, index, tps, dp, order, spans in train_search._layouts(cm, per_node):
+                stages, where = [(t, tps[t]) for t in order for _ in spans[t]], [x for t in order for x in spans[t]]
+                times = []
+                for recompute in (False, True):
+                    fit = train_search._stage_times(cm, stages, where, dp, recompute)
+                    if fit is not None:
+                        times.append(max(c.per_layer * n + c.fixed for n, c in zip(*fit)))
+                        assert bound <= times[-1]
+                if times:
+                    every.append((times[0], index))
+            plan = train_search.search_train(cm, per_node)
+            assert (plan is None) == (not every)
+            if plan is not None:
+                assert plan.time_s == pytest.approx(min(every)[0], rel=1e-12)
+                assert train_search.train_bound(cm, per_node) <= plan.time_s
 
 
 def test_more_rollout_gpus_never_slow_generation():

@@ -52,7 +52,7 @@ def test_the_search_reports_its_phases():
     seen = []
     plan_job(load_job(hetero_job()), progress=lambda phase, done, total: seen.append((phase, done, total)))
     phases = {phase for phase, _, _ in seen}
-    assert {"initial split", "bisecting the training share", "bounding splits", "sweeping splits"} <= phases
+    assert {"initial split", "bisecting the training share", "sweeping splits"} <= phases
     assert all(0 <= done <= total for phase, done, total in seen if total)
 
 

@@ -7,7 +7,7 @@ from hexrl.plan.cost import CostModel
 from hexrl.plan.placement import counts_of, free_classes, train_per_node
 from hexrl.plan.progress import quiet
 from hexrl.plan.rollout_milp import RolloutPlan, combine, makespan, solve_rollout
-from hexrl.plan.train_search import TrainPlan, search_train
+from hexrl.plan.train_search import TrainPlan, search_train, train_bound
 
 
 @dataclass
@@ -47,6 +47,13 @@ class Evaluator:
         if per_node not in self._train:
             self._train[per_node] = search_train(self.cm, per_node)
         return self._train[per_node]
+
+    def train_bound(self, per_node: tuple[int, ...]) -> float:
+        """A lower bound on train(per_node).time_s without the search (train_search.train_bound)."""
+        if per_node in self._train:
+            plan = self._train[per_node]
+            return math.inf if plan is None else plan.time_s
+        return train_bound(self.cm, per_node)
 
     def rollout(self, per_node: tuple[int, ...]) -> RolloutPlan | None:
         return self._solve(free_classes(self.cm.cluster, per_node))

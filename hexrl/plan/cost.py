@@ -131,6 +131,9 @@ class CostModel:
         self.gpn = self.cluster.gpus_per_node
         self._decode_cache: dict = {}
         self._stage_cache: dict = {}
+        self._layer_cache: dict = {}
+        self._send_cache: dict = {}
+        self._bound_cache: dict = {}  # train_search._type_part
         self._wave_cache: dict = {}
         # colocated (hexrl/plan/colocate.py): the bytes each role may use on the shared GPU
         self.role_bytes: dict[str, float] = {}
@@ -194,29 +197,51 @@ class CostModel:
             self._stage_cache[key] = self._stage_coeffs(*key)
         return self._stage_cache[key]
 
-    def _stage_coeffs(self, gpu_type, tp, dp, pp, index, dp_nodes, send_GBps, recompute) -> StageCoeffs:
+    def per_layer_s(self, gpu_type: str, tp: int, dp: int, pp: int, dp_nodes: int, recompute: bool) -> float:
+        """Seconds one layer adds to its stage per RL step (a stage's time is per_layer * layers + fixed):
+        the same for every stage of one type and TP, whatever its index or link to the next."""
+        key = (gpu_type, tp, dp, pp, dp_nodes, recompute)
+        if key not in self._layer_cache:
+            self._layer_cache[key] = self._per_layer(*key)
+        return self._layer_cache[key]
+
+    def _per_layer(self, gpu_type, tp, dp, pp, dp_nodes, recompute) -> float:
         g, m, w = self.gpus[gpu_type], self.m, self.w
-        h, k = m.hidden_size, w.minibatches
         mb = self.microbatches(dp)
         bubble = (mb + pp - 1) / mb
         tok = w.tokens / dp  # tokens through one replica per step
         passes = 3 + w.extra_fwd + int(recompute)
-        nvlink = self.cluster.intra_GBps(gpu_type) * 1e9
         flops = g.flops * self.train_efficiency(gpu_type, dp * tp * pp) * tp
         compute = passes * self.layer_fwd_flops * tok / flops
         tp_comm = 0.0
         if tp > 1:  # 2 all-reduces of activations per forward-like pass, 4 per backward
             n_ar = 2 * (passes - 1)
-            tp_comm = n_ar * tok * h * 2 * 2 * (tp - 1) / tp / nvlink
+            tp_comm = n_ar * tok * m.hidden_size * 2 * 2 * (tp - 1) / tp / (self.cluster.intra_GBps(gpu_type) * 1e9)
+        per_param = self._dp_per_param(gpu_type, tp, dp, dp_nodes) + self._opt_per_param(gpu_type, tp)
+        return bubble * (compute + tp_comm) + w.minibatches * per_param * self.layer_params
+
+    def _dp_per_param(self, gpu_type: str, tp: int, dp: int, dp_nodes: int) -> float:
+        """Seconds per parameter of a stage's gradient all-reduce across its dp replicas."""
+        if dp == 1:
+            return 0.0
         grad_bytes = self.grad_reduce_bytes / tp  # gradient bytes per parameter on one GPU
-        dp_per_param = 0.0
-        if dp > 1:
-            dp_per_param = 2 * (dp - 1) / dp * grad_bytes / nvlink
-            if dp_nodes > 1:  # the node's NIC carries a whole copy of the stage's gradients
-                nic = self.cluster.inter_node_GBps * 1e9
-                dp_per_param += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / nic
-        opt_per_param = 2 * 16 / tp / g.hbm_Bps  # read + write weights, grads, Adam state
-        per_layer = bubble * (compute + tp_comm) + k * (dp_per_param + opt_per_param) * self.layer_params
+        out = 2 * (dp - 1) / dp * grad_bytes / (self.cluster.intra_GBps(gpu_type) * 1e9)
+        if dp_nodes > 1:  # the node's NIC carries a whole copy of the stage's gradients
+            out += 2 * (dp_nodes - 1) / dp_nodes * self.grad_reduce_bytes / (self.cluster.inter_node_GBps * 1e9)
+        return out
+
+    def _opt_per_param(self, gpu_type: str, tp: int) -> float:
+        return 2 * 16 / tp / self.gpus[gpu_type].hbm_Bps  # read + write weights, grads, Adam state
+
+    def _stage_coeffs(self, gpu_type, tp, dp, pp, index, dp_nodes, send_GBps, recompute) -> StageCoeffs:
+        g, w = self.gpus[gpu_type], self.w
+        k = w.minibatches
+        mb = self.microbatches(dp)
+        bubble = (mb + pp - 1) / mb
+        tok = w.tokens / dp  # tokens through one replica per step
+        passes = 3 + w.extra_fwd + int(recompute)
+        flops = g.flops * self.train_efficiency(gpu_type, dp * tp * pp) * tp
+        per_layer = self.per_layer_s(gpu_type, tp, dp, pp, dp_nodes, recompute)
         # each micro-batch's fixed cost beside its FLOPs (measured train_overhead_s per fwd+bwd, and per
         # forward-only pass: proximal/reference log-probs, recompute), k * mb of them; 0 without a profile
         # that has them. Measured on a whole model: a pipeline stage holding fewer layers errs slow
@@ -225,10 +250,22 @@ class CostModel:
         if index == pp - 1:  # output head (vocab-parallel) and its log-softmax
             fixed += bubble * passes * 2 * self.head_params() * tok / flops
         edge_params = self.edge_params(index, pp)
-        fixed += k * (dp_per_param + opt_per_param) * edge_params
-        if send_GBps is not None:  # activations forward, gradients back, per replica
-            fixed += bubble * (2 + w.extra_fwd) * tok * h * 2 * dp / max(1, dp_nodes) / (send_GBps * 1e9)
+        fixed += k * (self._dp_per_param(gpu_type, tp, dp, dp_nodes) + self._opt_per_param(gpu_type, tp)) * edge_params
+        if send_GBps is not None:
+            fixed += self.send_s(dp, pp, dp_nodes, send_GBps)
         return StageCoeffs(per_layer, fixed, self._max_layers(gpu_type, tp, pp, index, mb, recompute, edge_params))
+
+    def send_s(self, dp: int, pp: int, dp_nodes: int, send_GBps: float) -> float:
+        """Seconds per RL step a stage spends sending activations forward and receiving gradients back
+        (per replica, each of its dp_nodes nodes' links carrying its share)."""
+        key = (dp, pp, dp_nodes, send_GBps)
+        if key not in self._send_cache:
+            mb = self.microbatches(dp)
+            bubble = (mb + pp - 1) / mb
+            tok = self.w.tokens / dp
+            self._send_cache[key] = bubble * (2 + self.w.extra_fwd) * tok * self.m.hidden_size * 2 * dp \
+                / max(1, dp_nodes) / (send_GBps * 1e9)
+        return self._send_cache[key]
 
     def train_efficiency(self, gpu_type: str, gpus: int) -> float:
         """Fraction of peak a trainer of `gpus` GPUs reaches on this type: train_mfu, less

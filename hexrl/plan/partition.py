@@ -200,32 +200,27 @@ def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, t
     """Cost the splits the two phases did not visit, best estimate (Evaluator.estimate) first,
     while an estimate is within `margin` of the best step time; at most `budget` of them (a
     twentieth of the splits, at least 32). Splits whose lower bound cannot beat the best by
-    `tol` are skipped; the `estimates` lowest bounds are considered. An estimate needs a training
-    search, so splits are estimated lazily: in order of their floor (the combined rollout plan
-    with training and sync at their lower bounds), which no estimate is below."""
+    `tol` are skipped; the `estimates` lowest bounds are considered.
+
+    An estimate needs a training search and a combined rollout plan, so each split climbs lazily
+    through cheaper lower bounds of its estimate (`_raise`), and is raised only when its bound is
+    the lowest left: splits come out in order of their estimates, and most are never estimated."""
     train_lb, gen_lb, sync_lb = bound_parts(ev, types, grid)
     lb = _step_bound(ev, train_lb, gen_lb, sync_lb)
     limit = best.step_s * (1 - tol) if best is not None else np.inf
-    floors = []
-    order = [i for i in np.argsort(lb, kind="stable")[:estimates] if lb[i] < limit]
-    for n, i in enumerate(order):
-        ev.progress("bounding splits", n, len(order))
-        nodes = train_per_node(ev.cm.cluster, _as_counts(types, grid[i]))
-        roll = ev.combined_rollout(nodes)
-        if roll is not None and np.isfinite(train_lb[i]):
-            floors.append((step_times(ev.cm, train_lb[i], sync_lb[i], roll, joined=False)[2], int(i), nodes, roll))
-    floors.sort(key=lambda f: f[:2])
+    heap = [(float(lb[i]), int(i), 0, None) for i in np.argsort(lb, kind="stable")[:estimates] if lb[i] < limit]
+    heapq.heapify(heap)
     budget = budget if budget is not None else max(32, len(grid) // 20)
-    estimates, k, spent = [], 0, 0
-    while spent < budget:
-        ev.progress("sweeping splits", k, len(floors))
-        while k < len(floors) and (not estimates or floors[k][0] <= estimates[0][0]):
-            _, i, nodes, roll = floors[k]
-            k += 1
-            heapq.heappush(estimates, (ev.estimate(nodes, roll), i, nodes))
-        if not estimates:
-            break
-        est, i, nodes = heapq.heappop(estimates)
+    spent, raised, total = 0, 0, len(heap)
+    while heap and spent < budget:
+        ev.progress("sweeping splits", min(raised, total), total)
+        est, i, level, nodes = heapq.heappop(heap)
+        if level < 3:
+            raised += level == 0
+            up = _raise(ev, types, grid, i, level, nodes, train_lb[i], sync_lb[i])
+            if up is not None:
+                heapq.heappush(heap, up)
+            continue
         if not np.isfinite(est) or (best is not None and est > best.step_s * (1 + margin)):
             break
         if best is not None and (lb[i] >= best.step_s * (1 - tol) or ev.train(nodes).time_s >= best.step_s):
@@ -236,6 +231,26 @@ def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, t
             best = cand
     log.history.append(best.step_s if best else float("inf"))
     return best
+
+
+def _raise(ev: Evaluator, types, grid, i: int, level: int, data, train_lb: float, sync_lb: float):
+    """Split i's next heap entry (bound, i, level + 1, data), each bound no more than the next:
+    level 1 is training's own bound (train_search.train_bound) plus the sync bound, level 2 the
+    floor (the combined rollout plan beside training and sync at their bounds, generation from
+    idle), level 3 the estimate. None: the split cannot run."""
+    cm = ev.cm
+    if level == 0:
+        nodes = train_per_node(cm.cluster, _as_counts(types, grid[i]))
+        train = max(train_lb, ev.train_bound(nodes))
+        return (cm.step_s(train, 0.0, sync_lb), i, 1, (nodes, train)) if np.isfinite(train) else None
+    if level == 1:
+        nodes, train = data
+        roll = ev.combined_rollout(nodes)
+        if roll is None:
+            return None
+        return step_times(cm, train, sync_lb, roll, joined=False)[2], i, 2, (nodes, roll)
+    nodes, roll = data
+    return ev.estimate(nodes, roll), i, 3, nodes
 
 
 def _initial(ev: Evaluator, gs: GraphScore, log: SearchLog) -> Candidate | None:

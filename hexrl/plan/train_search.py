@@ -150,37 +150,92 @@ class _Packing:
         return self.nodes[first], last - first + 1
 
 
-def search_train(cm: CostModel, per_node: tuple[int, ...]) -> TrainPlan | None:
-    """The fastest training layout on the training GPUs `per_node` (None if nothing fits)."""
+def _type_part(cm: CostModel, t: str, tp: int, dp: int, pp: int, spans: tuple) -> tuple:
+    """One type's stages in a pipeline of pp, for `_bound`: (sum 1/a, sum b/a and max a + b over all
+    but its last stage, whose send depends on the type after it; the last stage's a)."""
+    key = (t, tp, dp, pp, spans)
+    if key not in cm._bound_cache:
+        rate = lead = one = 0.0
+        for span, nxt in zip(spans, spans[1:]):
+            a = cm.per_layer_s(t, tp, dp, pp, span[1], False)
+            b = cm.send_s(dp, pp, span[1], _send_GBps(cm, span, nxt))
+            rate, lead, one = rate + 1 / a, lead + b / a, max(one, a + b)
+        a = cm.per_layer_s(t, tp, dp, pp, spans[-1][1], False)
+        cm._bound_cache[key] = (rate + 1 / a, lead, one, a)
+    return cm._bound_cache[key]
+
+
+def _bound(cm: CostModel, parts: dict, spans: dict, order: list[str], dp: int, pp: int) -> float:
+    """A lower bound on the time of a layout (types in `order`, their `_type_part`s and spans), with or
+    without recompute: stage i takes >= a_i * n_i + b_i over its n_i >= 1 layers (a_i its time per
+    layer without recompute, b_i its activation sends), so the slowest takes at least
+    (L + sum b_i / a_i) / sum 1 / a_i, and at least a_i + b_i."""
+    rate = lead = one = 0.0
+    for j, t in enumerate(order):
+        r, ld, o, a = parts[t]
+        b = cm.send_s(dp, pp, spans[t][-1][1], _send_GBps(cm, spans[t][-1], spans[order[j + 1]][0])) \
+            if j + 1 < len(order) else 0.0
+        rate, lead, one = rate + r, lead + ld + b / a, max(one, o, a + b)
+    return max((cm.m.num_hidden_layers + lead) / rate, one) * (1 - 1e-9)  # margin for rounding
+
+
+def _layouts(cm: CostModel, per_node: tuple[int, ...]) -> list[tuple]:
+    """(lower bound, enumeration index, TP per type, DP, type order, spans per type) of every layout
+    the search tries, in enumeration order."""
     counts = {t: n for t, n in counts_of(cm.cluster, per_node).items() if n > 0}
-    if not counts:
-        return None
-    types = list(counts)
-    packing = {t: _Packing(cm, per_node, t) for t in types}
-    best = None  # (time, order, tps, dp, recompute, layers)
-    tp_choices = [[tp for tp in cm.tp_options(t) if counts[t] % tp == 0] for t in types]
-    for combo in product(*tp_choices):
-        tps = dict(zip(types, combo))
+    packing = {t: _Packing(cm, per_node, t) for t in counts}
+    orders = _orders(list(counts), cm) if counts else []
+    out, spans_of, parts_of = [], {}, {}  # many layouts share a type's stage size, and its part
+    for combo in product(*[[tp for tp in cm.tp_options(t) if counts[t] % tp == 0] for t in counts]):
+        tps = dict(zip(counts, combo))
         g = 0
-        for t in types:
+        for t in counts:
             g = math.gcd(g, counts[t] // tps[t])
         for dp in _divisors(g):
-            if sum(counts[t] // (dp * tps[t]) for t in types) > cm.m.num_hidden_layers:
+            pp = sum(counts[t] // (dp * tps[t]) for t in counts)
+            if pp > cm.m.num_hidden_layers:
                 continue
-            spans = {t: [packing[t].span(a, a + dp * tps[t]) for a in range(0, counts[t], dp * tps[t])]
-                     for t in types}
-            for order in _orders(types, cm):
-                stages = [(t, tps[t]) for t in order for _ in spans[t]]
-                for recompute in _recompute_choices(cm):  # recompute only if needed
-                    fit = _stage_times(cm, stages, [x for t in order for x in spans[t]], dp, recompute)
-                    if fit is not None:
-                        time_s = max(c.per_layer * n + c.fixed for n, c in zip(*fit))
-                        if best is None or time_s < best[0]:
-                            best = (time_s, order, tps, dp, recompute, fit[0])
-                        break
+            spans, parts = {}, {}
+            for t in counts:
+                size = dp * tps[t]
+                if (t, size) not in spans_of:
+                    spans_of[t, size] = tuple(packing[t].span(a, a + size) for a in range(0, counts[t], size))
+                spans[t] = spans_of[t, size]
+                if (t, tps[t], dp, pp) not in parts_of:
+                    parts_of[t, tps[t], dp, pp] = _type_part(cm, t, tps[t], dp, pp, spans[t])
+                parts[t] = parts_of[t, tps[t], dp, pp]
+            for order in orders:
+                out.append((_bound(cm, parts, spans, order, dp, pp), len(out), tps, dp, order, spans))
+    return out
+
+
+def train_bound(cm: CostModel, per_node: tuple[int, ...]) -> float:
+    """A lower bound on search_train's time for these training GPUs, without costing a layout
+    (inf if there is none)."""
+    return min((x[0] for x in _layouts(cm, per_node)), default=math.inf)
+
+
+def search_train(cm: CostModel, per_node: tuple[int, ...]) -> TrainPlan | None:
+    """The fastest training layout on the training GPUs `per_node` (None if nothing fits).
+
+    Layouts are costed in order of their lower bound (`_bound`) until the bound passes the best
+    time found; ties go to the first in enumeration order, so the answer is that of costing all."""
+    layouts = sorted(_layouts(cm, per_node), key=lambda x: x[:2])
+    best = None  # (time, index, order, tps, dp, recompute, layers)
+    for bound, index, tps, dp, order, spans in layouts:
+        if best is not None and bound > best[0]:
+            break
+        stages = [(t, tps[t]) for t in order for _ in spans[t]]
+        for recompute in _recompute_choices(cm):  # recompute only if needed
+            fit = _stage_times(cm, stages, [x for t in order for x in spans[t]], dp, recompute)
+            if fit is not None:
+                time_s = max(c.per_layer * n + c.fixed for n, c in zip(*fit))
+                if best is None or (time_s, index) < best[:2]:
+                    best = (time_s, index, order, tps, dp, recompute, fit[0])
+                break
     if best is None:
         return None
-    _, order, tps, dp, recompute, layers = best
+    _, _, order, tps, dp, recompute, layers = best
     chunks = []  # (type, tp, slots)
     for t in order:
         size, slots = dp * tps[t], train_slots(cm.cluster, per_node, t)
