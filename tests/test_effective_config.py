@@ -142,6 +142,7 @@ def test_dp_all_reduce_is_costed_in_the_dtype_the_trainer_reduces_in():
     assert cm.grad_reduce_bytes == 4  # plan.trainer.grad_reduce_dtype == "float32"
     args = ("H800", 2, 4, 1, 0, 1, None, False)  # tp 2, dp 4, one stage, all on one node
     fp32 = cm._stage_coeffs(*args).per_layer
+    cm = CostModel(load_job(long_job(4096)))  # a fresh one: the model caches its stage times
     cm.grad_reduce_bytes = 2
     bf16 = cm._stage_coeffs(*args).per_layer
     nvlink = cm.cluster.intra_GBps("H800") * 1e9  # ring all-reduce: 2 (dp - 1) / dp of the bytes, per minibatch

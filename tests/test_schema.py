@@ -249,3 +249,14 @@ def test_lr_decay_fields_default_off_and_are_validated():
     with pytest.raises(ConfigError) as e:
         load_job(d)
     assert [p.split(":")[0] for p in e.value.problems] == ["rl.lr_decay_steps", "rl.lr_final_frac"], e.value.problems
+
+
+def test_lr_lag_scale_defaults_off_and_is_validated():
+    assert load_job(small_job()).rl.lr_lag_scale == 0.0
+    d = small_job()
+    d["rl"] = {**d["rl"], "lr_lag_scale": 0.25}
+    assert load_job(d).rl.lr_lag_scale == 0.25
+    d["rl"] = {**d["rl"], "lr_lag_scale": -1}
+    with pytest.raises(ConfigError) as e:
+        load_job(d)
+    assert [p.split(":")[0] for p in e.value.problems] == ["rl.lr_lag_scale"], e.value.problems

@@ -59,6 +59,25 @@ def test_token_staleness_histogram_counts_every_trained_token_by_lag(tmp_path):
     assert token_staleness_histogram([], 3) == {}
 
 
+@pytest.mark.parametrize("scale", [0.0, 0.5])
+def test_a_lag_scaled_step_matches_the_reference(tmp_path, scale):
+    """rl.lr_lag_scale: a token k versions old takes 1 / (1 + scale * k) of its step; the trainer's
+    update equals the single-process reference's, and differs from the unscaled one."""
+    path = make_tiny_model(tmp_path / "m", layers=2, tie=False)
+    cfg = TrainConfig(**{**CONFIG, "lr_lag_scale": scale})
+    trainer = Trainer(path, SINGLE, cfg)
+    trainer.version = 5
+    m = trainer.step(stale_batch())
+    loss, _, _, weights = reference_step(path, stale_batch(), cfg, version=5)
+    assert m["loss"] == pytest.approx(loss, abs=2e-5)
+    got = trainer.named_full_weights_for_stage()
+    for name, w in weights.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    if scale:
+        _, _, _, plain = reference_step(path, stale_batch(), TrainConfig(**CONFIG), version=5)
+        assert max((plain[k] - w).abs().max().item() for k, w in weights.items()) > 1e-4
+
+
 def test_importance_weight_spread_and_cap_share_match_a_float64_forward(tmp_path):
     path = make_tiny_model(tmp_path / "m", layers=2, tie=False)
     batch = make_batch()
@@ -406,3 +425,36 @@ def test_the_study_detaches_with_one_flag_and_logs_to_its_directory(tmp_path, ca
     os.waitpid(int(out.split("pid ")[1].split(",")[0]), 0)  # our child, though in its own session
     assert "eta4-decoupled vs eta=0 | 1 |" in (tmp_path / "paired.md").read_text()
     assert "Paired over seeds" in (tmp_path / "study.log").read_text()
+
+
+def test_a_lag_scaled_configuration_is_parsed_named_and_paired_with_its_plain_one(tmp_path, capsys):
+    """LR:ETA:OBJ:LAG runs rl.lr_lag_scale = LAG; the report sets it against eta=0 and against the same
+    configuration without the scale (item 3 of issue 47)."""
+    import argparse
+
+    import staleness_study as st
+
+    p = argparse.ArgumentParser()
+    assert st.parse_configs(["1e-4:4:decoupled:0.25", "1e-4:0:naive"], p) == [(1e-4, "4", True, 0.25),
+                                                                              (1e-4, "0", False, 0.0)]
+    with pytest.raises(SystemExit):
+        st.parse_configs(["1e-4:4:decoupled:0", "1e-4:4:decoupled:x:y"], p)
+    assert "'1e-4:4:decoupled:0', '1e-4:4:decoupled:x:y'" in capsys.readouterr().err
+    assert st.name_of(1e-4, "4", True, 0.25) == "lr0.0001-eta4lag0.25-decoupled"
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "warm_start.json").write_text(json.dumps(
+        {"data_synthetic": {"task": "arithmetic"}, "max_new_tokens": 8, "heldout_accuracy": 0.4}))
+    for seed in (0, 1):
+        for eta, lag, accs in (("0", 0, [0.4, 0.7, 0.85, 0.9]), ("4", 0, [0.4, 0.7, 0.8, 0.86]),
+                               ("4", 0.25, [0.4, 0.7, 0.84, 0.89 - seed / 100])):
+            run = fake_run(tmp_path, f"{st.name_of(1e-4, eta, True, lag)}-s{seed}", accs, [{"0": 10}] * 6, 1.0)
+            (run / "final").mkdir()
+            (run / "final" / "config.json").write_text("{}")
+            rl = {"eta": int(eta), "seed": seed, **({"lr_lag_scale": lag} if lag else {})}
+            (run / "job.json").write_text(json.dumps({"name": run.name, "out_dir": str(run), "rl": rl}))
+    st.main([str(tmp_path), "--report", "--seeds", "2", "--configs", "1e-4:0:decoupled", "1e-4:4:decoupled",
+             "1e-4:4:decoupled:0.25"])
+    text = (tmp_path / "paired.md").read_text()
+    assert "| lr0.0001-eta4lag0.25-decoupled vs eta=0 | 2 | 1.5 +- " in text  # 1 and 2 points below
+    assert "| lr0.0001-eta4lag0.25-decoupled vs no lag scale | 2 | -2.5 +- " in text  # 3 and 2 points above
+    assert "NOT PAIRED" not in text

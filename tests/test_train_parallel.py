@@ -50,8 +50,8 @@ def seq_logprobs(model, t: Trajectory, temperature: float = 1.0) -> torch.Tensor
     return lp if t.mask is None else lp[torch.tensor(t.mask, dtype=torch.bool)]
 
 
-def reference_step(path, trajs, cfg: TrainConfig):
-    """One GRPO step in the plainest possible single-process form."""
+def reference_step(path, trajs, cfg: TrainConfig, version: int = 0):
+    """One GRPO step in the plainest possible single-process form (by a trainer at `version`)."""
     model = load_pretrained(path)
     ref_model = load_pretrained(path) if cfg.kl_coef else None
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.adam_eps, weight_decay=0.0)
@@ -72,7 +72,9 @@ def reference_step(path, trajs, cfg: TrainConfig):
             t = trajs[i]
             lp = seq_logprobs(model, t)
             logprobs[i] = lp.detach()
-            terms = ppo_terms(lp, prox[i], torch.tensor(t.logprobs), torch.full_like(lp, adv[i]), cfg.clip_low,
+            lag = torch.tensor([version - v for v in t.versions], dtype=lp.dtype)
+            a = adv[i] / (1 + cfg.lr_lag_scale * lag)  # rl.lr_lag_scale: a smaller step for older tokens
+            terms = ppo_terms(lp, prox[i], torch.tensor(t.logprobs), a, cfg.clip_low,
                               cfg.clip_high, cfg.behav_cap, cfg.decoupled, ref.get(i), cfg.kl_coef)
             total = total + terms.loss.sum()
         loss = total / sum(trajs[i].num_generated for i in members)

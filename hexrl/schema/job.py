@@ -267,6 +267,8 @@ class RLSpec:
     # which weights give the proximal log-probs: the step's (AReaL's) or each mini-batch's own (an ablation)
     proximal: str = "step"
     behav_cap: float = 5.0
+    # a token generated k versions ago gets a step 1 / (1 + lr_lag_scale * k) times as large; 0 = off (issue 47)
+    lr_lag_scale: float = 0.0
     kl_coef: float = 0.0
     filter_equal_groups: bool = True
     steps: int = 10
@@ -327,6 +329,7 @@ def _read_rl(r: Reader, d) -> RLSpec:
     x.decoupled = r.boolean(d, "decoupled", w, True)
     x.proximal = r.choice(d, "proximal", w, PROXIMAL, x.proximal)
     x.behav_cap = float(r.num(d, "behav_cap", w, x.behav_cap, lo=1))
+    x.lr_lag_scale = float(r.num(d, "lr_lag_scale", w, x.lr_lag_scale, lo=0))
     x.kl_coef = float(r.num(d, "kl_coef", w, x.kl_coef, lo=0))
     x.filter_equal_groups = r.boolean(d, "filter_equal_groups", w, True)
     x.steps = r.num(d, "steps", w, x.steps, integer=True, lo=1)

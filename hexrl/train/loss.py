@@ -49,6 +49,12 @@ class LossTerms:
     kl: torch.Tensor  # k3 estimate (0 without a reference)
 
 
+def lag_weights(lag: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each token's share of its advantage when older data should take a smaller step (rl.lr_lag_scale):
+    1 / (1 + scale * lag), lag = versions between the weights that sampled it and the trainer's."""
+    return 1.0 / (1.0 + scale * lag.clamp(min=0).to(torch.float32))
+
+
 def ppo_terms(logp: torch.Tensor, prox: torch.Tensor | None, behav: torch.Tensor, adv: torch.Tensor,
               clip_low: float = 0.2, clip_high: float = 0.2, behav_cap: float | None = 5.0,
               decoupled: bool = True, ref: torch.Tensor | None = None, kl_coef: float = 0.0) -> LossTerms:

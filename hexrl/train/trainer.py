@@ -46,7 +46,7 @@ from .importance import (
     w_std,
 )
 from .linear_logprobs import CHUNK_ROWS, linear_logprobs
-from .loss import equal_reward_groups, group_advantages, ppo_terms
+from .loss import equal_reward_groups, group_advantages, lag_weights, ppo_terms
 from .optim import AdamW, clip_divisor, global_grad_norm
 from .packing import MicroBatch, check_trajectories, plan_step
 from .phases import PhaseTimer
@@ -79,6 +79,7 @@ class TrainConfig:
     # before each mini-batch, so the ratio starts at 1 and the clip never engages (the staleness study's ablation)
     proximal: str = "step"
     kl_coef: float = 0.0  # > 0 loads a frozen reference copy of this stage
+    lr_lag_scale: float = 0.0  # a token k versions old weighs 1 / (1 + lr_lag_scale * k) (loss.lag_weights)
     adv_eps: float = 1e-6
     filter_equal_groups: bool = True
     ppo_minibatches: int = 1
@@ -96,7 +97,7 @@ class TrainConfig:
         for k in ("lr", "micro_batch_tokens", "ppo_minibatches", "temperature", "bucket_mb", "logprob_chunk_rows"):
             if not getattr(self, k) > 0:
                 p.append(f"train.{k}: must be > 0, got {getattr(self, k)!r}")
-        for k in ("clip_low", "clip_high", "kl_coef", "warmup_steps", "lr_decay_steps", "weight_decay"):
+        for k in ("clip_low", "clip_high", "kl_coef", "warmup_steps", "lr_decay_steps", "weight_decay", "lr_lag_scale"):
             if not getattr(self, k) >= 0:
                 p.append(f"train.{k}: must be >= 0, got {getattr(self, k)!r}")
         if not 0 <= self.lr_final_frac <= 1:
@@ -287,8 +288,8 @@ class Trainer:
         log-probs go to `state` on the device."""
         c = self.config
         logp, entropy = self._logprobs(self.model, h, mb, c.entropy_metric)
-        t = ppo_terms(logp, prox, mb.behav, mb.adv, c.clip_low, c.clip_high, c.behav_cap, c.decoupled,
-                      ref, c.kl_coef)
+        adv = mb.adv * lag_weights(self.version - mb.versions, c.lr_lag_scale) if c.lr_lag_scale else mb.adv
+        t = ppo_terms(logp, prox, mb.behav, adv, c.clip_low, c.clip_high, c.behav_cap, c.decoupled, ref, c.kl_coef)
         loss = t.loss.sum() / num_tokens
         with torch.no_grad():  # everything stays on the device: one copy at the end of the step
             ent = entropy.double().sum() if entropy is not None else loss.new_zeros((), dtype=torch.float64)

@@ -43,7 +43,7 @@ def train_config(rl, knobs: TrainKnobs) -> TrainConfig:
     return TrainConfig(lr=rl.lr, grad_clip=rl.grad_clip, warmup_steps=rl.warmup_steps, weight_decay=rl.weight_decay,
                        lr_decay_steps=rl.lr_decay_steps, lr_final_frac=rl.lr_final_frac,
                        clip_low=rl.clip_low, clip_high=rl.clip_high, behav_cap=rl.behav_cap,
-                       decoupled=rl.decoupled, proximal=rl.proximal, kl_coef=rl.kl_coef,
+                       decoupled=rl.decoupled, proximal=rl.proximal, kl_coef=rl.kl_coef, lr_lag_scale=rl.lr_lag_scale,
                        ppo_minibatches=rl.ppo_minibatches,
                        temperature=rl.temperature if rl.temperature > 0 else 1.0,
                        filter_equal_groups=rl.filter_equal_groups, micro_batch_tokens=knobs.micro_batch_tokens,

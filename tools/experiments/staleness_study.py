@@ -32,6 +32,7 @@ import fcntl
 import json
 import math
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -49,26 +50,31 @@ WINDOW = 100  # steps per window of the per-window tables
 SMOOTH = 10  # the smoothed time to TARGET averages the evaluations within this many steps either side
 
 
-def parse_configs(items: list[str], p: argparse.ArgumentParser) -> list[tuple[float, str, bool]]:
-    """LR:ETA:OBJ -> (lr, eta key of learning_run.ETAS, decoupled); every bad item named at once."""
+def parse_configs(items: list[str], p: argparse.ArgumentParser) -> list[tuple[float, str, bool, float]]:
+    """LR:ETA:OBJ[:LAG] -> (lr, eta key of learning_run.ETAS, decoupled, rl.lr_lag_scale or 0); every bad
+    item named at once."""
     out, bad = [], []
     for x in items:
         parts = x.split(":")
         try:
-            ok = len(parts) == 3 and float(parts[0]) > 0 and parts[1] in lr.ETAS and parts[2] in ("naive", "decoupled")
+            ok = len(parts) in (3, 4) and float(parts[0]) > 0 and parts[1] in lr.ETAS and \
+                parts[2] in ("naive", "decoupled") and (len(parts) == 3 or float(parts[3]) > 0)
         except ValueError:
             ok = False
         if ok:
-            out.append((float(parts[0]), parts[1], parts[2] == "decoupled"))
+            lag = float(parts[3]) if len(parts) == 4 else 0.0
+            out.append((float(parts[0]), parts[1], parts[2] == "decoupled", lag))
         else:
             bad.append(x)
     if bad:
-        p.error(f"--configs: {bad}: each must be LR:ETA:OBJ, LR > 0, ETA in {list(lr.ETAS)}, OBJ naive or decoupled")
+        p.error(f"--configs: {bad}: each must be LR:ETA:OBJ[:LAG], LR > 0, ETA in {list(lr.ETAS)}, OBJ naive or "
+                "decoupled, LAG (rl.lr_lag_scale) > 0")
     return out
 
 
-def name_of(lr_: float, eta: str, decoupled: bool) -> str:
-    return f"lr{lr_:g}-eta{eta}-{'decoupled' if decoupled else 'naive'}"
+def name_of(lr_: float, eta: str, decoupled: bool, lag: float = 0.0) -> str:
+    """lr1e-04-eta4-decoupled; with rl.lr_lag_scale, lr1e-04-eta4lag0.25-decoupled."""
+    return f"lr{lr_:g}-eta{eta}{f'lag{lag:g}' if lag else ''}-{'decoupled' if decoupled else 'naive'}"
 
 
 # ----------------------------------------------------------------------------- one run
@@ -297,8 +303,9 @@ def ci(t: dict | None, f: str = ".1f", of: int | None = None) -> str:
 
 
 def paired_report(stats: dict[str, list[dict]], runs: dict[str, list[Path]]) -> tuple[str, dict]:
-    """The paired table: every configuration against eta=0 at its learning rate (and objective), and auto
-    against eta=4 for throughput; then the issue's targets read off the intervals."""
+    """The paired table: every configuration against eta=0 at its learning rate (and objective), auto
+    against eta=4 for throughput, a lag-scaled step against its configuration without one; then the
+    issue's targets read off the intervals."""
     rows, data, bad = [], {}, []
     for name in stats:
         lr_, eta, obj = name.split("-eta")[0][2:], name.split("-eta")[1].split("-")[0], name.rsplit("-", 1)[1]
@@ -314,13 +321,18 @@ def paired_report(stats: dict[str, list[dict]], runs: dict[str, list[Path]]) -> 
         rows.append(f"| {name} vs eta=0 | {n} | {ci(d['gap_final'])} | {ci(d['gap_average'])} | "
                     f"{ci(d['wall_ratio'], '.2f', n)} | {ci(d['wall_ratio_smooth'], '.2f', n)} | "
                     f"{ci(d['traj_ratio'], '.2f')} |")
-    for name in stats:
+    for name in stats:  # auto against eta=4; a lag-scaled step against the same configuration without it
         four = name.replace("-etaauto-", "-eta4-")
         if "-etaauto-" in name and four in stats:
-            d = data[f"{name} vs eta=4"] = paired(stats[four], stats[name])
-            rows.append(f"| {name} vs eta=4 | {len(d['seeds'])} | {ci(d['gap_final'])} | {ci(d['gap_average'])} | "
-                        f"{ci(d['wall_ratio'], '.2f', len(d['seeds']))} | "
-                        f"{ci(d['wall_ratio_smooth'], '.2f', len(d['seeds']))} | {ci(d['traj_ratio'], '.2f')} |")
+            versus = four, "eta=4"
+        elif re.search(r"lag[0-9.e+-]+-", name) and re.sub(r"lag[0-9.e+-]+-", "-", name) in stats:
+            versus = re.sub(r"lag[0-9.e+-]+-", "-", name), "no lag scale"
+        else:
+            continue
+        d = data[f"{name} vs {versus[1]}"] = paired(stats[versus[0]], stats[name])
+        rows.append(f"| {name} vs {versus[1]} | {len(d['seeds'])} | {ci(d['gap_final'])} | {ci(d['gap_average'])} | "
+                    f"{ci(d['wall_ratio'], '.2f', len(d['seeds']))} | "
+                    f"{ci(d['wall_ratio_smooth'], '.2f', len(d['seeds']))} | {ci(d['traj_ratio'], '.2f')} |")
     if not rows:
         return "", data
     head = ("Paired over seeds (each seed's runs share the warm start, the prompt order and the sampling seeds): "
@@ -416,8 +428,9 @@ def plot(rows: list[dict], runs: dict[str, list[Path]], out: Path) -> Path | Non
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("out", type=Path)
-    p.add_argument("--configs", nargs="+", default=DEFAULT, metavar="LR:ETA:OBJ",
-                   help=f"learning rate, eta, naive|decoupled (default {' '.join(DEFAULT)})")
+    p.add_argument("--configs", nargs="+", default=DEFAULT, metavar="LR:ETA:OBJ[:LAG]",
+                   help=f"learning rate, eta, naive|decoupled, and optionally rl.lr_lag_scale (default "
+                   f"{' '.join(DEFAULT)})")
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--seeds", type=int, default=2)
     p.add_argument("--first-seed", type=int, default=0)
@@ -465,19 +478,21 @@ def detach(out: Path, argv: list[str]) -> None:
     print(f"staleness_study: running in the background, pid {proc.pid}, log {out / 'study.log'}")
 
 
-def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict] | None:
+def study(a, configs: list[tuple[float, str, bool, float]], ws: dict) -> dict[str, dict] | None:
     """Run (or with --report, read) every configuration at every seed in a.out; write a.out/staleness.md
     and .png; returns the rows by name (None if no run finished)."""
     stats: dict[str, list[dict]] = {}
     runs: dict[str, list[Path]] = {}
     seeds = list(range(a.first_seed, a.first_seed + a.seeds))
     for seed in seeds:  # seed-major: an interrupted study has every configuration's first seeds
-        for x, eta, decoupled in configs:
-            name = name_of(x, eta, decoupled)
+        for x, eta, decoupled, lag in configs:
+            name = name_of(x, eta, decoupled, lag)
             args = copy.copy(a)
             args.lr = x
             job = lr.job_for(a.out, ws, f"{name}-s{seed}", lr.ETAS[eta], decoupled, args, seed)
             job["rl"]["policy_kl_probe"] = a.probe
+            if lag:
+                job["rl"]["lr_lag_scale"] = lag
             run = Path(job["out_dir"])
             if a.report and not (run / "final" / "config.json").exists():
                 continue  # --report: finished runs only, as they are (never re-run)
@@ -499,7 +514,7 @@ def study(a, configs: list[tuple[float, str, bool]], ws: dict) -> dict[str, dict
             f"{sorted({x['seed'] for v in stats.values() for x in v})} (finished runs). "
             "Wall time excludes evaluation and the KL probe; trainer wait = time the trainer waited for a "
             "batch / wall.")
-    goals = targets(by, sorted({x for x, _, _ in configs}))
+    goals = targets(by, sorted({c[0] for c in configs}))
     text = head + "\n\n" + tables(rows) + ("\n\nThe issue's targets:\n\n" + "\n".join(goals) if goals else "")
     print(text)
     write_report(a.out, "staleness", text, {"rows": rows, "runs": stats}, plot(rows, runs, a.out), a.docs,
@@ -548,7 +563,7 @@ def causes(a, lr_: float, ws: dict) -> None:
         args = cause_args(a, change)
         args.out, args.docs = sub, None
         etas = ("0", *change.get("etas", ()), "4")
-        by = study(args, [(lr_, e, True) for e in etas], ws)
+        by = study(args, [(lr_, e, True, 0.0) for e in etas], ws)
         for e in etas[1:]:
             sync, dec = (by or {}).get(name_of(lr_, "0", True)), (by or {}).get(name_of(lr_, e, True))
             if sync and dec:
