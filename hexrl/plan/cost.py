@@ -210,7 +210,7 @@ class CostModel:
         mb = self.microbatches(dp)
         bubble = (mb + pp - 1) / mb
         tok = w.tokens / dp  # tokens through one replica per step
-        passes = 3 + w.extra_fwd + int(recompute)
+        passes = self._passes(recompute)
         flops = g.flops * self.train_efficiency(gpu_type, dp * tp * pp) * tp
         compute = passes * self.layer_fwd_flops * tok / flops
         tp_comm = 0.0
@@ -219,6 +219,11 @@ class CostModel:
             tp_comm = n_ar * tok * m.hidden_size * 2 * 2 * (tp - 1) / tp / (self.cluster.intra_GBps(gpu_type) * 1e9)
         per_param = self._dp_per_param(gpu_type, tp, dp, dp_nodes) + self._opt_per_param(gpu_type, tp)
         return bubble * (compute + tp_comm) + w.minibatches * per_param * self.layer_params
+
+    def _passes(self, recompute: bool) -> int:
+        """Forward-sized passes over a layer per micro-batch: forward + backward (2), the proximal /
+        reference forwards, and the recomputed forward."""
+        return 3 + self.w.extra_fwd + int(recompute)
 
     def _dp_per_param(self, gpu_type: str, tp: int, dp: int, dp_nodes: int) -> float:
         """Seconds per parameter of a stage's gradient all-reduce across its dp replicas."""
@@ -239,7 +244,7 @@ class CostModel:
         mb = self.microbatches(dp)
         bubble = (mb + pp - 1) / mb
         tok = w.tokens / dp  # tokens through one replica per step
-        passes = 3 + w.extra_fwd + int(recompute)
+        passes = self._passes(recompute)
         flops = g.flops * self.train_efficiency(gpu_type, dp * tp * pp) * tp
         per_layer = self.per_layer_s(gpu_type, tp, dp, pp, dp_nodes, recompute)
         # each micro-batch's fixed cost beside its FLOPs (measured train_overhead_s per fwd+bwd, and per
