@@ -207,8 +207,7 @@ class CostModel:
 
     def _per_layer(self, gpu_type, tp, dp, pp, dp_nodes, recompute) -> float:
         g, m, w = self.gpus[gpu_type], self.m, self.w
-        mb = self.microbatches(dp)
-        bubble = (mb + pp - 1) / mb
+        bubble = self._bubble(dp, pp)
         tok = w.tokens / dp  # tokens through one replica per step
         passes = self._passes(recompute)
         flops = g.flops * self.train_efficiency(gpu_type, dp * tp * pp) * tp
@@ -219,6 +218,11 @@ class CostModel:
             tp_comm = n_ar * tok * m.hidden_size * 2 * 2 * (tp - 1) / tp / (self.cluster.intra_GBps(gpu_type) * 1e9)
         per_param = self._dp_per_param(gpu_type, tp, dp, dp_nodes) + self._opt_per_param(gpu_type, tp)
         return bubble * (compute + tp_comm) + w.minibatches * per_param * self.layer_params
+
+    def _bubble(self, dp: int, pp: int) -> float:
+        """1F1B's time over its busy time: (micro-batches + pp - 1) / micro-batches."""
+        mb = self.microbatches(dp)
+        return (mb + pp - 1) / mb
 
     def _passes(self, recompute: bool) -> int:
         """Forward-sized passes over a layer per micro-batch: forward + backward (2), the proximal /
@@ -242,7 +246,7 @@ class CostModel:
         g, w = self.gpus[gpu_type], self.w
         k = w.minibatches
         mb = self.microbatches(dp)
-        bubble = (mb + pp - 1) / mb
+        bubble = self._bubble(dp, pp)
         tok = w.tokens / dp  # tokens through one replica per step
         passes = self._passes(recompute)
         flops = g.flops * self.train_efficiency(gpu_type, dp * tp * pp) * tp
@@ -265,10 +269,8 @@ class CostModel:
         (per replica, each of its dp_nodes nodes' links carrying its share)."""
         key = (dp, pp, dp_nodes, send_GBps)
         if key not in self._send_cache:
-            mb = self.microbatches(dp)
-            bubble = (mb + pp - 1) / mb
             tok = self.w.tokens / dp
-            self._send_cache[key] = bubble * (2 + self.w.extra_fwd) * tok * self.m.hidden_size * 2 * dp \
+            self._send_cache[key] = self._bubble(dp, pp) * (2 + self.w.extra_fwd) * tok * self.m.hidden_size * 2 * dp \
                 / max(1, dp_nodes) / (send_GBps * 1e9)
         return self._send_cache[key]
 

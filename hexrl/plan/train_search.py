@@ -185,7 +185,7 @@ def _layouts(cm: CostModel, per_node: tuple[int, ...]) -> list[tuple]:
     counts = {t: n for t, n in counts_of(cm.cluster, per_node).items() if n > 0}
     packing = {t: _Packing(cm, per_node, t) for t in counts}
     orders = _orders(list(counts), cm) if counts else []
-    out, spans_of, parts_of = [], {}, {}  # many layouts share a type's stage size, and its part
+    out, spans_of = [], {}  # many layouts share a type's stage size
     for combo in product(*[[tp for tp in cm.tp_options(t) if counts[t] % tp == 0] for t in counts]):
         tps = dict(zip(counts, combo))
         g = 0
@@ -201,9 +201,7 @@ def _layouts(cm: CostModel, per_node: tuple[int, ...]) -> list[tuple]:
                 if (t, size) not in spans_of:
                     spans_of[t, size] = tuple(packing[t].span(a, a + size) for a in range(0, counts[t], size))
                 spans[t] = spans_of[t, size]
-                if (t, tps[t], dp, pp) not in parts_of:
-                    parts_of[t, tps[t], dp, pp] = _type_part(cm, t, tps[t], dp, pp, spans[t])
-                parts[t] = parts_of[t, tps[t], dp, pp]
+                parts[t] = _type_part(cm, t, tps[t], dp, pp, spans[t])
             for order in orders:
                 out.append((_bound(cm, parts, spans, order, dp, pp), len(out), tps, dp, order, spans))
     return out

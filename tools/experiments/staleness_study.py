@@ -322,11 +322,11 @@ def paired_report(stats: dict[str, list[dict]], runs: dict[str, list[Path]]) -> 
                     f"{ci(d['wall_ratio'], '.2f', n)} | {ci(d['wall_ratio_smooth'], '.2f', n)} | "
                     f"{ci(d['traj_ratio'], '.2f')} |")
     for name in stats:  # auto against eta=4; a lag-scaled step against the same configuration without it
-        four = name.replace("-etaauto-", "-eta4-")
+        four, plain = name.replace("-etaauto-", "-eta4-"), re.sub(r"lag[0-9.e+-]+-", "-", name)
         if "-etaauto-" in name and four in stats:
             versus = four, "eta=4"
-        elif re.search(r"lag[0-9.e+-]+-", name) and re.sub(r"lag[0-9.e+-]+-", "-", name) in stats:
-            versus = re.sub(r"lag[0-9.e+-]+-", "-", name), "no lag scale"
+        elif plain != name and plain in stats:
+            versus = plain, "no lag scale"
         else:
             continue
         d = data[f"{name} vs {versus[1]}"] = paired(stats[versus[0]], stats[name])
