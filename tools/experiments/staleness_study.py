@@ -1,6 +1,6 @@
 """The staleness study (issue 36): what does eta=4 cost against eta=0, and why? One command.
 
-    python tools/experiments/staleness_study.py OUT --docs docs  # lr 1e-4: eta 0, 4 decoupled, 4 naive; 2 seeds
+    python tools/experiments/staleness_study.py OUT --docs docs/studies/staleness-price  # eta 0, 4 decoupled, 4 naive
     python tools/experiments/staleness_study.py OUT --configs 2.5e-4:0:decoupled 2.5e-4:4:decoupled --seeds 2
     python tools/experiments/staleness_study.py OUT --smoke         # 8 steps, batch 16, one seed: a pipeline check
     python tools/experiments/staleness_study.py OUT --causes --eval-every 10  # each candidate cause vs eta=0
