@@ -133,6 +133,11 @@ def _read_gym(r: Reader, g) -> DataSpec:
     prompt = g.get("prompt", "{question}")
     if not isinstance(prompt, str) or not prompt:
         r.bad("data.reasoning_gym.prompt", f"a format string like \"{{question}}\", got {prompt!r}")
+    else:
+        from hexrl.data.gym import template_problems  # its fields are checked against each task's problems there
+
+        for p in template_problems(prompt):
+            r.bad("data.reasoning_gym.prompt", p)
     return DataSpec(reasoning_gym={"tasks": tasks, "size": size, "n_heldout": held, "seed": seed, "prompt": prompt})
 
 
