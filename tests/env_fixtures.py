@@ -1,5 +1,6 @@
 """Environments for the tests, in a module of their own: worker processes import it, and it
 imports nothing heavy (a worker's start-up is then quick on a busy machine)."""
+import abc
 import os
 import time
 
@@ -60,3 +61,52 @@ class Scripted(Environment):
         if t in obs:
             return Step(observation=obs[t])
         return Step(done=True, reward=float(t == problem.answer))
+
+
+# ----------------------------------------------------------------------------- environments that cannot run
+
+
+class Abstract(Environment, abc.ABC):
+    """A base for other environments: an abstract method left to its subclasses."""
+
+    @abc.abstractmethod
+    def score(self, turn: str) -> float: ...
+
+    def step(self, problem, turns):
+        return Step(done=True, reward=self.score(turns[-1]))
+
+
+class BrokenInit(Environment):
+    def __init__(self, **options):
+        raise RuntimeError("no licence server")
+
+    def step(self, problem, turns):
+        return Step(done=True)
+
+
+class ListOptions(Chatty):
+    options = ["penalty"]
+
+
+class RaisingChecks(Chatty):
+    options = {"penalty": 0.1}
+
+    @classmethod
+    def option_problems(cls, options):
+        return options["penalty "]  # a typo: KeyError
+
+
+class NoStops(Chatty):
+    stop_strings = None
+
+
+class EmptyStop(Chatty):
+    stop_strings = ("\n", "")
+
+
+class BareStop(Chatty):
+    stop_strings = "</calc>"  # a string, not a tuple: seven one-character stop strings
+
+
+class LongStop(Chatty):
+    stop_strings = ("=" * 100,)

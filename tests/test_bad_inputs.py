@@ -298,3 +298,30 @@ def test_run_umask_follows_share_run_dir(tmp_path):
         os.umask(old)
     assert load_job(json.loads(preset_job(tmp_path, "x.jsonl").read_text()) | {"share_run_dir": True},
                     check_paths=False).share_run_dir
+
+
+# ----------------------------------------------------------------------------- reliability, round 5
+
+
+def test_an_environment_module_that_exits_on_import_stops_the_planner_with_its_name(tmp_path):
+    """An env module calling sys.exit(0) on import: exit 2 naming env.name, no plan (not exit 0, silent)."""
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\n")
+    job = {"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 10}},
+           "env": {"name": "quits:Env"}, "cluster": {"nodes": [{"gpu_type": "cpu", "gpus": 2}]}}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    cmd = [sys.executable, "-m", "hexrl.plan", str(tmp_path / "job.json"), "-o", str(tmp_path / "p.json")]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{ROOT}"})
+    assert res.returncode == 2 and "env.name: cannot import 'quits:Env': SystemExit: 0" in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr and not (tmp_path / "p.json").exists()
+
+
+def test_calculator_with_a_tokenizer_that_cannot_write_its_tags_is_refused(tmp_path):
+    """The char tokenizer's default alphabet has no < or >: the model could never close a <calc> call."""
+    job = json.loads(job_with_data(tmp_path, GOOD).read_text())
+    job["env"] = {"name": "calculator"}
+    assert [p for p in check_inputs(load_job(job)).problems if p.startswith("env")] == [
+        "env (calculator): the tokenizer cannot write '<>' of the stop string '</calc>': "
+        "the model could never end a turn there"]
+    job["env"] = {"name": "retry"}  # no stop strings: nothing to write
+    assert check_inputs(load_job(job)).problems == []

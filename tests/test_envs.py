@@ -6,7 +6,8 @@ from fractions import Fraction
 import pytest
 from env_fixtures import Hostile
 
-from hexrl.envs import Calculator, Problem, Retry, Step, environment_class
+from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from hexrl.envs import Calculator, Problem, Retry, Step, environment_class, stop_string_problems
 from hexrl.envs.arith import ArithError, evaluate, format_number
 from hexrl.envs.pool import MAX_OBSERVATION_CHARS, EnvPool
 from hexrl.schema import ConfigError
@@ -115,6 +116,43 @@ def test_every_env_problem_is_reported_at_once():
         load_job(job(env={"max_turns": 2}))
     with pytest.raises(ConfigError, match="env: must be an object"):
         load_job(job(env="calculator"))
+
+
+@pytest.mark.parametrize("name, why", [
+    ("hexrl.envs:Environment", "abstract: it must define step (and every abstract method)"),
+    ("env_fixtures:Abstract", "abstract: it must define step (and every abstract method)"),
+    ("env_fixtures:BrokenInit", "BrokenInit(**options) raised RuntimeError: no licence server"),
+    ("env_fixtures:ListOptions", "options must be a dict {name: default number}, got list"),
+    ("env_fixtures:RaisingChecks", "option_problems raised KeyError: 'penalty '"),
+    ("env_fixtures:NoStops", "stop_strings must be a tuple of strings, got None"),
+    ("env_fixtures:EmptyStop", "must not hold an empty string (every turn would end after one token)"),
+    ("env_fixtures:BareStop", "stop_strings must be a tuple of strings, got '</calc>'"),
+    ("env_fixtures:LongStop", "is longer than 64 characters"),
+])
+def test_an_environment_that_cannot_run_is_named_when_the_job_is_read(name, why):
+    """Before any worker starts: the class as written, then its options and __init__ as a worker runs them."""
+    with pytest.raises(ConfigError) as e:
+        load_job(job(env={"name": name, "max_turns": 0}))
+    named = [p for p in e.value.problems if p.endswith(why)]
+    assert len(named) == 1 and named[0].startswith((f"env.name ({name}): ", f"env ({name}): ")), e.value.problems
+    assert "env.max_turns" in str(e.value)  # with the section's other problems
+
+
+@pytest.mark.parametrize("exit_line", ["import sys; sys.exit(0)", "raise KeyboardInterrupt",
+                                       "class Stop(BaseException): pass\nraise Stop('bye')"])
+def test_an_environment_module_that_exits_on_import_is_named(tmp_path, monkeypatch, exit_line):
+    (tmp_path / "quits.py").write_text(exit_line + "\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    why = r"env.name: cannot import 'quits:Env': (SystemExit: 0|KeyboardInterrupt|Stop: bye)"
+    with pytest.raises(ConfigError, match=why):
+        load_job(job(env={"name": "quits:Env"}))
+
+
+def test_stop_strings_the_tokenizer_cannot_write_are_named():
+    """The char tokenizer's default alphabet has no < or >: the calculator's </calc> could never be written."""
+    assert stop_string_problems(Calculator, CharTokenizer()) == [
+        "the tokenizer cannot write '<>' of the stop string '</calc>': the model could never end a turn there"]
+    assert stop_string_problems(Calculator, CharTokenizer(DEFAULT_ALPHABET + "<>")) == []
 
 
 def test_the_documented_example_environment_runs_as_written(tmp_path, monkeypatch):

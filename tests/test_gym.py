@@ -2,6 +2,9 @@
 (hexrl/rewards/gym.py), run in the reward pool: the job section checked, the held-out split apart from
 training, and the task's scorer agreeing with ours where both apply."""
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -12,7 +15,7 @@ from hexrl.schema import ConfigError, load_job
 rg = pytest.importorskip("reasoning_gym")  # the [gym] extra (also in [dev])
 
 from hexrl.data.datasets import dataset_problems, load_dataset  # noqa: E402
-from hexrl.data.gym import gym_answer  # noqa: E402
+from hexrl.data.gym import format_prompt, gym_answer  # noqa: E402
 from hexrl.rewards.gym import gym_reward  # noqa: E402
 
 CHAIN = {"tasks": {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},
@@ -41,7 +44,7 @@ def test_the_job_section_is_checked_naming_each_field(tmp_path):
     with pytest.raises(ConfigError, match="reward.name"):  # the gym scorer needs gym problems
         load_job(path)
     assert dataset_problems(None, {**CHAIN, "tasks": "nosuch"}) == [  # before launch, where the package is
-        "data.reasoning_gym: Dataset 'nosuch' not registered"]
+        "data.reasoning_gym.tasks: nosuch: Dataset 'nosuch' not registered"]
 
 
 def test_held_out_problems_are_drawn_apart_from_training():
@@ -82,3 +85,73 @@ def test_the_reward_pool_runs_the_tasks_scorer():
     with RewardPool("gym", workers=1, timeout_s=30) as pool:
         assert pool.score(items) == [float(i % 2) for i in range(6)]
         assert pool.stats.ok == 6
+
+
+@pytest.mark.parametrize("prompt, why", [
+    ("{}", "{}: name a field, like {question} (no position, attribute or index)"),
+    ("Q: {0}", "{0}: name a field"),
+    ("{question.foo}", "{question.foo}: name a field"),
+    ("{question[999999]}", "{question[999999]}: name a field"),
+    ("{question.__class__}", "{question.__class__}: name a field"),
+    ("{question.__class__.__init__.__globals__}", "{question.__class__.__init__.__globals__}: name a field"),
+    ("{question:>2000000000}", "{question:>2000000000}: width and precision must be at most 1000"),
+    ("{question:.5000}", "{question:.5000}: width and precision must be at most 1000"),
+    ("{question:{question}}", "no field inside a format spec"),
+    ("{question!x}", "{question!x}: conversion must be !r, !s or !a"),
+    ("{question", "not a format string"),
+])
+def test_a_prompt_template_names_plain_fields_only(tmp_path, prompt, why):
+    """Refused when the job is read, naming the field: no traversal into the question's attributes or
+    items, no width that builds a gigabyte prompt."""
+    with pytest.raises(ConfigError) as e:
+        load_job(job({"reasoning_gym": {**CHAIN, "prompt": prompt}}))
+    assert len(e.value.problems) == 1 and e.value.problems[0].startswith("data.reasoning_gym.prompt: "), e.value
+    assert why in e.value.problems[0]
+    with pytest.raises(ValueError):
+        format_prompt(prompt, {"question": "2+2"})  # the formatter the problems are made with refuses it too
+
+
+def test_the_prompt_is_formatted_from_its_own_fields():
+    fields = {"question": "2+2", "expression": "2 + 2"}
+    assert format_prompt("{expression} = ? ({question!r:>7})", fields) == "2 + 2 = ? (  '2+2')"
+    with pytest.raises(ValueError, match=r"\{nope\} is not a field of its problems \(fields: expression, question\)"):
+        format_prompt("{nope}", fields)
+
+
+def test_prompt_fields_and_task_options_are_checked_against_each_task_at_once():
+    """Each task's options by building it, the prompt on one real problem of each task: every problem
+    in one list, naming the task, its option and the field (reasoning-gym's own checks are asserts)."""
+    spec = {"tasks": {"chain_sum": {"min_terms": 0}, "basic_arithmetic": {"min_terms": 5, "max_terms": 2},
+                      "needle_haystack": {}, "leg_counting": {"colour": 1}},
+            "size": 10, "prompt": "{expression} ="}
+    assert dataset_problems(None, spec) == [
+        "data.reasoning_gym.tasks: chain_sum: min_terms must be positive (options: min_terms=0)",
+        "data.reasoning_gym.tasks: basic_arithmetic: max_terms must be >= min_terms (options: min_terms=5, "
+        "max_terms=2)",
+        "data.reasoning_gym.prompt: needle_haystack: {expression} is not a field of its problems (fields: "
+        "difficulty, num_statements, question, source_dataset, source_index)",
+        "data.reasoning_gym.tasks: leg_counting: LegCountingConfig.__init__() got an unexpected keyword "
+        "argument 'colour' (options: colour=1)"]
+    assert dataset_problems(None, {**spec, "tasks": "chain_sum", "prompt": "{question:,}"}) == [
+        "data.reasoning_gym.prompt: chain_sum: {question:,}: Cannot specify ',' with 's'."]
+
+
+def test_the_plan_names_a_task_option_without_a_traceback(tmp_path):
+    path = tmp_path / "job.json"
+    path.write_text(json.dumps(job({"reasoning_gym": {**CHAIN, "tasks": {"chain_sum": {"min_terms": 3,
+                                                                                       "max_terms": 2}}}})))
+    res = subprocess.run([sys.executable, "-m", "hexrl.plan", str(path), "-o", str(tmp_path / "plan.json")],
+                         cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=300)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert "data.reasoning_gym.tasks: chain_sum: max_terms must be >= min_terms" in res.stderr, res.stderr
+
+
+def test_needle_haystack_takes_the_default_prompt():
+    """Its metadata has a `question` too (the last line alone): the entry's question, the whole problem
+    with the statements that answer it, is the one `{question}` means."""
+    spec = {"tasks": "needle_haystack", "size": 4, "seed": 0}
+    assert dataset_problems(None, spec) == []
+    train, _ = load_dataset(gym=spec)
+    entry = json.loads(train[0].answer)
+    assert train[0].prompt == entry["question"] != entry["metadata"]["question"]
+    assert train[0].prompt.endswith(entry["metadata"]["question"])

@@ -267,6 +267,11 @@ def dataset_problems(synthetic: dict | None, gym: dict | None = None) -> list[st
     if synthetic is None and gym is None:
         return []
     try:
+        if gym is not None:
+            from hexrl.data.gym import gym_problems  # an optional dependency: only its jobs import it
+
+            if found := gym_problems(gym):  # each task's options and the prompt, every problem at once
+                return found
         load_dataset(synthetic=synthetic, gym=gym)
     except (TypeError, ValueError, KeyError, ImportError) as e:
         return [f"data.{'synthetic' if gym is None else 'reasoning_gym'}: {e}"]

@@ -49,7 +49,10 @@ class Environment:
     write `step` (and `start` if the episode opens with an observation).
 
     The job's `env` section names the class (hexrl/envs/__init__.py: ENVIRONMENTS) and sets the
-    options; `__init__` receives them as keyword arguments, every one given or defaulted.
+    options; `__init__` receives them as keyword arguments, every one given or defaulted. Where the
+    job is read the class is checked and made once (hexrl/envs/__init__.py: class_problems,
+    setup_problems): `stop_strings` a tuple of non-empty strings the tokenizer can write,
+    `option_problems` and `__init__` raising nothing.
     """
 
     stop_strings: tuple[str, ...] = ()

@@ -3,10 +3,11 @@
 Every rank runs them right after reading the plan (they are deterministic, so every rank
 reaches the same verdict and exits 2 together). Each problem names its file and what is wrong
 with it: the tokenizer, the dataset (every prompt is tokenized here; prompts the tokenizer or
-the model cannot take are skipped and counted, a dataset with none left is refused), the model's
-safetensors files (headers and extents against the file sizes) and the checkpoint given to
---resume (every file its layout implies; an incomplete newest step falls back to the previous
-complete one, saying so).
+the model cannot take are skipped and counted, a dataset with none left is refused), the job
+environment's stop strings (the tokenizer must be able to write them), the model's safetensors
+files (headers and extents against the file sizes) and the checkpoint given to --resume (every
+file its layout implies; an incomplete newest step falls back to the previous complete one,
+saying so).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from hexrl.data.datasets import dataset_problems, load_dataset
 from hexrl.data.problems import Problem
 from hexrl.data.tokenizer import load_tokenizer
+from hexrl.envs import environment_class, stop_string_problems
 from hexrl.model.safetensors_header import weight_file_problems
 
 if TYPE_CHECKING:
@@ -118,6 +120,9 @@ def check_inputs(job: Job, resume: str | None = None, layout: dict | None = None
     except (OSError, ValueError) as e:
         out.problems.append(f"model.path tokenizer: {e}")
         return out
+    if job.env is not None:
+        out.problems += [f"env ({job.env.name}): {p}"
+                         for p in stop_string_problems(environment_class(job.env.name), tokenizer)]
     try:
         out.train, out.heldout = run_prompts(job, tokenizer)
     except (OSError, ValueError, TypeError) as e:

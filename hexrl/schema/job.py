@@ -133,6 +133,11 @@ def _read_gym(r: Reader, g) -> DataSpec:
     prompt = g.get("prompt", "{question}")
     if not isinstance(prompt, str) or not prompt:
         r.bad("data.reasoning_gym.prompt", f"a format string like \"{{question}}\", got {prompt!r}")
+    else:
+        from hexrl.data.gym import template_problems  # its fields are checked against each task's problems there
+
+        for p in template_problems(prompt):
+            r.bad("data.reasoning_gym.prompt", p)
     return DataSpec(reasoning_gym={"tasks": tasks, "size": size, "n_heldout": held, "seed": seed, "prompt": prompt})
 
 
@@ -209,7 +214,7 @@ def _read_env(r: Reader, d) -> EnvSpec | None:
     """The job's `env` section, or None (single-turn, no environment)."""
     if d is None:
         return None
-    from hexrl.envs import environment_class
+    from hexrl.envs import class_problems, environment_class, setup_problems
 
     if not isinstance(d, dict):
         r.bad("env", f"must be an object like {{\"name\": \"calculator\"}}, got {type(d).__name__}")
@@ -220,18 +225,21 @@ def _read_env(r: Reader, d) -> EnvSpec | None:
             cls = environment_class(name)
         except ValueError as e:
             r.bad("env.name", str(e))
+    found = class_problems(cls) if cls is not None else []
+    for p in found:
+        r.bad(f"env.name ({name})", p)
     x = EnvSpec(name or "?")
     x.max_turns = r.num(d, "max_turns", "env", x.max_turns, integer=True, lo=1, hi=1000)
     x.timeout_s = float(r.num(d, "timeout_s", "env", x.timeout_s, lo=0, lo_open=True))
     x.max_obs_tokens = r.num(d, "max_obs_tokens", "env", x.max_obs_tokens, integer=True, lo=1)
     x.workers = r.num(d, "workers", "env", x.workers, integer=True, lo=1, hi=64)
-    known = _ENV_KEYS | set(cls.options if cls else ())
+    known = _ENV_KEYS | set(cls.options if cls is not None and isinstance(cls.options, dict) else ())
     for k in sorted(set(d) - known):
         r.bad(f"env.{k}", unknown_field(k, known))
-    if cls is None:
+    if cls is None or found:
         return None
     x.options = {k: r.num(d, k, "env", default) for k, default in cls.options.items()}
-    for p in cls.option_problems(x.options):
+    for p in setup_problems(cls, x.options):
         r.bad(f"env ({name})", p)
     return x
 
