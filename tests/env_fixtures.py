@@ -60,3 +60,18 @@ class Scripted(Environment):
         if t in obs:
             return Step(observation=obs[t])
         return Step(done=True, reward=float(t == problem.answer))
+
+
+class FailsAtStart(Environment):
+    """Ends every episode before the model's first turn: `start` raises, or with bad_observation=1
+    returns something that is not text."""
+
+    options = {"bad_observation": 0}
+
+    def start(self, problem):
+        if self.bad_observation:
+            return b"\x00"
+        raise RuntimeError("could not open a session")
+
+    def step(self, problem, turns):
+        return Step(done=True)

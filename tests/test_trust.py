@@ -26,7 +26,7 @@ VOCAB = 16
 
 def trajectory(gid, problem_id, prompt=PROMPT, tokens=(6, 7), reward=1.0, logprob=-0.5):
     return message("trajectory", group_id=gid, prompt_ids=list(prompt), completion_ids=list(tokens),
-                   logprobs=[logprob] * len(tokens), versions=[0] * len(tokens), reward=reward,
+                   logprobs=[logprob] * len(tokens), versions=[0] * len(tokens), start_version=0, reward=reward,
                    finish_reason="eos", problem_id=problem_id)
 
 
