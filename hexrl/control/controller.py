@@ -7,6 +7,7 @@ talks to it through `next_batch`, `publish_version` and `state` under one lock.
 """
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -62,6 +63,7 @@ class Controller:
         self.delivered = 0  # newest version every live replica was told about
         self.redo: deque[int] = deque()  # dataset indices to hand out again first (after a resume)
         self.completion_tokens = 0  # counted as trajectories arrive, for rollout tokens/s
+        self.rewards_clipped = 0  # trajectories whose reward was beyond rl.reward_bound
         self.failure: str | None = None
         self.rejected: Counter[str] = Counter()  # messages refused here (the router counts its own)
         self.lock = threading.Condition()
@@ -146,7 +148,7 @@ class Controller:
                     "gate": {"accepted": self.gate.accepted - len(ready), "released": dict(self.gate.released),
                              "too_stale": self.gate.too_stale},
                     "counters": {**self.buffer.counters(), "completion_tokens": self.completion_tokens,
-                                 "rejected": dict(self._rejected())},
+                                 "rewards_clipped": self.rewards_clipped, "rejected": dict(self._rejected())},
                     **({"auto_eta": self.auto.state()} if self.auto else {})}
 
     def load_state(self, state: dict) -> None:
@@ -165,6 +167,7 @@ class Controller:
         counters = state.get("counters", {})
         self.buffer.load_counters(counters)
         self.completion_tokens = counters.get("completion_tokens", 0)
+        self.rewards_clipped = counters.get("rewards_clipped", 0)
         self.rejected.update(counters.get("rejected", {}))
 
     def counters(self) -> dict:
@@ -172,6 +175,7 @@ class Controller:
             acc = self.buffer.accounting()
             rejected = self._rejected()
             return {**acc, "completion_tokens": self.completion_tokens, "too_stale": self.gate.too_stale,
+                    "rewards_clipped": self.rewards_clipped,
                     "rejected_messages": sum(rejected.values()), "rejected_reasons": dict(rejected)}
 
     def _rejected(self) -> Counter:
@@ -272,6 +276,9 @@ class Controller:
                 self._group_done(gid, trained=False)
             return
         traj = msg_to_trajectory(msg)
+        if abs(traj.reward) > self.rl.reward_bound:  # before anything adds, squares or compares rewards
+            traj.reward = math.copysign(self.rl.reward_bound, traj.reward)
+            self.rewards_clipped += 1
         self.completion_tokens += traj.num_generated  # sampled tokens (an episode's observations are not)
         status = self.buffer.add(traj)
         if status != "pending":
