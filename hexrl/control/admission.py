@@ -4,8 +4,8 @@ A message that passed the channel's schema and authentication can still be wrong
 subverted replica): a group handed to another replica, a prompt that is not the one sent,
 token ids the model has no embedding for (they would crash the trainer), NaN or infinite
 numbers (they would poison the loss), versions from the future (sampled or started under), more
-tokens than the job allows (an episode: per turn and per observation, times env.max_turns). Such a trajectory is
-rejected and counted, never filed into the replay buffer.
+tokens than the job allows (an episode: per turn and per observation, times env.max_turns).
+Such a trajectory is rejected and counted, never filed into the replay buffer.
 """
 from __future__ import annotations
 
