@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from hexrl.comm.secret import job_secret
+from hexrl.comm.secret import SecretError, job_secret
 from hexrl.runtime import affinity, dist_rules, effective, errors
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import set_run_umask
@@ -293,9 +293,10 @@ def main(argv=None) -> None:
         cause = describe_exception(e)
         # a collective broken by a lost peer: name the ranks that went silent, not this one
         lost = watchdog.lost_peers() if is_peer_loss(e) else None
-        print(f"[hexrl] rank {rank} ({describe[rank]}) failed: {cause}\n{traceback.format_exc()}"
+        refused = isinstance(e, (ConfigError, SecretError))  # bad input, not a bug here
+        print(f"[hexrl] rank {rank} ({describe[rank]}) failed: {cause}\n{'' if refused else traceback.format_exc()}"
               + (f"[hexrl] because {lost}\n" if lost else ""), file=sys.stderr, flush=True)
-        if lost or isinstance(e, ConfigError):  # not a bug here: the reason, without a traceback
+        if lost or refused:  # the reason, without a traceback
             errors.record_message(f"[hexrl] rank {rank} ({describe[rank]}) failed: "
                                   + (f"because {lost}" if lost else str(e)))
         else:

@@ -17,6 +17,9 @@ class Trajectory:
     sampled, and each observation as tokenized once: never a re-tokenized transcript). Then
     `logprobs` and `versions` hold one value per sampled token, in order. `mask` None: every
     completion token was sampled (single-turn).
+
+    `start_version` is the weight version the sample was started under: the trajectory's version when
+    it has no sampled token (an episode whose environment failed before the model's first turn).
     """
 
     group_id: int  # the prompt group (n samples of one prompt share it)
@@ -29,11 +32,13 @@ class Trajectory:
     problem_id: str | int | None = None
     meta: dict = field(default_factory=dict)
     mask: list[int] | None = None
+    start_version: int = 0
 
     @property
     def oldest_version(self) -> int:
-        """The version of the first sampled token (the oldest: versions only grow along a sequence)."""
-        return min(self.versions) if self.versions else 0
+        """The version of the first sampled token (the oldest: versions only grow along a sequence), or
+        the version the sample was started under if it has none."""
+        return min(self.versions) if self.versions else self.start_version
 
     @property
     def num_generated(self) -> int:

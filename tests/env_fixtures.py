@@ -110,3 +110,18 @@ class BareStop(Chatty):
 
 class LongStop(Chatty):
     stop_strings = ("=" * 100,)
+
+
+class FailsAtStart(Environment):
+    """Ends every episode before the model's first turn: `start` raises, or with bad_observation=1
+    returns something that is not text."""
+
+    options = {"bad_observation": 0}
+
+    def start(self, problem):
+        if self.bad_observation:
+            return b"\x00"
+        raise RuntimeError("could not open a session")
+
+    def step(self, problem, turns):
+        return Step(done=True)

@@ -95,6 +95,19 @@ def test_steps_without_stale_tokens_leave_the_estimate_alone():
         AutoEta(eta_max=0, target=0.1)
 
 
+def test_a_signal_that_is_not_a_number_is_no_evidence():
+    """A NaN w_std (a step whose importance weights overflowed) leaves the spread estimate as it was;
+    a NaN or infinite wait counts as a step that did not wait. The bound moves only on real signals."""
+    nan, inf = float("nan"), float("inf")
+    rule = AutoEta(eta_max=4, target=0.1, per_version=0.04, waits=[WAITS] * 5)  # affords floor(0.1 / 0.04) = 2
+    assert rule.update(WAITS, BUSY, nan, {"1": 100}) == 2 and rule.per_version == 0.04
+    assert rule.update(WAITS, BUSY, inf, {"1": 100}) == 2 and rule.per_version == 0.04
+    for wait, busy in ((nan, BUSY), (inf, BUSY), (WAITS, nan), (inf, inf)):
+        assert rule.update(wait, busy, 0.04, {"1": 100}) == 2 and rule.waits[-1] == 0.0
+    rule.update(FED, BUSY, 0.02, {"1": 100})  # the next real signal moves the estimate again
+    assert rule.per_version == pytest.approx(0.8 * 0.04 + 0.2 * 0.02)
+
+
 def job(**rl) -> dict:
     return {"model": {"preset": "tiny"}, "data": {"synthetic": {}}, "rl": {"batch_size": 4, **rl},
             "cluster": {"nodes": [{"gpu_type": "cpu", "gpus": 2}]}}

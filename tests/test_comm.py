@@ -21,7 +21,8 @@ def one_of_each() -> list[dict]:
         message("prompt", group_id=7, problem_id="p-3", prompt_ids=[1, 2, 3], n=4,
                 sampling={"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 16}, version=2),
         message("trajectory", group_id=7, prompt_ids=[1, 2, 3], completion_ids=[4, 5], logprobs=[-0.5, -1.25],
-                versions=[2, 3], reward=1.0, finish_reason="eos", problem_id=3, meta={"k": "v"}, rank=1),
+                versions=[2, 3], start_version=2, reward=1.0, finish_reason="eos", problem_id=3, meta={"k": "v"},
+                rank=1),
         message("heartbeat", rank=3, time=12.5),
         message("stats", rank=3, time=13, values={"tokens": 100, "kv_used": np.arange(4, dtype=np.int64)}),
         message("weights", version=5),
@@ -78,7 +79,7 @@ def test_disallowed_dtype_and_bad_fields_refused_at_send():
         assert field in str(e.value)
     with pytest.raises(MessageError, match="differ in length"):
         wire.encode(message("trajectory", group_id=1, prompt_ids=[1], completion_ids=[2, 3], logprobs=[-1.0],
-                            versions=[0, 0], reward=0.0, finish_reason="eos"))
+                            versions=[0, 0], start_version=0, reward=0.0, finish_reason="eos"))
     with pytest.raises(MessageError, match="bool"):  # a bool is not an int
         wire.encode(message("heartbeat", rank=True, time=1.0))
 

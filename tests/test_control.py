@@ -170,6 +170,22 @@ def test_buffer_accounts_for_every_trajectory():
         buf.assert_balanced()
 
 
+def test_a_sample_without_tokens_has_the_version_it_started_under():
+    """An episode whose environment failed before the model's first turn has no token versions; its
+    fresh group (eta 1, trainer at version 4, everything started under 3) is trained, not stale."""
+    gate = StalenessGate(batch_size=1, eta=1)
+    buf = ReplayBuffer(gate=gate)
+    assert gate.try_acquire(version=3)
+    buf.expect(0, n=2)
+    empty = Trajectory(group_id=0, prompt_ids=[1], completion_ids=[], logprobs=[], versions=[], reward=0.0,
+                       finish_reason="env_error", start_version=3)
+    assert empty.oldest_version == 3 and traj(0, 1.0, version=3).oldest_version == 3
+    buf.add(traj(0, 1.0, version=3))
+    assert buf.add(empty) == "accepted"
+    assert [g.group_id for g in buf.pop_batch(1, trainer_version=4)] == [0]
+    assert gate.too_stale == 0 and buf.dropped == {}
+
+
 def test_buffer_rejects_double_hand_out():
     buf = ReplayBuffer()
     buf.expect(1, n=2)

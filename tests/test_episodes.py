@@ -9,6 +9,7 @@ from hexrl.comm import wire
 from hexrl.comm.wire import MessageError, message
 from hexrl.control.admission import Dispatched, token_limits, trajectory_problem
 from hexrl.control.buffer import ReplayBuffer
+from hexrl.control.gate import StalenessGate
 from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from hexrl.envs import Problem
 from hexrl.envs.pool import EnvPool
@@ -70,7 +71,7 @@ def test_trained_ids_are_the_sampled_ids_not_a_retokenized_transcript(tmp_path):
 
 def masked(**over) -> dict:
     fields = dict(group_id=1, prompt_ids=[1], completion_ids=[5, 6, 7, 8], mask=[1, 0, 0, 1], logprobs=[-1.0, -2.0],
-                  versions=[0, 1], reward=1.0, finish_reason="answer")
+                  versions=[0, 1], start_version=0, reward=1.0, finish_reason="answer")
     return message("trajectory", **{**fields, **over})
 
 
@@ -100,6 +101,21 @@ def test_the_controller_bounds_episodes_by_turns_and_observations():
     assert trajectory_problem(masked(completion_ids=[5] + [6] * 10, mask=[1] + [0] * 10, logprobs=[-1.0],
                                      versions=[0]), sent, 0, 100, episodes, 1) == "bad_tokens"
     assert trajectory_problem(masked(), sent, 0, 100, episodes, 0) == "bad_versions"
+
+
+def test_the_start_version_is_validated_like_every_field():
+    for bad, why in [(dict(start_version="3"), "'start_version' should be int"),
+                     (dict(start_version=True), "'start_version' should be int")]:
+        with pytest.raises(MessageError, match=why):
+            wire.encode(masked(**bad))
+    missing = masked()
+    del missing["start_version"]
+    with pytest.raises(MessageError, match="missing field 'start_version'"):
+        wire.encode(missing)
+    sent, limits = Dispatched(0, None, [1]), token_limits(RL(), EnvSpec("calculator", max_turns=2, max_obs_tokens=3))
+    assert trajectory_problem(masked(start_version=1), sent, 0, 100, limits, 1) is None
+    for future in (2, -1):  # started under weights the trainer never published
+        assert trajectory_problem(masked(start_version=future), sent, 0, 100, limits, 1) == "bad_versions"
 
 
 def test_the_buffer_refuses_an_inconsistent_mask():
@@ -180,6 +196,37 @@ def _ready(driver, name, count) -> bool:
     """The episode is waiting for the model (its last call answered) and has `count` turns."""
     ep = driver.episodes[name]
     return len(ep.turns) == count and ep not in driver.calls.values()
+
+
+@pytest.mark.parametrize("options, reason", [({}, "env_error"), ({"bad_observation": 1}, "bad_observation")])
+def test_an_episode_that_ends_before_its_first_turn_has_the_version_it_started_under(options, reason):
+    """No model turn, so no sampled token carries a version: the trajectory still has one (the
+    weights the engine had when its group arrived), and a fresh group is not dropped as stale."""
+    from types import SimpleNamespace
+
+    from hexrl.rollout import worker
+
+    engine, env = FakeEngine(), EnvSpec("env_fixtures:FailsAtStart", options=options)
+    engine.version = 3
+    sent = []
+    leader = object.__new__(worker.RolloutLeader)  # only what starting and sending a group touch
+    leader.engine, leader.tokenizer, leader.rank, leader.groups, leader.time = engine, TOK, 0, {}, worker.LeaderTime()
+    leader.channel = SimpleNamespace(send=lambda msg, timeout_s: sent.append(msg) or True)
+    sampling = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0}
+    with EnvPool(env.name, env.options, workers=1, timeout_s=30) as pool:
+        leader.episodes = EpisodeDriver(engine, TOK, env, pool)
+        leader._add_group({"group_id": 5, "n": 2, "prompt_ids": TOK.encode("1+2="), "problem_id": 0,
+                           "sampling": sampling, "version": 3})
+        while len(sent) < 2:
+            leader._send_scored(0.05)
+    trajs = [wire.msg_to_trajectory(wire.decode(wire.encode(m))) for m in sent]
+    assert [(t.finish_reason, t.versions, t.start_version, t.oldest_version) for t in trajs] == [(reason, [], 3, 3)] * 2
+    gate = StalenessGate(batch_size=1, eta=1)
+    buf = ReplayBuffer(gate, filter_equal_rewards=False)
+    assert gate.try_acquire(3)
+    buf.expect(5, 2)
+    assert [buf.add(t) for t in trajs] == ["pending", "accepted"]
+    assert [g.group_id for g in buf.pop_batch(1, trainer_version=4)] == [5] and gate.too_stale == 0
 
 
 # ----------------------------------------------------------------------------- the whole job

@@ -248,7 +248,7 @@ def test_a_flood_of_prompts_cannot_starve_the_rollout_loop():
 
     added = []
     leader = object.__new__(worker.RolloutLeader)  # only what _poll touches
-    leader.engine = SimpleNamespace(has_work=lambda: bool(added), add=added.append)
+    leader.engine = SimpleNamespace(has_work=lambda: bool(added), add=added.append, version=0)
     leader.groups, leader.scoring = {}, {}
     sampling = {"max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     flood = [{"type": "prompt", "group_id": g, "n": 1, "prompt_ids": [1, 5], "sampling": sampling}

@@ -260,3 +260,15 @@ def test_lr_lag_scale_defaults_off_and_is_validated():
     with pytest.raises(ConfigError) as e:
         load_job(d)
     assert [p.split(":")[0] for p in e.value.problems] == ["rl.lr_lag_scale"], e.value.problems
+
+
+def test_reward_bound_defaults_to_a_million_and_is_validated():
+    assert load_job(small_job()).rl.reward_bound == 1e6
+    d = small_job()
+    d["rl"] = {**d["rl"], "reward_bound": 10}
+    assert load_job(d).rl.reward_bound == 10.0
+    for bad in (0, -1, 1e7, float("nan"), "big", True):
+        d["rl"] = {**d["rl"], "reward_bound": bad}
+        with pytest.raises(ConfigError) as e:
+            load_job(d)
+        assert [p.split(":")[0] for p in e.value.problems] == ["rl.reward_bound"], (bad, e.value.problems)

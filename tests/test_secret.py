@@ -1,6 +1,8 @@
 """The job's channel secret never crosses the torchrun store (issue 44, item 1)."""
 import os
 import stat
+import subprocess
+import sys
 
 import pytest
 import torch.distributed as dist
@@ -73,3 +75,39 @@ def test_hexrl_secret_on_every_launcher(tmp_path):
         js.job_secret(rank1, 2, tmp_path, multi_node=True, env={js.SECRET_ENV: "b" * 64})
     with pytest.raises(js.SecretError, match="at least 32 characters"):
         js.job_secret(rank1, 3, tmp_path, multi_node=True, env={js.SECRET_ENV: "short"})
+
+
+def test_a_hexrl_secret_that_is_not_utf8_is_named(tmp_path):
+    """A launcher's environment can hold any bytes; os.environ keeps the invalid ones as lone surrogates."""
+    master, _ = store_pair()
+    env = {js.SECRET_ENV: os.fsdecode(b"\xff\xfe" * 32)}
+    with pytest.raises(js.SecretError, match="HEXRL_SECRET is not valid UTF-8"):
+        js.job_secret(master, 0, tmp_path, multi_node=False, env=env)
+    assert not (tmp_path / js.SECRET_FILE).exists()
+
+
+def test_a_job_secret_path_that_is_a_directory_is_named_on_every_rank(tmp_path):
+    master, rank1 = store_pair()
+    (tmp_path / js.SECRET_FILE).mkdir()
+    with pytest.raises(js.SecretError, match=f"cannot write the job secret to {tmp_path / js.SECRET_FILE}: "
+                                             "Is a directory"):
+        js.job_secret(master, 0, tmp_path, multi_node=False, env={})
+    assert [p.name for p in tmp_path.iterdir()] == [js.SECRET_FILE]  # no temporary file left behind
+    master.set("hexrl/secret_check", js.fingerprint(b"k" * 32))  # as if rank 0 had written it elsewhere
+    with pytest.raises(js.SecretError, match=f"{tmp_path / js.SECRET_FILE} is a directory, not the job secret"):
+        js.job_secret(rank1, 1, tmp_path, multi_node=False, env={}, file_wait_s=30)
+
+
+def test_a_bad_hexrl_secret_stops_the_job_with_one_line_per_rank(tmp_path):
+    """Every rank reads it: each says what is wrong with it, and no hexrl traceback follows."""
+    from runtime_utils import ROOT, write_job
+
+    plan = write_job(tmp_path, steps=1, nproc=2, train_gpus=1)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "hexrl.main",
+           str(plan), "--run-dir", str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", js.SECRET_ENV: os.fsdecode(b"\xff" * 40)}
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    out = res.stdout + res.stderr
+    assert res.returncode != 0
+    assert out.count("failed: SecretError: HEXRL_SECRET is not valid UTF-8") == 2, out
+    assert f'File "{ROOT / "hexrl"}' not in out, out  # torchrun's summary holds the line, not a traceback

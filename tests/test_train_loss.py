@@ -1,5 +1,6 @@
 """GRPO advantages and the decoupled PPO objective on small hand-computed cases."""
 import math
+import sys
 
 import pytest
 import torch
@@ -15,6 +16,21 @@ def test_group_advantages_normalise_within_each_group():
     assert adv[:4] == pytest.approx([0.5 / std, -0.5 / std, -0.5 / std, 0.5 / std])
     assert adv[4:] == [0.0, 0.0, 0.0]  # all-equal group and a group of one carry no signal
     assert equal_reward_groups([1.0, 0.0, 3.0, 3.0, 7.0], ["a", "a", "b", "b", "c"]) == {"b", "c"}
+
+
+def test_group_advantages_are_finite_for_extreme_finite_rewards():
+    """Rewards near the float limits give the advantages of their ratios (the sums and squares of the
+    formula would overflow to inf and NaN); a non-finite reward's group carries no signal."""
+    big, tiny = sys.float_info.max, 5e-324
+    rewards = [1e308, 1e308, 0.0, 0.0, big, -big, 1.0, 0.0, tiny, 0.0, -1e300, 1e-300, math.nan, 1.0]
+    groups = ["a"] * 4 + ["b"] * 4 + ["c"] * 2 + ["d"] * 2 + ["e"] * 2
+    adv = group_advantages(rewards, groups)
+    assert all(map(math.isfinite, adv))
+    # eps (1e-6) is nothing next to rewards this large
+    assert adv[:4] == pytest.approx(group_advantages([1.0, 1.0, 0.0, 0.0], ["a"] * 4, eps=0.0))
+    assert adv[4:8] == pytest.approx(group_advantages([1.0, -1.0, 0.0, 0.0], ["b"] * 4, eps=0.0))
+    assert adv[8:10] == [0.0, 0.0]  # a difference far below eps: no signal, as with eps in plain units
+    assert adv[10:12] == pytest.approx(group_advantages([-1.0, 0.0], ["d"] * 2, eps=0.0)) and adv[12:] == [0.0, 0.0]
 
 
 def test_clip_and_cap_on_hand_made_tokens():

@@ -18,6 +18,7 @@ from hexrl.comm.wire import message
 from hexrl.control.controller import Controller, ControllerFailure, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.data.problems import Problem
+from hexrl.train.loss import group_advantages
 
 SECRET = channel.new_secret()
 PROMPT = [3, 4, 5]  # what the controller's encoder returns for every problem
@@ -26,7 +27,7 @@ VOCAB = 16
 
 def trajectory(gid, problem_id, prompt=PROMPT, tokens=(6, 7), reward=1.0, logprob=-0.5):
     return message("trajectory", group_id=gid, prompt_ids=list(prompt), completion_ids=list(tokens),
-                   logprobs=[logprob] * len(tokens), versions=[0] * len(tokens), reward=reward,
+                   logprobs=[logprob] * len(tokens), versions=[0] * len(tokens), start_version=0, reward=reward,
                    finish_reason="eos", problem_id=problem_id)
 
 
@@ -34,7 +35,8 @@ def trajectory(gid, problem_id, prompt=PROMPT, tokens=(6, 7), reward=1.0, logpro
 def job():
     """A controller (B=1, n=2, eta=0: one group at a time) with two connected replicas."""
     rl = SimpleNamespace(batch_size=1, group_size=2, eta=0, max_concurrent_rollouts=None, filter_equal_groups=False,
-                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0)
+                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0,
+                         reward_bound=1e6)
     problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(20)]
     router = RouterChannel(SECRET)
     endpoint = router.bind("127.0.0.1")
@@ -87,6 +89,20 @@ def test_controller_trains_only_what_it_dispatched_to_that_peer(job):
     assert c["rejected_reasons"] == {"not_dispatched": 2, "bad_tokens": 1, "not_finite": 2, "wrong_prompt": 1}
     assert c["trained"] == 2 and c["produced"] == 2 and c["balanced"]  # only the two real samples
     assert sum(c["dropped"].values()) == 0  # the rejected groups held no filed sample
+
+
+def test_a_reward_beyond_the_bound_is_clipped_before_any_arithmetic(job):
+    """An environment's reward of 1e308 is finite, but its group's mean and std are not: the controller
+    clips it to rl.reward_bound (1e6 here) as it arrives, and counts it."""
+    ctl, (d0, _) = job
+    p = next_prompt(d0)
+    for reward in (1e308, -1e308):
+        d0.send(trajectory(p["group_id"], p["problem_id"], reward=reward))
+    batch = ctl.next_batch(timeout_s=10)
+    rewards = [t.reward for t in batch[0].trajectories]
+    assert sorted(rewards) == [-1e6, 1e6] and ctl.counters()["rewards_clipped"] == 2
+    assert group_advantages(rewards, [0, 0]) == pytest.approx([math.sqrt(0.5) * math.copysign(1, r) for r in rewards])
+    assert ctl.state()["counters"]["rewards_clipped"] == 2  # continued after a resume
 
 
 def test_a_stale_group_leaves_in_flight_so_a_resume_does_not_redo_it(job):

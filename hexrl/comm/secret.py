@@ -14,6 +14,7 @@ finds neither refuses too: a multi-node job whose run directory is not shared ne
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -38,29 +39,41 @@ def fingerprint(secret: bytes) -> str:
 
 
 def secret_from_env(env=os.environ) -> bytes | None:
-    """The key derived from HEXRL_SECRET, or None when it is unset; SecretError if too short."""
+    """The key derived from HEXRL_SECRET, or None when it is unset; SecretError if too short or not text."""
     value = env.get(SECRET_ENV)
     if value is None:
         return None
+    try:
+        text = value.encode()
+    except UnicodeEncodeError:  # bytes that are not UTF-8 reach os.environ as lone surrogates
+        raise SecretError(f"{SECRET_ENV} is not valid UTF-8: set it to text on every launcher (e.g. the output of "
+                          "`openssl rand -hex 32`)") from None
     if len(value) < MIN_ENV_CHARS:
         raise SecretError(f"{SECRET_ENV} must be at least {MIN_ENV_CHARS} characters (e.g. the output of "
                           f"`openssl rand -hex 32`), got {len(value)}")
-    return hashlib.sha256(b"hexrl channel key\0" + value.encode()).digest()
+    return hashlib.sha256(b"hexrl channel key\0" + text).digest()
 
 
 def write_secret_file(run_dir: Path) -> bytes:
-    """A fresh secret in RUN_DIR/job_secret, mode 0600 whatever the umask, replaced atomically."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    """A fresh secret in RUN_DIR/job_secret, mode 0600 whatever the umask, replaced atomically;
+    SecretError naming the file if it cannot be written there."""
+    path = run_dir / SECRET_FILE
     secret = new_secret()
     tmp = run_dir / f".{SECRET_FILE}.{os.getpid()}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, secret)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, run_dir / SECRET_FILE)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.write(fd, secret)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except OSError as e:  # e.g. RUN_DIR/job_secret is a directory, or RUN_DIR is not writable
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise SecretError(f"cannot write the job secret to {path}: {e.strerror or e} (or set {SECRET_ENV})") from None
     return secret
 
 
@@ -72,6 +85,9 @@ def _read_matching(path: Path, expected: str, wait_s: float) -> bytes | None:
             data = path.read_bytes()
             if fingerprint(data) == expected:
                 return data
+        except IsADirectoryError:
+            raise SecretError(f"{path} is a directory, not the job secret file rank 0 writes: remove it, "
+                              f"or set {SECRET_ENV}") from None
         except OSError:
             pass
         if time.monotonic() >= deadline:

@@ -28,7 +28,7 @@ SCHEMAS: dict[str, dict[str, str]] = {
                # what the rollout side's reward needs: rewards run next to generation
                "answer": "?str", "tests": "?list"},
     "trajectory": {"group_id": "int", "prompt_ids": "list[int]", "completion_ids": "list[int]",
-                   "logprobs": "list[float]", "versions": "list[int]", "reward": "float",
+                   "logprobs": "list[float]", "versions": "list[int]", "start_version": "int", "reward": "float",
                    "finish_reason": "str", "problem_id": "?int|str|None", "meta": "?dict",
                    "rank": "?int", "mask": "?list[int]|None"},
     "heartbeat": {"rank": "int", "time": "float"},
@@ -232,8 +232,8 @@ def trajectory_to_msg(traj: Trajectory, rank: int | None = None) -> dict:
     """A `trajectory` message holding every field of `traj` (rank: the sending replica, optional)."""
     msg = message("trajectory", group_id=traj.group_id, prompt_ids=traj.prompt_ids,
                   completion_ids=traj.completion_ids, logprobs=traj.logprobs, versions=traj.versions,
-                  reward=traj.reward, finish_reason=traj.finish_reason, problem_id=traj.problem_id,
-                  meta=traj.meta, mask=traj.mask)
+                  start_version=traj.start_version, reward=traj.reward, finish_reason=traj.finish_reason,
+                  problem_id=traj.problem_id, meta=traj.meta, mask=traj.mask)
     if rank is not None:
         msg["rank"] = rank
     return msg
@@ -250,7 +250,8 @@ def msg_to_trajectory(msg: dict) -> Trajectory:
     return Trajectory(group_id=msg["group_id"], prompt_ids=_as_list(msg["prompt_ids"]),
                       completion_ids=_as_list(msg["completion_ids"]),
                       logprobs=list(map(float, _as_list(msg["logprobs"]))),
-                      versions=_as_list(msg["versions"]), reward=float(msg["reward"]),
+                      versions=_as_list(msg["versions"]), start_version=msg["start_version"],
+                      reward=float(msg["reward"]),
                       finish_reason=msg["finish_reason"], problem_id=msg.get("problem_id"),
                       meta=dict(msg.get("meta") or {}),
                       mask=None if msg.get("mask") is None else list(map(int, _as_list(msg["mask"]))))

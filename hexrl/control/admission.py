@@ -3,9 +3,9 @@
 A message that passed the channel's schema and authentication can still be wrong (a buggy or
 subverted replica): a group handed to another replica, a prompt that is not the one sent,
 token ids the model has no embedding for (they would crash the trainer), NaN or infinite
-numbers (they would poison the loss), versions from the future, more tokens than the job
-allows (an episode: per turn and per observation, times env.max_turns). Such a trajectory is
-rejected and counted, never filed into the replay buffer.
+numbers (they would poison the loss), versions from the future (sampled or started under), more
+tokens than the job allows (an episode: per turn and per observation, times env.max_turns).
+Such a trajectory is rejected and counted, never filed into the replay buffer.
 """
 from __future__ import annotations
 
@@ -69,6 +69,6 @@ def trajectory_problem(msg: dict, sent: Dispatched | None, replica: int, vocab_s
         return "bad_tokens"
     if not (math.isfinite(msg["reward"]) and _finite(msg["logprobs"])):
         return "not_finite"
-    if not _ints_in(msg["versions"], 0, version + 1):
+    if not (_ints_in(msg["versions"], 0, version + 1) and 0 <= msg["start_version"] <= version):
         return "bad_versions"
     return None

@@ -20,10 +20,13 @@ s is this step's w_std over the root mean square of its trained tokens' lags (w'
 as k * s, so a mix of lags 0 and 1 is not mistaken for a larger spread at lag 1), smoothed over steps.
 The study measured w's std growing a little slower than the lag (0.086, 0.137, 0.230 at eta 1, 2, 4;
 docs/staleness.md), so predicting larger lags from smaller ones errs on the side of accuracy.
+A signal that is not a finite number (a NaN w_std, a NaN or infinite wait) is no evidence: the spread
+estimate stays as it was and the step counts as one that did not wait.
 The runtime (hexrl/control/controller.py) and the simulator (hexrl/plan/simulate.py) both run it.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from statistics import median
 
@@ -60,10 +63,11 @@ class AutoEta:
         wait + training seconds, the trained tokens' w_std and their lag histogram {lag: tokens}."""
         tokens = sum(lag_hist.values())
         lag = (sum(int(k) ** 2 * n for k, n in lag_hist.items()) / tokens) ** 0.5 if tokens else 0.0
-        if w_std is not None and lag > 0:
+        if w_std is not None and math.isfinite(w_std) and lag > 0:
             x = w_std / lag
             self.per_version = x if self.per_version is None else (1 - SMOOTH) * self.per_version + SMOOTH * x
         share = wait_s / busy_s if busy_s > 0 else 0.0
+        share = share if math.isfinite(share) else 0.0
         self.waits = (self.waits + [share])[-WINDOW:]
         afford = self.afford()
         if self.eta > afford:

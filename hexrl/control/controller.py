@@ -7,7 +7,9 @@ talks to it through `next_batch`, `publish_version` and `state` under one lock.
 """
 from __future__ import annotations
 
+import math
 import queue
+import sys
 import threading
 import time
 from collections import Counter, deque
@@ -22,6 +24,7 @@ from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
+from hexrl.control.progress import ProgressWatch
 
 
 @dataclass
@@ -53,6 +56,7 @@ class Controller:
         self.gate = StalenessGate(rl.batch_size, self.auto.eta if self.auto else rl.eta, rl.max_concurrent_rollouts,
                                   max_lag=rl.eta_max if self.auto else None)
         self.buffer = ReplayBuffer(self.gate, rl.filter_equal_groups)
+        self.progress = ProgressWatch(rl.batch_size, rl.group_size, env)  # says when the run makes no progress
         self.dispatcher = Dispatcher({r.id: r.share for r in replicas})
         self.heartbeats = Heartbeats(heartbeat_timeout_s)
         self.version = 0
@@ -62,6 +66,7 @@ class Controller:
         self.delivered = 0  # newest version every live replica was told about
         self.redo: deque[int] = deque()  # dataset indices to hand out again first (after a resume)
         self.completion_tokens = 0  # counted as trajectories arrive, for rollout tokens/s
+        self.rewards_clipped = 0  # trajectories whose reward was beyond rl.reward_bound
         self.failure: str | None = None
         self.rejected: Counter[str] = Counter()  # messages refused here (the router counts its own)
         self.lock = threading.Condition()
@@ -146,6 +151,7 @@ class Controller:
                     "gate": {"accepted": self.gate.accepted - len(ready), "released": dict(self.gate.released),
                              "too_stale": self.gate.too_stale},
                     "counters": {**self.buffer.counters(), "completion_tokens": self.completion_tokens,
+                                 "rewards_clipped": self.rewards_clipped, "env_timeouts": self.progress.env_timeouts,
                                  "rejected": dict(self._rejected())},
                     **({"auto_eta": self.auto.state()} if self.auto else {})}
 
@@ -165,6 +171,8 @@ class Controller:
         counters = state.get("counters", {})
         self.buffer.load_counters(counters)
         self.completion_tokens = counters.get("completion_tokens", 0)
+        self.rewards_clipped = counters.get("rewards_clipped", 0)
+        self.progress.env_timeouts = counters.get("env_timeouts", 0)
         self.rejected.update(counters.get("rejected", {}))
 
     def counters(self) -> dict:
@@ -172,6 +180,8 @@ class Controller:
             acc = self.buffer.accounting()
             rejected = self._rejected()
             return {**acc, "completion_tokens": self.completion_tokens, "too_stale": self.gate.too_stale,
+                    "rewards_clipped": self.rewards_clipped, "env_timeouts": self.progress.env_timeouts,
+                    "equal_groups_in_a_row": self.progress.equal_in_a_row,
                     "rejected_messages": sum(rejected.values()), "rejected_reasons": dict(rejected)}
 
     def _rejected(self) -> Counter:
@@ -272,10 +282,22 @@ class Controller:
                 self._group_done(gid, trained=False)
             return
         traj = msg_to_trajectory(msg)
+        if abs(traj.reward) > self.rl.reward_bound:  # before anything adds, squares or compares rewards
+            traj.reward = math.copysign(self.rl.reward_bound, traj.reward)
+            self.rewards_clipped += 1
         self.completion_tokens += traj.num_generated  # sampled tokens (an episode's observations are not)
         status = self.buffer.add(traj)
         if status != "pending":
             self._group_done(gid, trained=status == "accepted")
+        self._watch_progress(traj.finish_reason, status)
+
+    def _watch_progress(self, finish_reason: str, status: str) -> None:
+        """Count what keeps a run from progressing; print a warning when one is due."""
+        self.progress.on_trajectory(finish_reason)
+        if status in ("accepted", "filtered"):
+            self.progress.on_group(equal=status == "filtered")  # the buffer's one filter: equal rewards
+        for line in self.progress.warnings():
+            print(line, file=sys.stderr, flush=True)
 
     def _group_done(self, gid: int, trained: bool) -> None:
         """A group left the replica: it is complete (kept for training) or will never be trained."""

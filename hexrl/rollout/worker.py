@@ -67,6 +67,7 @@ class LeaderTime:
 class PendingGroup:
     msg: dict
     outputs: dict[int, Finished | Episode] = field(default_factory=dict)
+    start_version: int = 0  # the engine's weights when the group started: the version of a sample with no tokens
 
 
 def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device, ipc: bool = False):
@@ -162,7 +163,7 @@ class RolloutLeader:
 
     def _add_group(self, msg: dict) -> None:
         s = msg["sampling"]
-        self.groups[msg["group_id"]] = PendingGroup(msg)
+        self.groups[msg["group_id"]] = PendingGroup(msg, start_version=self.engine.version)
         problem = Problem(self.tokenizer.decode(msg["prompt_ids"]), msg.get("answer"), msg["problem_id"],
                           msg.get("tests")) if self.episodes else None
         for i in range(msg["n"]):
@@ -246,7 +247,8 @@ def trajectory_messages(group: PendingGroup, rewards: list[float], rank: int) ->
         o = group.outputs[i]
         traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(o.prompt_ids), completion_ids=o.token_ids,
                           logprobs=o.logprobs, versions=o.versions, reward=float(reward),
-                          finish_reason=o.finish_reason, problem_id=msg["problem_id"])
+                          finish_reason=o.finish_reason, problem_id=msg["problem_id"],
+                          start_version=group.start_version)
         out.append(trajectory_to_msg(traj, rank=rank))
     return out
 
@@ -259,7 +261,7 @@ def episode_messages(group: PendingGroup, rank: int) -> list[dict]:
         traj = Trajectory(group_id=msg["group_id"], prompt_ids=list(msg["prompt_ids"]), completion_ids=ep.ids,
                           logprobs=ep.logprobs, versions=ep.versions, reward=float(ep.reward),
                           finish_reason=ep.reason, problem_id=msg["problem_id"], mask=ep.mask,
-                          meta={"turns": len(ep.turns)})
+                          meta={"turns": len(ep.turns)}, start_version=group.start_version)
         out.append(trajectory_to_msg(traj, rank=rank))
     return out
 

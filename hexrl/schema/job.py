@@ -279,6 +279,8 @@ class RLSpec:
     lr_lag_scale: float = 0.0
     kl_coef: float = 0.0
     filter_equal_groups: bool = True
+    # a reward beyond +-reward_bound is clipped to it as its trajectory arrives, before any arithmetic
+    reward_bound: float = 1e6
     steps: int = 10
     seed: int = 0
     checkpoint_every: int = 0  # 0 = only at the end
@@ -340,6 +342,7 @@ def _read_rl(r: Reader, d) -> RLSpec:
     x.lr_lag_scale = float(r.num(d, "lr_lag_scale", w, x.lr_lag_scale, lo=0))
     x.kl_coef = float(r.num(d, "kl_coef", w, x.kl_coef, lo=0))
     x.filter_equal_groups = r.boolean(d, "filter_equal_groups", w, True)
+    x.reward_bound = float(r.num(d, "reward_bound", w, x.reward_bound, lo=0, lo_open=True))
     x.steps = r.num(d, "steps", w, x.steps, integer=True, lo=1)
     x.seed = r.num(d, "seed", w, x.seed, integer=True, hi=MAX_SEED)
     x.checkpoint_every = r.num(d, "checkpoint_every", w, 0, integer=True, lo=0)

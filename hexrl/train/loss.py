@@ -16,17 +16,25 @@ import torch
 
 
 def group_advantages(rewards: list[float], group_ids: list, eps: float = 1e-6) -> list[float]:
-    """A_i = (r_i − mean_group) / (std_group + eps), std unbiased (0 for a group of one)."""
+    """A_i = (r_i − mean_group) / (std_group + eps), std unbiased (0 for a group of one).
+
+    Finite for any finite rewards: each group is computed in units of its largest |r| (the same
+    formula, eps in those units too), so no sum or square overflows. A group holding a non-finite
+    reward carries no signal (0), like a group of equal rewards."""
     groups = defaultdict(list)
     for i, g in enumerate(group_ids):
         groups[g].append(i)
     adv = [0.0] * len(rewards)
     for members in groups.values():
         r = [float(rewards[i]) for i in members]
+        scale = max(map(abs, r))
+        if not (scale > 0 and all(map(math.isfinite, r))):  # all zero (equal), or not a number
+            continue
+        r = [x / scale for x in r]
         mean = sum(r) / len(r)
         std = math.sqrt(sum((x - mean) ** 2 for x in r) / (len(r) - 1)) if len(r) > 1 else 0.0
         for i, x in zip(members, r):
-            adv[i] = (x - mean) / (std + eps) if std > 0 else 0.0  # equal rewards: x == mean
+            adv[i] = (x - mean) / (std + eps / scale) if std > 0 else 0.0  # equal rewards: x == mean
     return adv
 
 

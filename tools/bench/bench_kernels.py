@@ -559,7 +559,8 @@ def _control_seconds(groups: int, group: int, prompt_len: int, out_len: int) -> 
     router, dealer = RouterChannel(secret), DealerChannel("replica-0", secret)
     dealer.connect(router.bind("127.0.0.1"))
     rl = SimpleNamespace(batch_size=groups, group_size=group, eta=0, max_concurrent_rollouts=None,
-                         filter_equal_groups=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=out_len, seed=0)
+                         filter_equal_groups=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=out_len, seed=0,
+                         reward_bound=1e6)
     problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(groups)]
     prompt = list(range(3, 3 + prompt_len))
     ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: prompt, [ReplicaInfo(0, 1.0)], router,
