@@ -3,7 +3,7 @@ group's finished siblings, or (never seen) a hint or the median of every length 
 
     predictor = LengthPredictor()
     predictor.record(problem_id, lengths)                        # a completed group
-    guess = predictor.predict(problem_id, finished=[...], group_size=8)
+    guess = predictor.predict(problem_id, finished=[...], group_size=8)   # siblings done, if any
     is_long([guess, ...], alpha=0.2)                             # the predicted longest 20%
 """
 import numpy as np
@@ -61,6 +61,9 @@ def test_siblings_still_running_are_predicted_at_least_the_longest_finished():
     assert p.predict("p", finished=[500, 900, 50, 50], group_size=4) == 375
     # siblings that finish late mark a group longer than ones that finish early
     assert p.predict("q", finished=[3000], group_size=4) > p.predict("q", finished=[100], group_size=4)
+    # mid-wave: samples that have already generated 5,000 tokens will be at least that long
+    assert p.predict("p", generated=5000) == 5000
+    assert p.predict("p", finished=[500], group_size=4, generated=5000) == (500 + 3 * 5000) / 4
 
 
 def test_recent_epochs_count_more():
@@ -123,6 +126,7 @@ def test_is_long_marks_the_predicted_longest_alpha():
     (lambda: LengthPredictor().predict("p7", finished=[-1], group_size=4), "finished lengths must be a non-negative"),
     (lambda: LengthPredictor().predict("p7", finished=[1, 2], group_size=1), "group_size must be an int >= the 2"),
     (lambda: LengthPredictor().predict("p7", hint="long"), "hint must be a non-negative number of tokens"),
+    (lambda: LengthPredictor().predict("p7", generated=-5), "generated must be a non-negative number of tokens"),
     (lambda: length_hint({"prompt": "x", "length_hint": "long"}),
      "'length_hint' must be a non-negative number of tokens, got 'long'"),
     (lambda: length_hint({"prompt": "x", "length_hint": True}), "'length_hint' must be a non-negative number"),

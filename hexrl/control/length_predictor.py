@@ -5,9 +5,10 @@ draws long answers epoch after epoch, and the samples of one group run long toge
 predictor remembers, per prompt, a decayed mean of the lengths its earlier groups produced (prompts
 recur across epochs), and reads the lengths of a group's samples that have already finished (its
 siblings): the ones still running started with them, so each is at least as long as the longest
-finished one. A prompt never seen starts from the job's per-problem hint if it gives one, else from
-the running median of every length recorded (the typical sample: a single runaway sample does not
-move it, and it is the length a plan prices the regular samples at).
+finished one, and as the tokens it has generated so far. A prompt never seen starts from the job's
+per-problem hint if it gives one, else from the running median of every length recorded (the
+typical sample: a single runaway sample does not move it, and it is the length a plan prices the
+regular samples at).
 
     predictor = LengthPredictor()
     predictor.record("p7", [812, 1430, 655, 2010])       # a completed group's lengths, in tokens
@@ -124,27 +125,29 @@ class LengthPredictor:
         return self.seen.quantile(q)
 
     def predict(self, prompt: Hashable, hint: float | None = None, finished: Sequence[float] = (),
-                group_size: int | None = None) -> float:
+                group_size: int | None = None, generated: float = 0) -> float:
         """Predicted mean output length of the samples of `prompt`'s group.
 
         hint: the problem's expected length, the prior for a prompt never seen (else the median).
         finished: the lengths of the group's samples that have finished (of `group_size` in all).
-        Those are known; the group's own evidence counts as that many samples at the longest of
-        them, blended with the prompt's past, and each sample still running is predicted at least
-        that long (it started with them).
+        generated: the tokens its samples still running have produced so far.
+        The finished lengths are known; the longest length known (finished or generated) counts as
+        that many samples of evidence, blended with the prompt's past, and is a floor for every
+        sample still running (they started with the finished ones).
         """
         prior = self.seen.quantile(0.5) if hint is None else _check_length(hint, "hint")
         h = self.prompts.get(prompt)
         weight = self.prior_weight + (h.weight if h else 0.0)
         guess = (self.prior_weight * prior + (h.weight * h.mean if h else 0.0)) / weight
-        if not finished:
-            return guess
         done = [_check_length(v, "finished lengths") for v in finished]
+        floor = max([_check_length(generated, "generated"), *done])
+        running = max(floor, (weight * guess + len(done) * floor) / (weight + len(done)))
+        if not done:
+            return running
         if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size < len(done):
             raise ValueError(f"group_size must be an int >= the {len(done)} finished samples, got {group_size!r}")
-        floor = max(done)
-        running = max(floor, (weight * guess + len(done) * floor) / (weight + len(done)))
         return (sum(done) + (group_size - len(done)) * running) / group_size
+
 
 def rank(predicted: Sequence[float]) -> list[int]:
     """Indices of `predicted`, longest first (ties keep their order in the batch)."""

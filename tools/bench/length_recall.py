@@ -10,9 +10,10 @@ length; recall@alpha = |predicted longest alpha ∩ truly longest alpha| / |trul
 group's true length being its samples' mean, averaged over the batches of the last epoch. Rows:
 length-blind (random order: alpha), a prompt never seen (the running median, or a noisy hint),
 siblings finished (the group's shortest samples, as they finish first; no history), history of
-1..epochs-1 earlier epochs, both, and a batch half of prompts never seen. "oracle" ranks by each
-prompt's true typical length this epoch: the best a per-prompt predictor can do before any sibling
-finishes (the group's own draw is chance).
+1..epochs-1 earlier epochs, both, mid-wave (every group started together and t tokens have passed:
+the samples up to t long have finished, the rest have t tokens), and a batch half of prompts never
+seen. "oracle" ranks by each prompt's true typical length this epoch: the best a per-prompt
+predictor can do before any sibling finishes (the group's own draw is chance).
 """
 from __future__ import annotations
 
@@ -96,6 +97,13 @@ def predictions(p: LengthPredictor, lengths: np.ndarray, order: np.ndarray, frac
     return np.asarray(out)
 
 
+def wave_predictions(p: LengthPredictor, lengths: np.ndarray, order: np.ndarray, t: float) -> np.ndarray:
+    """p's prediction for each group in `order` t tokens into a wave they all started together: the
+    samples no longer than t have finished, the others have generated t tokens."""
+    return np.asarray([p.predict(i, finished=lengths[i][lengths[i] <= t].tolist(), group_size=lengths.shape[1],
+                                 generated=t) for i in order])
+
+
 def column(w: Workload, args, seed: int) -> dict[str, float]:
     """Every row's recall on one workload (the last epoch's batches, in a shuffled order)."""
     rng = np.random.default_rng(seed + 1)
@@ -118,6 +126,11 @@ def column(w: Workload, args, seed: int) -> dict[str, float]:
     full = history(eps, last)
     for f in FRACTIONS[:3]:
         rows[f"history {last} + siblings {f:.0%}"] = score(predictions(full, lengths, order, f))
+    for q in (0.25, 0.5):
+        t = float(np.quantile(lengths, q))
+        at = f"mid-wave at the P{q * 100:.0f} length"
+        rows[f"{at}, no history"] = score(wave_predictions(unseen, lengths, order, t))
+        rows[f"{at}, history {last}"] = score(wave_predictions(full, lengths, order, t))
     half = history(eps, last, np.arange(0, args.prompts, 2))  # odd prompts never seen
     rows[f"half the prompts never seen, history {last}"] = score(predictions(half, lengths, order))
     rows[f"half never seen, history {last} + siblings 12%"] = score(predictions(half, lengths, order, 0.125))
