@@ -61,6 +61,11 @@ def test_siblings_still_running_are_predicted_at_least_the_longest_finished():
     assert p.predict("p", finished=[500, 900, 50, 50], group_size=4) == 375
     # siblings that finish late mark a group longer than ones that finish early
     assert p.predict("q", finished=[3000], group_size=4) > p.predict("q", finished=[100], group_size=4)
+    # a prompt seen long whose group now finishes short: the samples still running are expected
+    # shorter than its past says, too
+    p.record("was long", [2000] * GROUP)
+    quick = [100, 120, 130, 150]
+    assert p.predict("was long", finished=quick, group_size=GROUP) < (sum(quick) + 4 * p.predict("was long")) / GROUP
     # mid-wave: samples that have already generated 5,000 tokens will be at least that long
     assert p.predict("p", generated=5000) == 5000
     assert p.predict("p", finished=[500], group_size=4, generated=5000) == (500 + 3 * 5000) / 4

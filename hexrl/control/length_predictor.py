@@ -54,6 +54,7 @@ class LengthQuantiles:
     total: int = 0
 
     def add(self, length: float) -> None:
+        """Count one length (tokens; under 1 counts as 1)."""
         b = int(BINS_PER_OCTAVE * math.log2(max(length, 1.0)))
         self.counts[min(b, len(self.counts) - 1)] += 1
         self.total += 1
@@ -98,9 +99,9 @@ class LengthPredictor:
     def __post_init__(self):
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) or self.capacity < 1:
             raise ValueError(f"capacity must be an int >= 1 (prompts remembered), got {self.capacity!r}")
-        if not 0 < self.decay <= 1:
+        if not isinstance(self.decay, numbers.Real) or not 0 < self.decay <= 1:
             raise ValueError(f"decay must be in (0, 1], got {self.decay!r}")
-        if not self.prior_weight > 0:
+        if not isinstance(self.prior_weight, numbers.Real) or not self.prior_weight > 0:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight!r}")
 
     def record(self, prompt: Hashable, lengths: Sequence[float]) -> None:
@@ -110,11 +111,10 @@ class LengthPredictor:
             return
         for v in values:
             self.seen.add(v)
-        h = self.prompts.pop(prompt, None)
-        old = h.weight * self.decay if h else 0.0
+        h = self.prompts.pop(prompt, None) or PromptHistory(mean=0.0, weight=0.0)
+        old = h.weight * self.decay
         weight = old + len(values)
-        mean = ((h.mean * old if h else 0.0) + sum(values)) / weight
-        self.prompts[prompt] = PromptHistory(mean, weight)  # re-inserted: now the most recent
+        self.prompts[prompt] = PromptHistory((h.mean * old + sum(values)) / weight, weight)  # now the most recent
         if len(self.prompts) > self.capacity:
             self.prompts.popitem(last=False)
 
@@ -136,9 +136,9 @@ class LengthPredictor:
         sample still running (they started with the finished ones).
         """
         prior = self.seen.quantile(0.5) if hint is None else _check_length(hint, "hint")
-        h = self.prompts.get(prompt)
-        weight = self.prior_weight + (h.weight if h else 0.0)
-        guess = (self.prior_weight * prior + (h.weight * h.mean if h else 0.0)) / weight
+        h = self.prompts.get(prompt) or PromptHistory(mean=0.0, weight=0.0)
+        weight = self.prior_weight + h.weight
+        guess = (self.prior_weight * prior + h.weight * h.mean) / weight
         done = [_check_length(v, "finished lengths") for v in finished]
         floor = max([_check_length(generated, "generated"), *done])
         running = max(floor, (weight * guess + len(done) * floor) / (weight + len(done)))
