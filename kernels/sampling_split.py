@@ -151,7 +151,7 @@ def _store_state(st_ptr, buf, B, rows, rmask, lo, hi, mbh, mass_lo, zk):
 
 
 # The batch size B and the search round `it` are not specialised: Triton would compile a variant per value
-# class (1, multiple of 16, other) of each, 33 compiles per engine start instead of 10 (tools/compile_sm90.py)
+# class (1, multiple of 16, other) of each, 33 compiles per engine start instead of 10 (tools/device/compile_sm90.py)
 @triton.jit(do_not_specialize=["B"])
 def _stats_kernel(x_ptr, stride, temp_ptr, topk_ptr, topp_ptr, seed_ptr, off_ptr, stream_ptr,
                   pm_ptr, pz_ptr, pkmin_ptr, pkmax_ptr, pbest_ptr, ptok_ptr, cidx_ptr, cn_ptr, cdrop_ptr, B, V,

@@ -9,14 +9,15 @@ import re
 import subprocess
 from pathlib import Path
 
-import bench_kernels
-import compare_cost_model as ccm
 import pytest
-from bench_rollout import model_config
 from test_plan_cost import ATTN, HEAD, KV_BYTES, LAYER, MATMUL  # the 1.5B shape, by hand
 
 from hexrl.gpus import CATALOGUE, GPU, SHIPPED_PROFILES, gpu, read_profile
+from hexrl.plan import profile as calibration
 from hexrl.plan.cost import CostModel
+from tools.bench import bench_kernels
+from tools.bench import compare_cost_model as ccm
+from tools.bench.bench_rollout import model_config
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools" / "bench"
 
@@ -121,7 +122,7 @@ def test_calibration_recovers_known_efficiencies():
     train = [{"seq_len": 1024, "s_per_token": 3 * (28 * (2 * LAYER + ATTN * 512) + 2 * HEAD) / (780e12 * 0.35)}]
     profile = {"gpu": "H800", "model_config": cfg, "hbm_TBps": 2.9, "bf16_tflops": 780.0, "decode": decode,
                "prefill": prefill, "train": train}
-    keys = ccm.calibrate(profile)
+    keys = calibration.calibrate(profile)
     assert keys["prefill_mfu"] == pytest.approx(0.45)
     assert keys["train_mfu"] == pytest.approx(0.35)
     assert keys["hbm_efficiency"] == pytest.approx(0.7, rel=0.04)  # the search grid is 6.7% apart
@@ -133,9 +134,9 @@ def test_calibration_recovers_known_efficiencies():
 
 def test_an_unknown_gpu_type_uses_its_measured_peaks():
     profile = {"gpu": "Tesla-T4", "hbm_TBps": 0.3, "bf16_tflops": 60.0, "hbm_GB": 16.0}
-    g = ccm.profile_gpu({**profile, "train_mfu": 0.3})
+    g = calibration.profile_gpu({**profile, "train_mfu": 0.3})
     assert isinstance(g, GPU) and (g.bf16_tflops, g.hbm_TBps, g.hbm_GB, g.train_mfu) == (60.0, 0.3, 16.0, 0.3)
-    assert ccm.host_type(profile) == ccm.STAND_IN
+    assert calibration.host_type(profile) == calibration.STAND_IN
 
 
 @pytest.mark.parametrize("name, want", [
@@ -156,7 +157,7 @@ def test_decode_roofline_by_hand():
 
 
 def test_gpu_check_script_is_valid_bash():
-    script = TOOLS.parent / "gpu_check.sh"
+    script = TOOLS.parent / "device" / "gpu_check.sh"
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     text = script.read_text()
     for stage in ("pytest -m gpu", "bench_kernels.py", "compare_cost_model.py", "bench_sampling.py",
@@ -169,7 +170,7 @@ def test_gpu_check_script_is_valid_bash():
 def test_bench_rollout_hf_runs_are_parsed_and_bad_ones_named():
     import argparse
 
-    import bench_rollout
+    from tools.bench import bench_rollout
 
     p = argparse.ArgumentParser()
     assert bench_rollout.parse_runs(p, "1x128,64x256") == [(1, 128), (64, 256)]
@@ -178,7 +179,7 @@ def test_bench_rollout_hf_runs_are_parsed_and_bad_ones_named():
 
 
 def test_bench_fused_prints_split_and_fused_side_by_side(monkeypatch, capsys):
-    import bench_fused
+    from tools.bench import bench_fused
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the torch sampling path, as bench_kernels above
     assert bench_fused.main(["--batch", "2", "--context", "8"]) == 0
@@ -199,7 +200,7 @@ def test_the_planner_reads_the_shipped_h100_profile_from_any_directory(monkeypat
         assert getattr(planned, key) == pytest.approx(profile[key]), key
     errors = {True: [], False: []}
     for row in profile["decode"]:
-        job = ccm.context_job(profile["model_config"], "H100", float(row["context"]))
+        job = calibration.context_job(profile["model_config"], "H100", float(row["context"]))
         for use in errors:
             step = CostModel(job, use_profiles=use).decode_point("H100", 1, row["batch"]).step_s
             errors[use].append(abs(step / row["step_s"] - 1))

@@ -11,7 +11,6 @@ import signal
 import sys
 
 import msgpack
-import one_gpu
 import pytest
 import torch
 from runtime_utils import ROOT, metrics, torchrun, write_job
@@ -24,6 +23,7 @@ from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.schema.plan import _world_problems
+from tools import one_gpu
 
 
 def colocated_job(tmp_path, gpu_type: str = "cpu", **colocate) -> dict:

@@ -9,11 +9,10 @@ from pathlib import Path
 import pytest
 
 flashinfer = pytest.importorskip("flashinfer", reason="flashinfer-python is not installed (the gpu extra)")
-import flashinfer_aot  # noqa: E402
-import one_gpu  # noqa: E402
-from bench_rollout import SHAPES  # noqa: E402
-
 from hexrl.rollout.flashinfer_backend import _use_tensor_cores  # noqa: E402
+from tools import one_gpu  # noqa: E402
+from tools.bench.bench_rollout import SHAPES  # noqa: E402
+from tools.device import flashinfer_aot  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,7 +47,8 @@ def test_flashinfer_loads_each_module_from_the_aot_dir_without_compiling(tmp_pat
     assert flashinfer_aot.would_compile(tmp_path) == [gone]
 
 
-@pytest.mark.skipif(not (ROOT / ".whl" / "aot").is_dir(), reason="no .whl/aot: tools/prepare_device_wheels.sh not run")
+@pytest.mark.skipif(not (ROOT / ".whl" / "aot").is_dir(),
+                    reason="no .whl/aot: tools/device/prepare_device_wheels.sh not run")
 def test_the_carried_modules_are_complete_and_fit_the_carry_limit():
     assert flashinfer_aot.would_compile(ROOT / ".whl" / "aot") == []
     size = sum(f.stat().st_size for f in (ROOT / ".whl").rglob("*") if f.is_file())

@@ -1,4 +1,4 @@
-"""tools/gpu_check.sh without a GPU (issue 42 item 4, issue 45 item 5): the rehearsal walks both device calls'
+"""tools/device/gpu_check.sh without a GPU (issue 42 item 4, issue 45 item 5): the rehearsal walks both device calls'
 stages in their smallest CPU forms and leaves gpu_results.json; without CUDA the real run refuses in one
 line; the results parsers read the lines the GPU tools print (the 2026-11-26 H100 log's formats)."""
 from __future__ import annotations
@@ -9,9 +9,10 @@ import shutil
 import subprocess
 import sys
 
-import gpu_results
 import pytest
 from runtime_utils import ROOT
+
+from tools.device import gpu_results
 
 CALL_STAGES = {1: ["wheels", "versions", "bench_train", "bench_kernels", "compare_cost_model", "bench_sampling", "e2e"],
                2: ["wheels", "versions", "pytest -m gpu", "bench_rollout", "bench_fused", "bench_host_overhead"]}
@@ -20,8 +21,8 @@ CALL_STAGES = {1: ["wheels", "versions", "bench_train", "bench_kernels", "compar
 def gpu_check(tmp_path, *args, **env):
     env = {**os.environ, "PYTHON": sys.executable, "OUT": str(tmp_path / "out"), "OMP_NUM_THREADS": "1",
            "RUN": str(tmp_path / "e2e"), **env}
-    return subprocess.run(["bash", "tools/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+    return subprocess.run(["bash", "tools/device/gpu_check.sh", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
 
 
 @pytest.mark.parametrize("call", [1, 2])
@@ -53,12 +54,12 @@ def test_without_cuda_it_refuses_in_one_line(tmp_path):
 def test_the_wheels_stage_names_only_what_does_not_import(tmp_path):
     """No .whl carried: the message lists the modules this Python cannot import (here flashinfer, never
     pyzmq or highspy, which the test environment has), and the stage fails."""
-    for part in ("tools/install_wheels.sh", "tools/flashinfer_aot.py"):
+    for part in ("tools/device/install_wheels.sh", "tools/device/flashinfer_aot.py"):
         (tmp_path / part).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / part, tmp_path / part)
     env = {**os.environ, "PYTHON": sys.executable, "SITE": str(tmp_path / "site")}
-    out = subprocess.run(["bash", str(tmp_path / "tools" / "install_wheels.sh")], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(["bash", str(tmp_path / "tools" / "device" / "install_wheels.sh")], env=env,
+                         capture_output=True, text=True, timeout=120)
     importable = {m for m in ("flashinfer", "tvm_ffi", "zmq", "highspy")
                   if subprocess.run([sys.executable, "-c", f"import {m}"], capture_output=True).returncode == 0}
     named = set(out.stdout.split("not importable here: ")[-1].split()) if out.returncode else set()
@@ -102,7 +103,7 @@ def test_the_rehearsal_checks_the_device_forms_flags(tmp_path):
     """A flag the GPU form passes that its tool does not declare stops the rehearsal, though the CPU form
     (which the rehearsal runs) is fine."""
     shutil.copytree(ROOT / "tools", tmp_path / "tools", ignore=shutil.ignore_patterns("__pycache__"))
-    script = tmp_path / "tools" / "gpu_check.sh"
+    script = tmp_path / "tools" / "device" / "gpu_check.sh"
     text = script.read_text()
     assert "bench_train.py --configs plain,decoupled --steps 2" in text
     script.write_text(text.replace("bench_train.py --configs plain,decoupled --steps 2",

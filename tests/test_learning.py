@@ -3,8 +3,8 @@ improve a warm-started model, measured by sampled reward and by greedy held-out 
 import json
 from types import SimpleNamespace
 
-import learning_run
-import warm_start
+from hexrl.train import warm_start
+from tools.experiments import learning_run
 
 
 def test_async_grpo_improves_reward_and_heldout_accuracy(tmp_path):
@@ -30,7 +30,7 @@ def test_async_grpo_improves_reward_and_heldout_accuracy(tmp_path):
 def test_plot_run_reads_torn_lines_and_plots_when_matplotlib_is_there(tmp_path):
     import importlib.util
 
-    import plot_run
+    from tools.experiments import plot_run
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 1, "reward_mean": 0.2, "wall_s": 1.0}\n'

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-import warm_start
 from dist_utils import free_port
 from runtime_utils import ROOT, metrics, torchrun, torchrun_node, wait_for, worker_pids, write_job
 from safetensors.torch import load_file
@@ -21,6 +20,7 @@ from safetensors.torch import load_file
 from hexrl.runtime.nodes import address_problems, placement_problems, plan_digest
 from hexrl.runtime.watchdog import Watchdog
 from hexrl.schema import ConfigError, load_job, load_plan
+from hexrl.train import warm_start
 
 A, B = "127.0.0.1", "127.0.0.2"
 TWO_NODES = [{"name": "A", "gpu_type": "cpu", "gpus": 2, "address": A},

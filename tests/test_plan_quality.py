@@ -6,12 +6,12 @@ case the issue found 28% off and more clusters; `python tools/experiments/plan_q
 
 
 import pytest
-from plan_quality import KNOWN_BAD, random_job
 
 from hexrl.plan.candidate import Evaluator
 from hexrl.plan.cost import CostModel
 from hexrl.plan.partition import exhaustive, n_splits, two_phase
 from hexrl.schema import load_job
+from tools.experiments.plan_quality import KNOWN_BAD, random_job
 
 
 def seeds(max_splits: int, count: int, skip: int = 0) -> list[int]:

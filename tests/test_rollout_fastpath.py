@@ -121,10 +121,8 @@ def test_float_workspace_grows_with_wide_models_and_big_batches():
 
 def test_host_overhead_bench_runs_and_prints_its_headline(monkeypatch, capsys):
     import sys
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-    import bench_host_overhead
+    from tools.bench import bench_host_overhead
 
     monkeypatch.setattr(sys, "argv", ["bench", "--batch", "4", "--context", "8", "--steps", "3", "--repeats", "1"])
     bench_host_overhead.main()
@@ -204,11 +202,9 @@ def test_the_hf_comparison_runs_and_both_sides_agree(monkeypatch, capsys):
     """tools/bench/bench_cpu_vs_hf.py end to end at a toy size, HF given the same oneDNN linears: the two
     sides' greedy tokens must be identical (the script prints 'NO' otherwise)."""
     import sys
-    from pathlib import Path
 
     pytest.importorskip("transformers")
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-    import bench_cpu_vs_hf
+    from tools.bench import bench_cpu_vs_hf
 
     monkeypatch.setattr(sys, "argv", ["bench", "--batch", "3", "--prompt-len", "8", "--output-len", "5",
                                       "--repeats", "1", "--hf-onednn"])

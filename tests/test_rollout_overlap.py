@@ -179,13 +179,11 @@ def test_gpu_graph_sampling_heads_and_overlap_equal_the_eager_loop(tmp_path):
             torch.testing.assert_close(torch.tensor(a.logprobs[:n]), torch.tensor(b.logprobs[:n]), atol=2e-2, rtol=0)
 
 
-def test_host_overhead_bench_runs_a_model_with_and_without_overlap(monkeypatch, capsys):
+def test_host_overhead_bench_runs_a_model_with_and_without_overlap(capsys):
     """The device stage of gpu_check (--model) as a CPU smoke run: both loops, side by side."""
     import sys
-    from pathlib import Path
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
-    import bench_host_overhead
+    from tools.bench import bench_host_overhead
 
     bench_host_overhead.main(["--model", "tiny", "--batch", "2", "--context", "8", "--steps", "3", "--repeats", "1"])
     out = capsys.readouterr().out

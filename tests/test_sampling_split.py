@@ -151,7 +151,7 @@ def test_gpu_split_kernel_matches_the_row_kernel_at_full_vocab():
 
 @pytest.mark.slow
 def test_every_split_kernel_compiles_for_sm90_without_a_gpu():
-    """tools/compile_sm90.py: Triton's compiler (ptxas included) builds every kernel variant the GPU
+    """tools/device/compile_sm90.py: Triton's compiler (ptxas included) builds every kernel variant the GPU
     will launch, for an H100, here: what the interpreter cannot check (about 20 s)."""
     import os
     import subprocess
@@ -161,8 +161,8 @@ def test_every_split_kernel_compiles_for_sm90_without_a_gpu():
     pytest.importorskip("triton.backends.nvidia")
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TRITON_INTERPRET="0", PYTHONPATH=str(root))
-    out = subprocess.run([sys.executable, str(root / "tools" / "compile_sm90.py")], env=env, capture_output=True,
-                         text=True, timeout=600)
+    out = subprocess.run([sys.executable, str(root / "tools" / "device" / "compile_sm90.py")], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count(" ok") == 10
 
@@ -171,9 +171,9 @@ def test_one_engine_start_compiles_each_split_kernel_variant_once_not_per_batch_
     """Issue 42: with B and `it` unspecialised, the 286 sampler launches of one engine start's graph
     capture (13 sizes x plain and filtered heads) are 10 Triton variants, by Triton's own specialisation
     rule (33 before: one per value class of B and it). The real sm_90 build of those is
-    `TRITON_INTERPRET=0 python tools/compile_sm90.py --engine-start --compile`."""
+    `TRITON_INTERPRET=0 python tools/device/compile_sm90.py --engine-start --compile`."""
     pytest.importorskip("triton.backends.compiler")
-    import compile_sm90
+    from tools.device import compile_sm90
 
     variants = compile_sm90.engine_start_compiles(256, 151936)
     assert len(list(compile_sm90.engine_start_launches(256, 151936))) == 286

@@ -265,7 +265,7 @@ def fake_run(root: Path, name: str, accs: list[float], lags: list[dict], wall_pe
 
 
 def test_staleness_study_aggregates_lags_gaps_and_the_targets(tmp_path):
-    import staleness_study as st
+    from tools.experiments import staleness_study as st
 
     sync = st.run_stats(fake_run(tmp_path, "s", [0.4, 0.7, 0.85, 0.9], [{"0": 10}] * 6, 2.0))
     stale = st.run_stats(fake_run(tmp_path, "a", [0.4, 0.6, 0.81, 0.89], [{"3": 6, "4": 2}, {"0": 2, "1": 6}] * 3,
@@ -284,7 +284,7 @@ def test_staleness_study_aggregates_lags_gaps_and_the_targets(tmp_path):
 
 
 def test_the_smoothed_time_to_80_percent_is_not_one_lucky_evaluation():
-    import staleness_study as st
+    from tools.experiments import staleness_study as st
 
     accs = [0.70, 0.76, 0.81, 0.76, 0.78, 0.79, 0.80, 0.82, 0.81, 0.83]  # every 5 steps; a spike at step 10
     evals = [{"step": 5 * i, "heldout_accuracy": a, "wall_s": float(i)} for i, a in enumerate(accs)]
@@ -297,7 +297,7 @@ def test_the_smoothed_time_to_80_percent_is_not_one_lucky_evaluation():
 def test_causes_report_sets_each_cause_against_its_own_eta0(tmp_path):
     """--causes --report: one row per cause (and per eta of the version-mix cause), from finished runs only;
     the batch cause doubles the batch and halves the steps (equal trained samples)."""
-    import staleness_study as st
+    from tools.experiments import staleness_study as st
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "warm_start.json").write_text(json.dumps(
@@ -368,7 +368,7 @@ def test_gpu_log_w_counts_match_the_cpu_counts():
 def test_paired_gaps_match_seeds_and_carry_a_t_interval(tmp_path):
     """Issue 47: the study's claims rest on per-seed differences, so the interval is a t-interval over those
     differences (seeds matched by number, not by position), and a seed without its pair counts for nothing."""
-    import staleness_study as st
+    from tools.experiments import staleness_study as st
 
     def stat(seed, final, wall, traj=100.0):
         return {"seed": seed, "final": final, "average": final - 0.1, "wall_target": wall, "wall_target_smooth": None,
@@ -392,7 +392,7 @@ def test_paired_gaps_match_seeds_and_carry_a_t_interval(tmp_path):
 
 
 def test_a_pair_that_differs_beyond_its_configuration_is_flagged(tmp_path):
-    import staleness_study as st
+    from tools.experiments import staleness_study as st
 
     job = {"name": "a-s0", "out_dir": "x/a-s0", "model": {"path": "m"}, "rl": {"eta": 0, "seed": 0, "lr": 1e-4}}
     runs = []
@@ -409,7 +409,7 @@ def test_the_study_detaches_with_one_flag_and_logs_to_its_directory(tmp_path, ca
     """--background starts the same command in its own session (output in OUT/study.log) and returns at once."""
     import os
 
-    import staleness_study as st
+    from tools.experiments import staleness_study as st
 
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "warm_start.json").write_text(json.dumps(
@@ -432,7 +432,7 @@ def test_a_lag_scaled_configuration_is_parsed_named_and_paired_with_its_plain_on
     configuration without the scale (item 3 of issue 47)."""
     import argparse
 
-    import staleness_study as st
+    from tools.experiments import staleness_study as st
 
     p = argparse.ArgumentParser()
     assert st.parse_configs(["1e-4:4:decoupled:0.25", "1e-4:0:naive"], p) == [(1e-4, "4", True, 0.25),

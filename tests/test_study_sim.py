@@ -3,11 +3,11 @@ import json
 import sys
 from pathlib import Path
 
-import learning_study as ls
 import pytest
 
 from hexrl.plan.planner import plan_job
 from hexrl.schema import load_job
+from tools.experiments import learning_study as ls
 
 # what tools/bench/bench_kernels.py --cpu-core writes for a CPU core (the planner reads only these keys)
 PROFILE = {"gpu": "cpu", "bf16_tflops": 0.02, "hbm_TBps": 0.005, "hbm_efficiency": 0.5, "decode_mfu": 0.3,

@@ -86,8 +86,7 @@ def test_exception_between_files_keeps_previous_checkpoint(tmp_path, model_path,
 
 
 KILLED_SAVE = """
-import os, signal, sys
-sys.path.insert(0, {tests!r})
+import os, signal
 import torch
 torch.set_num_threads(1)
 from hexrl.schema import TrainerLayout
@@ -110,10 +109,10 @@ t.save({root!r})
 
 def test_process_killed_mid_write_keeps_previous_checkpoint(tmp_path, model_path):
     root = tmp_path / "ck"
-    script = KILLED_SAVE.format(tests=str(ROOT / "tests"), model=str(model_path), layout=SINGLE, cfg=CFG,
-                                root=str(root))
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    script = KILLED_SAVE.format(model=str(model_path), layout=SINGLE, cfg=CFG, root=str(root))
+    # `python -c` imports from its working directory: test_train_parallel's make_batch
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT / "tests", capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr
     assert (root / ".tmp-step00000002" / "model-s0-tp0.pt").read_bytes() == b"partial"  # the torn write
     assert ckpt.resolve(root).name == "step00000001"
@@ -128,8 +127,7 @@ def test_process_killed_mid_write_keeps_previous_checkpoint(tmp_path, model_path
 
 
 KILLED_AT_POINT = """
-import os, signal, sys
-sys.path.insert(0, {tests!r})
+import os, signal
 import torch
 torch.set_num_threads(1)
 from hexrl.train import TrainConfig, Trainer
@@ -152,10 +150,10 @@ t.save(root)
 @pytest.mark.parametrize("point", ["extra_written", "files_written", "renamed", "latest_written"])
 def test_kill_9_at_any_point_of_a_save_leaves_a_loadable_latest(tmp_path, model_path, point, resave):
     root = tmp_path / "ck"
-    script = KILLED_AT_POINT.format(tests=str(ROOT / "tests"), model=str(model_path), layout=SINGLE, cfg=CFG,
+    script = KILLED_AT_POINT.format(model=str(model_path), layout=SINGLE, cfg=CFG,
                                     root=str(root), resave=resave, point=point)
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT / "tests", capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr  # killed at `point`, not finished
     t = Trainer(model_path, SINGLE, TrainConfig(**CFG))
     t.load(root)  # follows `latest`: it must name a complete checkpoint

@@ -1,15 +1,15 @@
-"""Held-out greedy evaluation (hexrl.data.heldout) and the supervised warm start (tools/warm_start.py)."""
+"""Held-out greedy evaluation (hexrl.data.heldout) and the supervised warm start (hexrl.train.warm_start)."""
 import json
 
 import pytest
 import torch
-import warm_start
 
 from hexrl.data.datasets import make_arithmetic
 from hexrl.data.heldout import greedy_accuracy, prompt_ids
 from hexrl.data.tokenizer import CharTokenizer, load_tokenizer
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.rewards import exact_match_reward
+from hexrl.train import warm_start
 
 TOK = CharTokenizer()
 

@@ -7,7 +7,7 @@
 #   trajectory accounting -> `python -m hexrl.plan simulate` on the same plan (with profiles/<gpu>.json
 #   when bench_kernels wrote one) -> predicted vs measured step time, and each target's verdict.
 #
-#   bash tools/gpu_e2e.sh          # on the GPU machine (tools/gpu_check.sh's `e2e` stage runs it)
+#   bash tools/gpu_e2e.sh          # on the GPU machine (tools/device/gpu_check.sh's `e2e` stage runs it)
 #   bash tools/gpu_e2e.sh --cpu    # the same pipeline on CPU as a smoke run: two ranks declaring one device,
 #                                  # a short warm start, 4 steps of a small batch (one_gpu.py job --small);
 #                                  # it checks the pipeline, not the GPU targets
@@ -35,7 +35,7 @@ else
   PY=${PYTHON:-python3}
   export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}  # where gpu_check.sh installs the carried wheels
   if ! "$PY" -c "import flashinfer, zmq, highspy" 2>/dev/null; then  # run alone: install the carried wheels
-    PY=$PY bash tools/install_wheels.sh || exit 1
+    PY=$PY bash tools/device/install_wheels.sh || exit 1
   fi
   DEVICE=cuda GPU=$("$PY" tools/one_gpu.py gpu)
   RUN=${RUN:-runs/one_gpu} STEPS=${STEPS:-40}
@@ -49,7 +49,7 @@ echo "== warm start on $DEVICE ($(( $(date +%s) - START ))s)"
 "$PY" tools/warm_start.py "$RUN/model" --device "$DEVICE" $("$PY" tools/one_gpu.py warm-shape) "${WARM[@]}" | tail -3
 if [ "${PROFILE:-0}" = 1 ]; then
   echo "== profile the model's own shape: bench_kernels --quick ($(( $(date +%s) - START ))s)"
-  "$PY" tools/bench/bench_kernels.py --config "$RUN/model" --quick --out "$RUN/profiles" | tail -2
+  "$PY" -m tools.bench.bench_kernels --config "$RUN/model" --quick --out "$RUN/profiles" | tail -2
   export HEXRL_PROFILES=$RUN/profiles
 fi
 echo "== plan: trainer and rollout colocated on one $GPU ($(( $(date +%s) - START ))s)"

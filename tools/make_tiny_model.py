@@ -5,12 +5,8 @@
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hexrl.model.tiny import ARCH, make_tiny_model  # noqa: E402
+from hexrl.model.tiny import ARCH, make_tiny_model
 
 
 def main() -> None:

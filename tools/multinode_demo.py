@@ -26,10 +26,10 @@ import threading
 import time
 from pathlib import Path
 
+from hexrl.control.summary import summarize
+from hexrl.schema.fields import plural
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from hexrl.control.summary import summarize  # noqa: E402
-from hexrl.schema.fields import plural  # noqa: E402
 
 FRESH = ("metrics.jsonl", "eval.jsonl", "checkpoints", "final", "eval_model", "controller_endpoint")
 

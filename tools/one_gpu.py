@@ -18,11 +18,9 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hexrl.control.metrics import read_metrics  # noqa: E402
-from hexrl.control.summary import read_evals, summarize  # noqa: E402
-from hexrl.gpus import GPU, canonical_name, profile_path, read_profile  # noqa: E402
+from hexrl.control.metrics import read_metrics
+from hexrl.control.summary import read_evals, summarize
+from hexrl.gpus import GPU, canonical_name, profile_path, read_profile
 
 WARMUP = 2  # steps left out of the measured step time, as `hexrl.plan simulate --warmup` does
 TARGETS = {"wall_s": 240.0, "heldout_gain": 0.10, "step_error": 0.15}

@@ -65,7 +65,7 @@ def attention_modules(num_qo_heads: int, num_kv_heads: int, head_dim: int,
     `gen_batch_{kind}_module` takes): the fa2 prefill (mixed steps, and decode with tensor cores), else
     also the decode kernel. q, kv and out in `dtype`, int32 indptr, no RoPE in the kernel, no sliding
     window, no soft cap (and no fp16 qk reduction for prefill): what `plan(...)` passes for our calls.
-    tools/flashinfer_aot.py builds these ahead of time."""
+    tools/device/flashinfer_aot.py builds these ahead of time."""
     common = (dtype, dtype, dtype, torch.int32, head_dim, head_dim, 0, False, False)
     mods = [("prefill", ("fa2", *common, False))]
     if not _use_tensor_cores(num_qo_heads, num_kv_heads):

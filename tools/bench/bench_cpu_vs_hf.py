@@ -18,19 +18,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from hexrl.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
-from hexrl.model.tiny import make_tiny_model  # noqa: E402
-from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
-from hexrl.rollout.cpu_linear import pack_linears  # noqa: E402
+from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.tiny import make_tiny_model
+from hexrl.rollout import Engine, EngineConfig, Request
+from hexrl.rollout.cpu_linear import pack_linears
 
 SHAPE = dict(vocab=16384, hidden=384, layers=8, heads=6, kv_heads=2, intermediate=1024, tie=False)
 

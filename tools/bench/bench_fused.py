@@ -1,7 +1,7 @@
 """Decode step time with and without issue 34's fused weights and FlashInfer kernels, side by side.
 
-    python tools/bench/bench_fused.py                       # CUDA: 1.5B shape, bf16, batch 1/64/256, context ~1k
-    python tools/bench/bench_fused.py --batch 1 --context 256
+    python -m tools.bench.bench_fused                       # CUDA: 1.5B shape, bf16, batch 1/64/256, context ~1k
+    python -m tools.bench.bench_fused --batch 1 --context 256
 
 Three variants of one random model, each point measured for all three in turn (same process, same
 engine settings as bench_kernels' decode grid, CUDA graphs on):
@@ -16,18 +16,13 @@ from __future__ import annotations
 import argparse
 import copy
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_kernels import GRIDS, decode_point  # noqa: E402
-from bench_rollout import DTYPES, SHAPES, model_config, random_model  # noqa: E402
-
-from hexrl.model import ops  # noqa: E402
-from hexrl.model.decoder import Decoder  # noqa: E402
+from hexrl.model import ops
+from hexrl.model.decoder import Decoder
+from tools.bench.bench_kernels import GRIDS, decode_point
+from tools.bench.bench_rollout import DTYPES, SHAPES, model_config, random_model
 
 
 def variants(model: Decoder, cuda: bool) -> dict[str, tuple[Decoder, bool]]:

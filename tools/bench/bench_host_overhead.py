@@ -2,9 +2,9 @@
 the engine loop without overlap (old: read step n's tokens, then schedule n + 1) and with it (new:
 schedule and launch n + 1, then read n), side by side.
 
-    python tools/bench/bench_host_overhead.py                 # batch 256, ~512-token contexts
-    python tools/bench/bench_host_overhead.py --batch 64 --context 2048 --repeats 7
-    python tools/bench/bench_host_overhead.py --model qwen2.5-1.5b --batch 64   # a real model on the GPU
+    python -m tools.bench.bench_host_overhead                 # batch 256, ~512-token contexts
+    python -m tools.bench.bench_host_overhead --batch 64 --context 2048 --repeats 7
+    python -m tools.bench.bench_host_overhead --model qwen2.5-1.5b --batch 64   # a real model on the GPU
 
 With --model (CUDA): wall ms per decode step, host ms (wall minus the time blocked waiting for
 sampled tokens), GPU ms (CUDA events around each step's launch) and the blocked ms, old and new
@@ -25,21 +25,16 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_rollout's model shapes
-
-import hexrl.rollout.sampler as sampler  # noqa: E402
-from hexrl.model.config import ModelConfig  # noqa: E402
-from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
-from hexrl.rollout.model_runner import ModelRunner, Pending  # noqa: E402
-from kernels.reference import sample_args  # noqa: E402
+import hexrl.rollout.sampler as sampler
+from hexrl.model.config import ModelConfig
+from hexrl.rollout import Engine, EngineConfig, Request
+from hexrl.rollout.model_runner import ModelRunner, Pending
+from kernels.reference import sample_args
 
 VOCAB = 32
 real_sampler = sampler.sample_tokens
@@ -163,9 +158,8 @@ def show(times: list[tuple], i: int) -> str:
 
 def main_model(args) -> None:
     """Old (no overlap) and new (overlap) engine loops over a real model (on the GPU), side by side."""
-    from bench_rollout import SHAPES, model_config, random_model
-
     from hexrl.model.checkpoint import load_pretrained
+    from tools.bench.bench_rollout import SHAPES, model_config, random_model
 
     cuda = torch.cuda.is_available()  # CPU: a smoke run of the same code (fp32, torch attention)
     dev, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32

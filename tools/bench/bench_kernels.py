@@ -1,17 +1,17 @@
 """Measure this GPU type for the planner: each number next to its own roofline, one profile JSON.
 
-    python tools/bench/bench_kernels.py --out profiles/     # CUDA: Qwen2.5-1.5B shape, bf16 (~2-3 min on an H100)
-    python tools/bench/bench_kernels.py --quick             # CUDA: a smaller grid (~1 min)
-    python tools/bench/bench_kernels.py                     # CPU: tiny shape through the same code, prints only
+    python -m tools.bench.bench_kernels --out profiles/     # CUDA: Qwen2.5-1.5B shape, bf16 (~2-3 min on an H100)
+    python -m tools.bench.bench_kernels --quick             # CUDA: a smaller grid (~1 min)
+    python -m tools.bench.bench_kernels                     # CPU: tiny shape through the same code, prints only
 
 Measures copy bandwidth and the bf16 matmul peak; the rollout engine's decode step time over a
 grid of batch sizes x context lengths; prefill throughput; the trainer's forward+backward time
 per token (Decoder.stage + logits + token_logprobs, plain autograd, packed sequences); the
 sampling and log-prob kernels. Prints a table (measured, roofline, ratio) and writes
 `<out>/<gpu>.json` with the hardware name, software versions, date, every raw measurement, and
-the catalogue keys the planner reads (hexrl/plan/catalogue.py: measured hbm_TBps, bf16_tflops,
+the catalogue keys the planner reads (hexrl/gpus.py: measured hbm_TBps, bf16_tflops,
 hbm_GB, and hbm_efficiency / decode_mfu / decode_overhead_s / prefill_mfu / train_mfu fitted
-through the planner's own cost model by tools/bench/compare_cost_model.py; train_overhead_s and
+through the planner's own cost model by hexrl/plan/profile.py; train_overhead_s and
 train_fwd_overhead_s, a training micro-batch's fixed cost: the intercepts of fwd+bwd and forward
 time against tokens; optimizer_overhead_s, an optimizer step's, against parameters). On CPU the profile is
 written only when --out is given; the CPU "bf16" peak is an fp32 matmul (the CPU path runs fp32).
@@ -38,19 +38,16 @@ from typing import Callable
 
 import torch
 
+from hexrl.gpus import CATALOGUE
+from hexrl.model.attention import CausalAttention
+from hexrl.model.config import ModelConfig
+from hexrl.model.decoder import Decoder
+from hexrl.plan.profile import calibrate
+from hexrl.rollout import Engine, EngineConfig, Request
+from kernels import sample, token_logprobs
+from tools.bench.bench_rollout import DTYPES, SHAPES, model_config, random_model
+
 BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH.parents[1]))
-sys.path.insert(0, str(BENCH))
-
-from bench_rollout import DTYPES, SHAPES, model_config, random_model  # noqa: E402
-from compare_cost_model import calibrate  # noqa: E402
-
-from hexrl.gpus import CATALOGUE  # noqa: E402
-from hexrl.model.attention import CausalAttention  # noqa: E402
-from hexrl.model.config import ModelConfig  # noqa: E402
-from hexrl.model.decoder import Decoder  # noqa: E402
-from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
-from kernels import sample, token_logprobs  # noqa: E402
 
 
 @dataclass(frozen=True)

@@ -29,12 +29,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from hexrl.plan.candidate import Evaluator  # noqa: E402
-from hexrl.plan.cost import CostModel  # noqa: E402
-from hexrl.plan.partition import exhaustive, n_splits, two_phase  # noqa: E402
-from hexrl.schema import load_job  # noqa: E402
+from hexrl.plan.candidate import Evaluator
+from hexrl.plan.cost import CostModel
+from hexrl.plan.partition import exhaustive, n_splits, two_phase
+from hexrl.schema import load_job
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TYPES = ["H800", "H20", "H100", "A100-80G"]

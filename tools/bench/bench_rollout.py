@@ -13,21 +13,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
 from hexrl.model.config import (
-    ModelConfig,  # noqa: E402
-    rope_inv_freq,  # noqa: E402
+    ModelConfig,
+    rope_inv_freq,
 )
-from hexrl.model.decoder import Decoder  # noqa: E402
-from hexrl.model.fused import hf_state_dict  # noqa: E402
-from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
+from hexrl.model.decoder import Decoder
+from hexrl.model.fused import hf_state_dict
+from hexrl.rollout import Engine, EngineConfig, Request
 
 SHAPES = {
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,

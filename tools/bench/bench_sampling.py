@@ -12,12 +12,9 @@ sort, cumsum, multinomial), and for log-probs our kernel against torch's log_sof
 """
 
 import argparse
-import os
 import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # a checkout
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> float:

@@ -20,21 +20,18 @@ from __future__ import annotations
 import argparse
 import random
 import resource
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from hexrl.model.checkpoint import save_state_dict  # noqa: E402
-from hexrl.model.config import ModelConfig  # noqa: E402
-from hexrl.model.decoder import Decoder  # noqa: E402
-from hexrl.train import TrainConfig, Trainer  # noqa: E402
-from hexrl.train.phases import PhaseTimer  # noqa: E402
-from hexrl.trajectory import Trajectory  # noqa: E402
+from hexrl.model.checkpoint import save_state_dict
+from hexrl.model.config import ModelConfig
+from hexrl.model.decoder import Decoder
+from hexrl.train import TrainConfig, Trainer
+from hexrl.train.phases import PhaseTimer
+from hexrl.trajectory import Trajectory
 
 SHAPES = {
     "qwen2.5-1.5b": dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,

@@ -28,21 +28,18 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hexrl.data.datasets import load_dataset
+from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
+from hexrl.envs import Problem
+from hexrl.envs.pool import EnvPool
+from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.rewards import exact_match_reward
+from hexrl.rollout import Engine, EngineConfig, Request
+from hexrl.rollout.episodes import EpisodeDriver
+from hexrl.schema.job import EnvSpec
+from hexrl.train.warm_start import ModelShape, build_model
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-from warm_start import ModelShape, build_model  # noqa: E402
-
-from hexrl.data.datasets import load_dataset  # noqa: E402
-from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer  # noqa: E402
-from hexrl.envs import Problem  # noqa: E402
-from hexrl.envs.pool import EnvPool  # noqa: E402
-from hexrl.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
-from hexrl.rewards import exact_match_reward  # noqa: E402
-from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
-from hexrl.rollout.episodes import EpisodeDriver  # noqa: E402
-from hexrl.schema.job import EnvSpec  # noqa: E402
 
 TOK = CharTokenizer(DEFAULT_ALPHABET + "<>")
 TURN_TOKENS = {"tool": 24, "no_tool": 8}  # rl.max_new_tokens: "<calc>999*999</calc>" is 20

@@ -1,10 +1,10 @@
 """The learning experiment: warm start, then asynchronous GRPO with hexrl, evaluated on held-out problems.
 
-    python tools/experiments/learning_run.py OUT              # eta=4 (decoupled, naive) vs eta=0
-    python tools/experiments/learning_run.py OUT --ablation   # eta in {0,1,2,4,8,inf} x {naive PPO, decoupled}
-    python tools/experiments/learning_run.py OUT --study      # eta 0,1,2,4 decoupled + 4 naive, 3 seeds, vs simulator
-    python tools/experiments/learning_run.py OUT --steps 100  # shorter budget
-    python tools/experiments/learning_run.py OUT --only 1:naive 4:decoupled
+    python -m tools.experiments.learning_run OUT              # eta=4 (decoupled, naive) vs eta=0
+    python -m tools.experiments.learning_run OUT --ablation   # eta in {0,1,2,4,8,inf} x {naive PPO, decoupled}
+    python -m tools.experiments.learning_run OUT --study      # eta 0,1,2,4 decoupled + 4 naive, 3 seeds, vs simulator
+    python -m tools.experiments.learning_run OUT --steps 100  # shorter budget
+    python -m tools.experiments.learning_run OUT --only 1:naive 4:decoupled
 
 Phase 1 (reported separately): `tools/warm_start.py` trains a tiny char-level model on
 arithmetic with cross-entropy for a short budget, into OUT/model. Phase 2: each configuration
@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+from tools.experiments.plot_run import plot
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "experiments"))
-from plot_run import plot  # noqa: E402
 
 ETAS = {"0": 0, "1": 1, "2": 2, "4": 4, "8": 8, "inf": None, "auto": "auto"}  # "auto": hexrl/control/auto_eta.py
 
@@ -216,7 +216,7 @@ def main(argv=None) -> None:
 
 def study(a) -> None:
     """Every configuration of the study over seeds; the CPU profile; the simulator; the tables."""
-    import learning_study as ls
+    from tools.experiments import learning_study as ls
 
     a.out.mkdir(parents=True, exist_ok=True)
     ws = warm_start(a.out, SMOKE_WARM_START if a.smoke else ())

@@ -1,7 +1,7 @@
 """The async-advantage study: every main configuration over several seeds, measured and simulated.
 
-    python tools/experiments/learning_run.py OUT --study          # eta 0,1,2,4 decoupled + eta 4 naive, 3 seeds
-    python tools/experiments/learning_run.py OUT --study --smoke  # a few steps, one seed: checks the pipeline only
+    python -m tools.experiments.learning_run OUT --study          # eta 0,1,2,4 decoupled + eta 4 naive, 3 seeds
+    python -m tools.experiments.learning_run OUT --study --smoke  # a few steps, one seed: checks the pipeline only
 
 Each rank has its own core (1 trainer rank + 1 rollout rank, `cpu_affinity` in the job). Just
 before each run starts, the CPU "device" is profiled on one pinned core into RUN/profiles/cpu.json
@@ -155,7 +155,7 @@ def profile(out: Path, model: Path, core: int) -> Path:
     more than the 15% the simulator is held to); OUT's, taken after all runs, serves older runs."""
     path = out / "profiles" / "cpu.json"
     if not path.exists():
-        subprocess.run([sys.executable, str(ROOT / "tools" / "bench" / "bench_kernels.py"), "--out", str(path.parent),
+        subprocess.run([sys.executable, "-m", "tools.bench.bench_kernels", "--out", str(path.parent),
                         "--config", str(model), "--grid", "cpu-rl", "--cpu-core", str(core)],
                        check=True, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
     return path
@@ -394,7 +394,6 @@ def speed_tables(rows: list[dict]) -> list[str]:
 
 def plot(rows: list[dict], out: Path) -> Path | None:
     """OUT/study.png: mean held-out accuracy (min-max band) vs step and vs wall time."""
-    sys.path.insert(0, str(ROOT))
     from hexrl.plan.draw import pyplot
 
     plt = pyplot("learning_study", str(out))

@@ -20,14 +20,11 @@ and doubled (10,000, with max 16,384).
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from hexrl.plan.planner import plan_job  # noqa: E402
-from hexrl.plan.simulate import simulate  # noqa: E402
-from hexrl.schema import load_job  # noqa: E402
+from hexrl.plan.planner import plan_job
+from hexrl.plan.simulate import simulate
+from hexrl.schema import load_job
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 SIZES = ["1.5b", "7b", "14b"]

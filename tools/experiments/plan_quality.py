@@ -18,16 +18,13 @@ import argparse
 import json
 import math
 import random
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-
-from hexrl.plan.candidate import Evaluator  # noqa: E402
-from hexrl.plan.cost import CostModel  # noqa: E402
-from hexrl.plan.partition import exhaustive, n_splits, two_phase  # noqa: E402
-from hexrl.schema import load_job  # noqa: E402
+from hexrl.plan.candidate import Evaluator
+from hexrl.plan.cost import CostModel
+from hexrl.plan.partition import exhaustive, n_splits, two_phase
+from hexrl.schema import load_job
 
 TYPES = ["H100", "H200", "H800", "H20", "A100-80G", "L40S", "RTX4090"]
 MODELS = ["r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "r1-distill-qwen-14b"]

@@ -13,8 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from hexrl.plan.draw import pyplot  # noqa: E402
+from hexrl.plan.draw import pyplot
 
 
 def read_jsonl(path: Path) -> list[dict]:

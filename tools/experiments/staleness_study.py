@@ -1,10 +1,10 @@
 """The staleness study (issue 36): what does eta=4 cost against eta=0, and why? One command.
 
-    python tools/experiments/staleness_study.py OUT --docs docs/studies/staleness-price  # eta 0, 4 decoupled, 4 naive
-    python tools/experiments/staleness_study.py OUT --configs 2.5e-4:0:decoupled 2.5e-4:4:decoupled --seeds 2
-    python tools/experiments/staleness_study.py OUT --smoke         # 8 steps, batch 16, one seed: a pipeline check
-    python tools/experiments/staleness_study.py OUT --causes --eval-every 10  # each candidate cause vs eta=0
-    python tools/experiments/staleness_study.py OUT --seeds 6 --background ...  # detached; log in OUT/study.log
+    python -m tools.experiments.staleness_study OUT --docs docs/studies/staleness-price  # eta 0, 4 decoupled, 4 naive
+    python -m tools.experiments.staleness_study OUT --configs 2.5e-4:0:decoupled 2.5e-4:4:decoupled --seeds 2
+    python -m tools.experiments.staleness_study OUT --smoke         # 8 steps, batch 16, one seed: a pipeline check
+    python -m tools.experiments.staleness_study OUT --causes --eval-every 10  # each candidate cause vs eta=0
+    python -m tools.experiments.staleness_study OUT --seeds 6 --background ...  # detached; log in OUT/study.log
 
 Every configuration (LR:ETA:OBJ) runs from the same warm start (OUT/model, tools/warm_start.py)
 at every seed, through tools/experiments/learning_run.py's `run_config`: 1 trainer rank and 1

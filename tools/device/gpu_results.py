@@ -1,7 +1,7 @@
 """gpu_check.sh's machine-readable results: `$OUT/gpu_results.json`, updated after every stage.
 
-    python tools/gpu_results.py init RESULTS --call N [--rehearse]
-    python tools/gpu_results.py stage RESULTS NAME STATUS SECONDS LOG   # parse one stage's log into its fields
+    python tools/device/gpu_results.py init RESULTS --call N [--rehearse]
+    python tools/device/gpu_results.py stage RESULTS NAME STATUS SECONDS LOG   # parse one stage's log into its fields
 
 Each stage's figures are read from the lines its tool prints (the parsers below name them), so a stage
 cut off by the deadline still leaves the figures of the stages before it. Fields: gpu, versions,

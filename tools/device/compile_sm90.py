@@ -1,7 +1,7 @@
 """Compile the split-vocabulary sampler's Triton kernels for an H100 (sm_90) on a machine without a GPU.
 
-    TRITON_INTERPRET=0 python tools/compile_sm90.py
-    TRITON_INTERPRET=0 python tools/compile_sm90.py --engine-start [--compile]   # the compiles one engine start makes
+    TRITON_INTERPRET=0 python tools/device/compile_sm90.py
+    TRITON_INTERPRET=0 python tools/device/compile_sm90.py --engine-start [--compile]  # one engine start's compiles
 
 The interpreter runs the kernels' logic on CPU; this runs Triton's real compiler (down to ptxas)
 on every variant the engine launches, so a kernel that would not compile on the device fails here.
@@ -18,16 +18,13 @@ import argparse
 import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-import kernels.sampling_split as split  # noqa: E402
-from hexrl.rollout.cuda_graph import default_batch_sizes  # noqa: E402
+import kernels.sampling_split as split
+from hexrl.rollout.cuda_graph import default_batch_sizes
 
 KINDS = {"f": "*fp32", "i": "*i32", "l": "*i64", "n": "i32"}  # one letter per runtime argument, in order
 ROW, NOISE = "fnflf", "lll"  # logits, stride, temperature, top_k, top_p; seeds, offsets, streams

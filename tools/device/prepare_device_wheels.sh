@@ -4,13 +4,13 @@
 #      msgpack, safetensors, tokenizers, einops, ninja, nvidia-ml-py; it lacks pyzmq, highspy, flashinfer
 #      and flashinfer's apache-tvm-ffi). flashinfer-python 0.5.3 is a 7 MB JIT wheel (0.7.x is 62 MB).
 #   2. .whl/aot/<name>/<name>.so: FlashInfer's modules prebuilt for sm_90a (H100, H200) with pip's CUDA
-#      compiler, exactly the ones tools/flashinfer_aot.py lists for the GPU checks, the 1.5B benchmarks
+#      compiler, exactly the ones tools/device/flashinfer_aot.py lists for the GPU checks, the 1.5B benchmarks
 #      and the e2e run; gpu_check.sh copies them into the installed package's AOT directory, so nothing
 #      compiles on the device. Compiling takes long on a small CPU machine (nice'd, 2 nvcc jobs):
 #      SKIP_AOT=1 fetches the wheels only. The build's JIT directory is build/flashinfer-jit (ignored).
 # Prints the carried size (the device's carry limit is 64 MiB) and the compile seconds it saves.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 grep -qxF '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> "$(git rev-parse --git-path info/exclude)"
 WHEELS=(pyzmq==27.3.0 highspy==1.15.1 flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2)
 CUDA_PIP=(nvidia-cuda-nvcc==13.0.88 nvidia-cuda-crt==13.0.88 nvidia-nvvm==13.0.88 nvidia-cuda-runtime==13.0.96
@@ -61,13 +61,13 @@ for n in z.namelist():
   t0=$(date +%s)
   rm -rf .whl/aot
   CUDA_HOME=$PWD/$home FLASHINFER_WORKSPACE_BASE=$PWD/build/flashinfer-jit PYTHONPATH=$PWD/build/fi-site:$PWD \
-    nice -n 10 "$PY" tools/flashinfer_aot.py build .whl/aot --jobs "${JOBS:-2}"
+    nice -n 10 "$PY" tools/device/flashinfer_aot.py build .whl/aot --jobs "${JOBS:-2}"
   echo "prepare_device_wheels: prebuilt FlashInfer modules in $(( $(date +%s) - t0 )) s here: that compiling no longer" \
        "happens on the device (the 2026-11-28 desk review: rope 199 s, norm 63 s, page 33 s, activation 19 s" \
        "single-threaded, plus the attention modules)"
 fi
 ls -l .whl
 echo "carried: $(du -sm .whl | cut -f1) MiB in .whl (limit 64 MiB with the work tree)"
-# On the device (tools/gpu_check.sh's wheels stage does this):
+# On the device (tools/device/gpu_check.sh's wheels stage does this):
 #   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #   cp -r .whl/aot/. /tmp/site/flashinfer/data/aot/ && export PYTHONPATH=/tmp/site:$PWD

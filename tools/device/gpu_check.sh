@@ -5,19 +5,19 @@
 #               (bench_sampling); (d) compare_cost_model reads that profile (~1 s, so right after (b))
 #           (c) the one-GPU end-to-end run (tools/gpu_e2e.sh: bf16, FlashInfer, CUDA graphs, overlap)
 #   call 2: (e) pytest -m gpu   (f) the rest: bench_rollout, bench_fused, bench_host_overhead
-# Both start with the carried wheels and prebuilt FlashInfer modules (tools/prepare_device_wheels.sh fills
+# Both start with the carried wheels and prebuilt FlashInfer modules (tools/device/prepare_device_wheels.sh fills
 # .whl/ here first) and the versions. Each stage runs under its own cap and the call's deadline (BUDGET_S,
 # default 290 s); a stage cut off or failed is recorded and the next one runs. As it goes, every stage's
 # figures land in $OUT: gpu_check.log (all output), gpu_results.json (machine-readable, updated after each
-# stage: tools/gpu_results.py), pytest.log, summary.txt and the profile.
-#   run(command="bash tools/gpu_check.sh --call 1", carry=[".whl"], timeout_s=300)
-#   run(command="bash tools/gpu_check.sh --call 2", carry=[".whl"], timeout_s=300)
-#   bash tools/gpu_check.sh --rehearse [--call N]   # on CPU: the same script, each stage's command in its
+# stage: tools/device/gpu_results.py), pytest.log, summary.txt and the profile.
+#   run(command="bash tools/device/gpu_check.sh --call 1", carry=[".whl"], timeout_s=300)
+#   run(command="bash tools/device/gpu_check.sh --call 2", carry=[".whl"], timeout_s=300)
+#   bash tools/device/gpu_check.sh --rehearse [--call N]   # on CPU: the same script, each stage's command in its
 #       smallest CPU form (or its argument parsing where a CPU cannot run it): no typo, missing file or flag
 # STAGES="train e2e" runs a subset of the call's stages (names: wheels versions train kernels compare sampling
 # e2e pytest rollout fused overlap). Without CUDA (and without --rehearse) it refuses in one line.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 CALL=1 REHEARSE=0
 while (( $# )); do
   case $1 in
@@ -54,7 +54,7 @@ stage() {
   if (( cap < 10 )); then
     SUMMARY+=("$(printf '%-8s %-22s %s' SKIPPED "$name" "(out of time)")")
     echo "=== $name: skipped, out of time ==="
-    "$PY" tools/gpu_results.py stage "$RESULTS" "$name" SKIPPED 0 /dev/null
+    "$PY" tools/device/gpu_results.py stage "$RESULTS" "$name" SKIPPED 0 /dev/null
     return 1
   fi
   echo
@@ -71,14 +71,14 @@ stage() {
   local took=$(( $(date +%s) - t0 ))
   SUMMARY+=("$(printf '%-8s %-22s %4ds' "$status" "$name" "$took")")
   echo "--- $name: $status in ${took}s; $(elapsed)s of the ${BUDGET_S}s budget used ---"
-  "$PY" tools/gpu_results.py stage "$RESULTS" "$name" "$status" "$took" "$STAGE_LOG"
+  "$PY" tools/device/gpu_results.py stage "$RESULTS" "$name" "$status" "$took" "$STAGE_LOG"
   [[ $status == OK ]]
 }
 
 rehearse_wheels() {  # a CPU cannot install CUDA wheels usefully: parse the scripts, list the modules
-  bash -n tools/prepare_device_wheels.sh && "$PY" tools/flashinfer_aot.py --help >/dev/null \
+  bash -n tools/device/prepare_device_wheels.sh && "$PY" tools/device/flashinfer_aot.py --help >/dev/null \
     && echo "rehearsal: prepare_device_wheels.sh parses; flashinfer_aot.py runs" \
-    && if "$PY" -c "import flashinfer" 2>/dev/null; then "$PY" tools/flashinfer_aot.py list; fi
+    && if "$PY" -c "import flashinfer" 2>/dev/null; then "$PY" tools/device/flashinfer_aot.py list; fi
 }
 
 show_versions() {
@@ -156,11 +156,11 @@ main() {
   echo "gpu_check: call $CALL$( (( REHEARSE )) && echo ' (REHEARSAL on CPU: smallest forms, no GPU figures)')" \
        "STAGES=$STAGES BUDGET_S=$BUDGET_S OUT=$OUT ($(date -u +%FT%TZ))"
   export PY PYTHONUNBUFFERED=1 TRITON_INTERPRET=0  # tests/conftest.py would otherwise turn the interpreter on
-  "$PY" tools/gpu_results.py init "$RESULTS" --call "$CALL" $( (( REHEARSE )) && echo --rehearse)
+  "$PY" tools/device/gpu_results.py init "$RESULTS" --call "$CALL" $( (( REHEARSE )) && echo --rehearse)
   if want wheels; then
     if (( REHEARSE )); then
       stage wheels 60 bash -c rehearse_wheels
-    elif ! stage wheels 60 bash tools/install_wheels.sh; then
+    elif ! stage wheels 60 bash tools/device/install_wheels.sh; then
       echo "gpu_check: the wheels stage failed: every later stage needs flashinfer, pyzmq and highspy; stopping"
       return 1
     fi

@@ -1,15 +1,16 @@
 """FlashInfer's kernels for sm_90 (H100, H200) built ahead of time on a CPU machine (issue 42).
 
-    python tools/flashinfer_aot.py list            # the modules the GPU runs load, by FlashInfer's own names
-    python tools/flashinfer_aot.py build AOT_DIR   # compile them (CUDA_HOME: pip's nvcc): AOT_DIR/<name>/<name>.so
-    python tools/flashinfer_aot.py check AOT_DIR   # FlashInfer would load every one from AOT_DIR without compiling
+    python tools/device/flashinfer_aot.py list           # the modules the GPU runs load, by FlashInfer's own names
+    python tools/device/flashinfer_aot.py build AOT_DIR  # compile them (CUDA_HOME: pip's nvcc): AOT_DIR/<name>/
+    python tools/device/flashinfer_aot.py check AOT_DIR  # FlashInfer would load every one from AOT_DIR, compiling none
 
 On a fresh device FlashInfer JIT-compiles each module on first use, one after another (minutes); it loads
 `flashinfer/data/aot/<name>/<name>.so` instead when that file exists (`JitSpec.build_and_load`,
-`jit/core.py`). tools/prepare_device_wheels.sh runs `build` and carries the result; tools/gpu_check.sh copies
-it into the installed package's AOT directory and runs `check` there. The module list is derived with
-FlashInfer's own spec generators from the models the runs use (`RUNS`) and from what our backend plans
-(`hexrl.rollout.flashinfer_backend.attention_modules`). Needs flashinfer-python (imports on CPU torch).
+`jit/core.py`). tools/device/prepare_device_wheels.sh runs `build` and carries the result;
+tools/device/gpu_check.sh copies it into the installed package's AOT directory and runs `check` there. The
+module list is derived with FlashInfer's own spec generators from the models the runs use (`RUNS`) and from
+what our backend plans (`hexrl.rollout.flashinfer_backend.attention_modules`). Needs flashinfer-python
+(imports on CPU torch).
 """
 from __future__ import annotations
 
@@ -22,9 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from hexrl.rollout.flashinfer_backend import attention_modules  # noqa: E402
+from hexrl.rollout.flashinfer_backend import attention_modules
 
 ARCH = "9.0a"  # sm_90a: H100 and H200 (FlashInfer's own choice for a capability-9 device)
 # (what, q heads, kv heads, head_dim, dtype) of every model a GPU run pages attention for
