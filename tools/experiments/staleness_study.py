@@ -38,10 +38,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tools.experiments import learning_run as lr
+from tools.experiments.learning_study import fmt, spread, summed_hist, write_report
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools" / "experiments"))
-import learning_run as lr  # noqa: E402
-from learning_study import fmt, spread, summed_hist, write_report  # noqa: E402
 
 DEFAULT = ["1e-4:0:decoupled", "1e-4:4:decoupled", "1e-4:4:naive"]
 TARGET = 0.8
@@ -387,7 +387,6 @@ def verdict(t: dict, bound: float, at_least: bool = False) -> str:
 
 def plot(rows: list[dict], runs: dict[str, list[Path]], out: Path) -> Path | None:
     """OUT/staleness.png: held-out accuracy vs step and vs wall time, policy KL per step (smoothed)."""
-    sys.path.insert(0, str(ROOT))
     from hexrl.plan.draw import pyplot
 
     plt = pyplot("staleness_study", str(out))
@@ -472,7 +471,7 @@ def main(argv=None) -> None:
 def detach(out: Path, argv: list[str]) -> None:
     """This command again, without --background, in its own session with its output appended to OUT/study.log."""
     with open(out / "study.log", "a") as log:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *argv], stdout=log,
+        proc = subprocess.Popen([sys.executable, "-m", "tools.experiments.staleness_study", *argv], stdout=log,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
                                 cwd=os.getcwd())
     print(f"staleness_study: running in the background, pid {proc.pid}, log {out / 'study.log'}")
