@@ -10,7 +10,7 @@ from hexrl.model import ops
 from hexrl.model.attention import CausalAttention
 from hexrl.model.checkpoint import load_pretrained
 from hexrl.model.config import ModelConfig
-from hexrl.model.decoder import Rotary
+from hexrl.model.rotary import Rotary
 from hexrl.model.tiny import make_tiny_model, tiny_config
 from hexrl.rollout import Engine, EngineConfig, Request
 
