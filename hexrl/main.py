@@ -46,7 +46,7 @@ class Groups:
     sync: list  # per pipeline stage: (src rank, weight-sync group)
     replica: dict  # replica id -> its TP group (TP > 1 only)
     described: list[tuple[str, list[int], object]]  # (name, ranks, group) of every group, for effective_config
-    sync_ipc: bool  # the sync groups' members share a GPU: weights go by CUDA IPC (hexrl/weights.py)
+    sync_ipc: bool  # the sync groups' members share a GPU: weights go by CUDA IPC (hexrl/comm/weights.py)
 
 
 def build_groups(plan: Plan, device_type: str = "cpu", grid_groups: list | None = None) -> Groups:

@@ -39,8 +39,8 @@ from typing import Callable
 
 import torch
 
+from hexrl.comm.weights import load_state
 from hexrl.model.decoder import Decoder
-from hexrl.weights import load_state
 
 from .model_runner import ModelRunner, Pending, StepInputs
 from .pages import PagePool, page_bytes

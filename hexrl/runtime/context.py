@@ -32,7 +32,7 @@ class RankContext:
     replica_group: dist.ProcessGroup | None  # this rollout rank's TP group (None for TP 1 or trainer ranks)
     watchdog: Watchdog
     inputs: Inputs  # the checked, tokenized prompts (tokenized once, by the checks)
-    sync_ipc: bool = False  # the weight sync groups share this GPU: weights go by CUDA IPC (hexrl/weights.py)
+    sync_ipc: bool = False  # the weight sync groups share this GPU: weights go by CUDA IPC (hexrl/comm/weights.py)
     groups: list[str] = field(default_factory=list)  # every group's name, in creation order (effective_config)
     secret: bytes = b""  # the job's channel secret (hexrl.comm.secret), never sent through the store
 

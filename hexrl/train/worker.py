@@ -17,6 +17,7 @@ import torch
 
 from hexrl.comm.channel import RouterChannel
 from hexrl.comm.store import broadcast_bytes, publish_endpoint
+from hexrl.comm.weights import IpcSender, send_stage, stage_specs
 from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
@@ -30,7 +31,6 @@ from hexrl.runtime.context import RankContext
 from hexrl.runtime.nodes import bind_host
 from hexrl.schema.knobs import TrainKnobs
 from hexrl.trajectory import Trajectory
-from hexrl.weights import IpcSender, send_stage, stage_specs
 
 from .checkpoint import full_param, shard_dims
 from .export import write_model_files
@@ -127,7 +127,7 @@ def sync_weights(ctx: RankContext, trainer: Trainer, dtype: torch.dtype) -> floa
         return t if ctx.rank == src else None
 
     specs = stage_specs(trainer.model_cfg, g.layers)
-    if ctx.sync_ipc:  # the rollout shares this GPU: it maps our export buffer (hexrl/weights.py)
+    if ctx.sync_ipc:  # the rollout shares this GPU: it maps our export buffer (hexrl/comm/weights.py)
         _IPC.setdefault(g.stage, IpcSender()).send(full, specs, src, group, dtype, ctx.device)
     else:
         send_stage(full, specs, src, group, dtype)
