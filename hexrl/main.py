@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hexrl.comm.secret import job_secret
+from hexrl.preflight import Inputs, check_inputs
 from hexrl.runtime import affinity, dist_rules, effective, errors
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import set_run_umask
 from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
-from hexrl.runtime.preflight import Inputs, check_inputs
 from hexrl.runtime.watchdog import Watchdog, describe_exception
 from hexrl.schema import ConfigError, Plan, load_plan
 
@@ -276,10 +276,12 @@ def main(argv=None) -> None:
         info = plan.ranks[rank]
         run_dir = Path(args.run_dir or plan.job.out_dir)
         secret = job_secret(store, rank, run_dir, multi_node=len(plan.job.cluster.nodes) > 1)
-        ctx = RankContext(plan, rank, local_rank, device, run_dir, Path(args.resume) if args.resume else None,
-                          store, plan.trainer, groups.sync,
-                          groups.replica.get(info.replica) if role == "rollout" else None,
-                          watchdog, inputs, groups.sync_ipc, [name for name, _, _ in groups.described], secret)
+        ctx = RankContext(plan=plan, rank=rank, local_rank=local_rank, device=device, run_dir=run_dir,
+                          resume=Path(args.resume) if args.resume else None, store=store, layout=plan.trainer,
+                          sync_groups=groups.sync,
+                          replica_group=groups.replica.get(info.replica) if role == "rollout" else None,
+                          watchdog=watchdog, train_prompts=inputs.train, heldout_prompts=inputs.heldout,
+                          sync_ipc=groups.sync_ipc, groups=[name for name, _, _ in groups.described], secret=secret)
         if role == "train":
             from hexrl.train.worker import run_trainer
 

@@ -152,7 +152,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
         write_model_files(ctx.run_dir / "checkpoints", job.model.path)
     controller = metrics = None
     tokenizer = load_tokenizer(job.model.path)
-    train, heldout = ctx.inputs.train, ctx.inputs.heldout  # the same usable prompts on every trainer rank
+    train, heldout = ctx.train_prompts, ctx.heldout_prompts  # the same usable prompts on every trainer rank
     if is_controller and train.skipped:
         print(f"[hexrl] skipped {len(train.skipped)} training prompts: {train.summary()}", flush=True)
     train, heldout = train.problems, heldout.problems
