@@ -6,6 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from hexrl.runtime.context import RankContext
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "hexrl"
 # The one statement of hexrl's layering: its packages and top-level modules, bottom to top. A module
@@ -204,6 +208,15 @@ def test_ctx_parameters_are_rank_contexts():
                                                  and ast.unparse(arg.annotation) == "RankContext"):
                         wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
     assert wrong == []
+
+
+def test_rank_context_is_built_with_keywords():
+    with pytest.raises(TypeError):
+        RankContext(None, 0, 0, None, Path("run"), None, None, None, [], None, None, None, None)
+    ctx = RankContext(plan=None, rank=3, local_rank=1, device=None, run_dir=Path("run"), resume=None, store=None,
+                      layout=None, sync_groups=[], replica_group=None, watchdog=None, train_prompts=None,
+                      heldout_prompts=None)
+    assert (ctx.rank, ctx.local_rank, ctx.sync_ipc, ctx.secret) == (3, 1, False, b"")
 
 
 def test_store_helpers_import_neither_zmq_nor_msgpack():

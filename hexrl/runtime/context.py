@@ -16,9 +16,10 @@ from hexrl.schema import Plan, TrainerLayout
 from hexrl.schema.plan import RankInfo
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankContext:
-    """What a role's loop needs: the plan, who it is, and the groups it belongs to."""
+    """What a role's loop needs: the plan, who it is, and the groups it belongs to (built with keywords:
+    a dozen fields in a row are too easy to misplace)."""
 
     plan: Plan
     rank: int
