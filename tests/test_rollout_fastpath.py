@@ -50,7 +50,7 @@ def test_device_table_matches_the_host_block_tables(engine):
         engine.step()
     seqs = engine.scheduler.decode_only()
     assert seqs is not None and len(seqs) == 3  # nothing waits: the decode-only path is taken
-    got = engine._decode_inputs(seqs).meta
+    got = engine.runner.prepare_decode(seqs).meta
     want = build_meta([(s.pages, s.num_cached, 1) for s in seqs], 4, torch.device("cpu"))
     for name in ("positions", "slot_pages", "slot_offsets"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name

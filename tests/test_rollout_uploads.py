@@ -124,7 +124,7 @@ def test_the_graph_prologue_gathers_the_slots_the_eager_step_would(tmp_path):
         engine.add(Request(i, list(range(1, n + 1)), max_new_tokens=9, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    step = engine._decode_inputs(engine.scheduler.decode_only())
+    step = engine.runner.prepare_decode(engine.scheduler.decode_only())
     pad = engine.params.pad_slot
     rows = torch.cat([step.rows, torch.tensor([pad])])
     kv_lens = torch.cat([step.kv_lens, torch.tensor([1])])

@@ -380,10 +380,6 @@ class Engine:
                 c.seq.num_cached = c.start + c.n
         return step
 
-    def _decode_inputs(self, seqs: list[Sequence]) -> StepInputs:
-        """A decode step's inputs (the runner's; kept for tests that inspect them)."""
-        return self.runner.prepare_decode(seqs)
-
     def _sequence(self, r: Request) -> Sequence:
         stops = set(r.stop_ids) | (set() if r.ignore_eos else self.eos_ids)
         return Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids), stop_ids=frozenset(stops),

@@ -397,11 +397,6 @@ class Trainer:
         self.version = meta["version"]
         return extra
 
-    def named_full_weights_for_stage(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-        """This stage's full (TP-gathered, CPU) weights with HF names on its (dp 0, tp 0) rank; None on
-        other ranks. Collective over the TP group of DP replica 0."""
-        return ckpt.gather_stage(self.model, self.grid, dtype)
-
     def export_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None,
                   extra_files: dict[str, str] | None = None) -> None:
         """Write the whole model as a Hugging Face checkpoint from the leader rank (collective);
