@@ -12,12 +12,12 @@ from hexrl.control.buffer import ReplayBuffer
 from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from hexrl.envs import Problem
 from hexrl.envs.pool import EnvPool
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.episodes import EpisodeDriver
+from hexrl.rollout.rollout_rank import PendingGroup, episode_messages
 from hexrl.rollout.sequence import Finished
-from hexrl.rollout.worker import PendingGroup, episode_messages
 from hexrl.schema.job import EnvSpec
 from hexrl.train.packing import build_micro_batch
 from hexrl.trajectory import Trajectory

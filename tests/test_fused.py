@@ -6,8 +6,8 @@ import torch
 from safetensors import safe_open
 
 from hexrl.comm.weights import load_into, load_state
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
 from hexrl.model.fused import hf_state_dict, hf_tensors
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import make_tiny_model
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
-from hexrl.rollout.attention import build_meta, decode_slots
+from hexrl.rollout.attention_meta import build_meta, decode_slots
 from hexrl.rollout.flashinfer_backend import pad_csr
 from hexrl.rollout.sampler import SlotParams
 from hexrl.rollout.sequence import Sequence

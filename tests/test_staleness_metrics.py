@@ -19,7 +19,7 @@ from hexrl.control.metrics import equal_reward_share, token_staleness_histogram
 from hexrl.data.heldout import prompt_ids
 from hexrl.data.problems import Problem
 from hexrl.data.tokenizer import load_tokenizer
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.schema import load_job
 from hexrl.train import TrainConfig, Trainer
@@ -337,7 +337,7 @@ def test_untimed_work_runs_before_the_rollout_hears_of_the_new_version(monkeypat
     which flatters eta=0's wall time against any eta > 0. So they run first."""
     from types import SimpleNamespace as NS
 
-    import hexrl.train.worker as worker
+    import hexrl.train.trainer_rank as worker
 
     events = []
     monkeypatch.setattr(worker, "share_batch", lambda batch, *a: batch)

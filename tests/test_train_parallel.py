@@ -12,7 +12,7 @@ import pytest
 import torch
 from dist_utils import run_world
 
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.train import TrainConfig, Trainer
 from hexrl.train.checkpoint import gather_stage

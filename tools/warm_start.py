@@ -33,15 +33,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hexrl.data.datasets import load_dataset  # noqa: E402
-from hexrl.data.gym import gym_answer  # noqa: E402
+from hexrl.data.gym_problems import gym_answer  # noqa: E402
 from hexrl.data.heldout import greedy_accuracy, prompt_ids  # noqa: E402
 from hexrl.data.tokenizer import CharTokenizer  # noqa: E402
-from hexrl.model.checkpoint import save_pretrained  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.model.decoder import Decoder  # noqa: E402
+from hexrl.model.hf_checkpoint import save_pretrained  # noqa: E402
 from hexrl.model.tiny import tiny_config  # noqa: E402
 from hexrl.rewards import exact_match_reward, reward_fn_by_name  # noqa: E402
-from hexrl.runtime.affinity import available_cores, busy_cores, fair_threads  # noqa: E402
+from hexrl.runtime.cpu_pinning import available_cores, busy_cores, fair_threads  # noqa: E402
 
 
 @dataclass

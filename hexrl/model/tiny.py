@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from hexrl.model.checkpoint import save_pretrained
 from hexrl.model.config import ARCH, ModelConfig, tiny_config
 from hexrl.model.decoder import Decoder
+from hexrl.model.hf_checkpoint import save_pretrained
 
 __all__ = ["ARCH", "make_tiny_model", "tiny_config"]  # ARCH and tiny_config live in the torch-free config.py
 

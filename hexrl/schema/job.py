@@ -116,7 +116,7 @@ _GYM_KEYS = {"tasks", "size", "n_heldout", "seed", "prompt"}
 
 
 def _read_gym(r: Reader, g) -> DataSpec:
-    """data.reasoning_gym (hexrl/data/gym.py); the task names are checked where reasoning-gym is installed
+    """data.reasoning_gym (hexrl/data/gym_problems.py); the task names are checked where reasoning-gym is installed
     (hexrl.data.datasets.dataset_problems, at plan time and before launch)."""
     g = r.section(g, "data.reasoning_gym", _GYM_KEYS)
     tasks = g.get("tasks")

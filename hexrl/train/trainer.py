@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from hexrl.control.metrics import token_staleness_histogram
 from hexrl.model.attention import CausalAttention
-from hexrl.model.checkpoint import load_pretrained, save_state_dict
 from hexrl.model.config import ModelConfig
+from hexrl.model.hf_checkpoint import load_pretrained, save_state_dict
 from hexrl.runtime.dist_rules import warm_up
 from hexrl.schema.job import PROXIMAL
 from hexrl.schema.layout import TrainerLayout

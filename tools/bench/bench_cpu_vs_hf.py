@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hexrl.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from hexrl.model.tiny import make_tiny_model  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
 from hexrl.rollout.cpu_linear import pack_linears  # noqa: E402

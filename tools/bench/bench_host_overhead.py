@@ -165,7 +165,7 @@ def main_model(args) -> None:
     """Old (no overlap) and new (overlap) engine loops over a real model (on the GPU), side by side."""
     from bench_rollout import SHAPES, model_config, random_model
 
-    from hexrl.model.checkpoint import load_pretrained
+    from hexrl.model.hf_checkpoint import load_pretrained
 
     cuda = torch.cuda.is_available()  # CPU: a smoke run of the same code (fp32, torch attention)
     dev, dtype = torch.device("cuda" if cuda else "cpu"), torch.bfloat16 if cuda else torch.float32

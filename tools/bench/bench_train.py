@@ -29,9 +29,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from hexrl.model.checkpoint import save_state_dict  # noqa: E402
 from hexrl.model.config import ModelConfig  # noqa: E402
 from hexrl.model.decoder import Decoder  # noqa: E402
+from hexrl.model.hf_checkpoint import save_state_dict  # noqa: E402
 from hexrl.train import TrainConfig, Trainer  # noqa: E402
 from hexrl.train.phases import PhaseTimer  # noqa: E402
 from hexrl.trajectory import Trajectory  # noqa: E402

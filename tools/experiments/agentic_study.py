@@ -38,7 +38,7 @@ from hexrl.data.datasets import load_dataset  # noqa: E402
 from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer  # noqa: E402
 from hexrl.envs import Problem  # noqa: E402
 from hexrl.envs.pool import EnvPool  # noqa: E402
-from hexrl.model.checkpoint import load_pretrained, save_pretrained  # noqa: E402
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained  # noqa: E402
 from hexrl.rewards import exact_match_reward  # noqa: E402
 from hexrl.rollout import Engine, EngineConfig, Request  # noqa: E402
 from hexrl.rollout.episodes import EpisodeDriver  # noqa: E402

@@ -284,7 +284,7 @@ def run_rollout(ctx: RankContext) -> None:
     """A rollout rank: load the model (this rank's TP shard), then lead or follow the replica."""
     from hexrl.comm.weights import stage_specs
     from hexrl.data.tokenizer import load_tokenizer
-    from hexrl.model.checkpoint import load_pretrained
+    from hexrl.model.hf_checkpoint import load_pretrained
     from hexrl.model.parallel import TPGroup
 
     from .engine import EngineConfig

@@ -24,7 +24,7 @@ from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
 from hexrl.data.heldout import greedy_accuracy
 from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.rewards import reward_fn_by_name
 from hexrl.runtime import effective
 from hexrl.runtime.context import RankContext
