@@ -1,6 +1,6 @@
 """The house's shape: hexrl's packages import only down the order of LAYERS, no import cycles (late and
-type-level imports included) in hexrl/, kernels/ or tools/, a short top level, one meaning of `ctx`,
-and the torch.distributed store helpers usable without ZeroMQ."""
+type-level imports included) in hexrl/, kernels/ or tools/, no file name used twice in hexrl/, a short
+top level, one meaning of `ctx`, and the torch.distributed store helpers usable without ZeroMQ."""
 import ast
 import subprocess
 import sys
@@ -190,6 +190,23 @@ def test_every_package_is_placed_once_in_the_order():
     on_disk = {p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py"} | {
         p.parent.name for p in PACKAGE.glob("*/__init__.py")}
     assert sorted(u.removeprefix("hexrl.") for u in units if u.startswith("hexrl.")) == sorted(on_disk)
+
+
+def repeated_file_names(paths: list[Path]) -> dict[str, list[str]]:
+    """File name -> the paths that share it, for names held by more than one file (package markers aside)."""
+    by_name: dict[str, list[str]] = {}
+    for path in paths:
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.name, []).append(path.as_posix())
+    return {name: sorted(found) for name, found in by_name.items() if len(found) > 1}
+
+
+def test_no_two_modules_share_a_file_name():
+    """A file's name says what it holds, so `pool.py` in two packages would mean two things."""
+    assert repeated_file_names([p.relative_to(ROOT) for p in PACKAGE.rglob("*.py")]) == {}
+    two_pools = [Path("hexrl/envs/pool.py"), Path("hexrl/rewards/pool.py"), Path("hexrl/a/__init__.py"),
+                 Path("hexrl/b/__init__.py")]
+    assert repeated_file_names(two_pools) == {"pool.py": ["hexrl/envs/pool.py", "hexrl/rewards/pool.py"]}
 
 
 def test_top_level_holds_at_most_eight_modules():
