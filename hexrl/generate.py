@@ -124,7 +124,7 @@ def model_dir(path: str, scratch: Path) -> Path:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from hexrl.data.tokenizer import load_tokenizer
-    from hexrl.model.checkpoint import load_pretrained
+    from hexrl.model.hf_checkpoint import load_pretrained
     from hexrl.rollout import Engine, EngineConfig, Request
 
     if problems := arg_problems(args):

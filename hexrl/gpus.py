@@ -137,7 +137,7 @@ def read_profile(name: str, directory: Path | None = None) -> dict:
 
 # Decode/prefill efficiency factors fitted to the AReaL-Hex paper's Table 1 (rows "1.5B/7B/14B
 # H800" and "... H20": generating a token runs at 0.27-0.30x the speed of training one on H800,
-# 2.3-2.5x on H20) by `python -m hexrl.plan.calibrate`. They scale hbm_efficiency, decode_mfu
+# 2.3-2.5x on H20) by `python -m hexrl.plan.paper_calibration`. They scale hbm_efficiency, decode_mfu
 # and prefill_mfu (and divide decode_overhead_s): what a real serving stack loses to sampling,
 # scheduling and launch gaps against the roofline. Types without measurements take the mean of
 # the two (the same stack on other GPUs); a measured profile overrides all of it.

@@ -7,7 +7,7 @@ group exists (its store carries failures to every node), each rank checks that t
 it on the node the plan says (`hexrl.runtime.nodes`) and that every node read the same plan. Then every rank
 creates the same process groups in the same order (the trainer grid, one weight-sync group
 per pipeline stage, one TP group per rollout replica), starts the watchdog, and runs
-`hexrl.train.worker.run_trainer` or `hexrl.rollout.worker.run_rollout`.
+`hexrl.train.trainer_rank.run_trainer` or `hexrl.rollout.rollout_rank.run_rollout`.
 """
 from __future__ import annotations
 
@@ -24,11 +24,11 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hexrl.comm.secret import SecretError, job_secret
-from hexrl.runtime import affinity, dist_rules, effective, errors
+from hexrl.preflight import Inputs, check_inputs
+from hexrl.runtime import cpu_pinning, dist_rules, effective, errors
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import set_run_umask
 from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
-from hexrl.runtime.preflight import Inputs, check_inputs
 from hexrl.runtime.watchdog import Watchdog, describe_exception
 from hexrl.schema import ConfigError, Plan, load_plan
 
@@ -46,7 +46,7 @@ class Groups:
     sync: list  # per pipeline stage: (src rank, weight-sync group)
     replica: dict  # replica id -> its TP group (TP > 1 only)
     described: list[tuple[str, list[int], object]]  # (name, ranks, group) of every group, for effective_config
-    sync_ipc: bool  # the sync groups' members share a GPU: weights go by CUDA IPC (hexrl/weights.py)
+    sync_ipc: bool  # the sync groups' members share a GPU: weights go by CUDA IPC (hexrl/comm/weights.py)
 
 
 def build_groups(plan: Plan, device_type: str = "cpu", grid_groups: list | None = None) -> Groups:
@@ -124,7 +124,7 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     try:
         plan = load_plan(path, world=(world, local_world))
         inputs = check_inputs(plan.job, resume, plan.trainer.to_dict())
-        if problems := (address_problems(plan) + inputs.problems + affinity.core_problems(plan.job.cpu_affinity)):
+        if problems := (address_problems(plan) + inputs.problems + cpu_pinning.core_problems(plan.job.cpu_affinity)):
             raise ConfigError(problems, "invalid plan")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         refuse(rank, str(e))
@@ -255,8 +255,8 @@ def main(argv=None) -> None:
     args.resume = restart_resume(args, rank)
     plan, inputs = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
     set_run_umask(plan.job.share_run_dir)  # before this rank writes anything
-    pinning = affinity.pin(plan.job.cpu_affinity, local_rank, local_world)  # before any thread or child starts
-    print(affinity.describe(rank, plan.ranks[rank].role, pinning), flush=True)
+    pinning = cpu_pinning.pin(plan.job.cpu_affinity, local_rank, local_world)  # before any thread or child starts
+    print(cpu_pinning.describe(rank, plan.ranks[rank].role, pinning), flush=True)
     check_run_dir(Path(args.run_dir or plan.job.out_dir), args.resume, rank)
     device = init_distributed(rank, world, plan)
     store = dist.distributed_c10d._get_default_store()  # the job-wide store torchrun set up
@@ -276,19 +276,21 @@ def main(argv=None) -> None:
         info = plan.ranks[rank]
         run_dir = Path(args.run_dir or plan.job.out_dir)
         secret = job_secret(store, rank, run_dir, multi_node=len(plan.job.cluster.nodes) > 1)
-        ctx = RankContext(plan, rank, local_rank, device, run_dir, Path(args.resume) if args.resume else None,
-                          store, plan.trainer, groups.sync,
-                          groups.replica.get(info.replica) if role == "rollout" else None,
-                          watchdog, inputs, groups.sync_ipc, [name for name, _, _ in groups.described], secret)
+        ctx = RankContext(plan=plan, rank=rank, local_rank=local_rank, device=device, run_dir=run_dir,
+                          resume=Path(args.resume) if args.resume else None, store=store, layout=plan.trainer,
+                          sync_groups=groups.sync,
+                          replica_group=groups.replica.get(info.replica) if role == "rollout" else None,
+                          watchdog=watchdog, train_prompts=inputs.train, heldout_prompts=inputs.heldout,
+                          sync_ipc=groups.sync_ipc, groups=[name for name, _, _ in groups.described], secret=secret)
         if role == "train":
-            from hexrl.train.worker import run_trainer
+            from hexrl.train.trainer_rank import run_trainer
 
             run_trainer(ctx, grid)
         else:
-            from hexrl.rollout.worker import run_rollout
+            from hexrl.rollout.rollout_rank import run_rollout
 
             run_rollout(ctx)
-        affinity.write_usage(run_dir, rank, role, pinning)
+        cpu_pinning.write_usage(run_dir, rank, role, pinning)
     except BaseException as e:  # noqa: BLE001 - any failure must end the whole job, named
         cause = describe_exception(e)
         # a collective broken by a lost peer: name the ranks that went silent, not this one

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from hexrl.runtime import affinity
-from hexrl.runtime.affinity import busy_cores, core_problems, fair_threads, proc_cpu_seconds
+from hexrl.runtime import cpu_pinning
+from hexrl.runtime.cpu_pinning import busy_cores, core_problems, fair_threads, proc_cpu_seconds
 from hexrl.schema import ConfigError, load_job
 from hexrl.schema.affinity import CpuAffinity
 
@@ -70,7 +70,7 @@ def test_proc_cpu_seconds_agrees_with_getrusage():
 
 PIN_SCRIPT = textwrap.dedent("""
     import json, os, sys, threading, time
-    from hexrl.runtime.affinity import pin, write_usage
+    from hexrl.runtime.cpu_pinning import pin, write_usage
     from hexrl.schema.affinity import CpuAffinity
     core = int(sys.argv[1])
     stop = threading.Event()
@@ -100,7 +100,7 @@ def test_a_rank_pins_itself_and_reports_its_use(tmp_path):
 
 def test_pinning_to_a_core_outside_the_allowed_set_fails_loudly():
     bad = max(os.sched_getaffinity(0)) + 1000
-    script = ("from hexrl.runtime.affinity import pin; from hexrl.schema.affinity import CpuAffinity; "
+    script = ("from hexrl.runtime.cpu_pinning import pin; from hexrl.schema.affinity import CpuAffinity; "
               f"pin(CpuAffinity([[{bad}]]), 0)")
     res = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
@@ -127,8 +127,8 @@ def test_threads_are_the_free_cores_shared_out():
 def test_an_unpinned_rank_takes_its_fair_share_of_threads(monkeypatch):
     import torch
 
-    monkeypatch.setattr(affinity, "busy_cores", lambda: 0.0)
+    monkeypatch.setattr(cpu_pinning, "busy_cores", lambda: 0.0)
     cores = len(os.sched_getaffinity(0))
-    p = affinity.pin(None, 0, local_world=1)
+    p = cpu_pinning.pin(None, 0, local_world=1)
     assert p.requested is None and p.threads == torch.get_num_threads() == cores
-    assert affinity.pin(None, 0, local_world=cores + 1).threads == 1
+    assert cpu_pinning.pin(None, 0, local_world=cores + 1).threads == 1

@@ -11,10 +11,11 @@ import pytest
 import torch
 from runtime_utils import ROOT, metrics, torchrun, write_job
 
+from hexrl.data.prompts import run_prompts
 from hexrl.data.tokenizer import TokenizerError, load_tokenizer
 from hexrl.main import load_checked_plan
 from hexrl.model.tiny import make_tiny_model
-from hexrl.runtime.preflight import check_inputs, run_prompts
+from hexrl.preflight import check_inputs
 from hexrl.schema import load_job
 from hexrl.train import checkpoint as ckpt
 

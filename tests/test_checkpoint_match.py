@@ -11,10 +11,10 @@ from test_bad_inputs import layout_checkpoint
 
 from hexrl.generate import main as generate
 from hexrl.main import load_checked_plan
-from hexrl.model.checkpoint import CheckpointError, load_pretrained
+from hexrl.model.hf_checkpoint import CheckpointError, load_pretrained
 from hexrl.model.safetensors_header import header_problems, weight_file_problems
 from hexrl.model.tiny import make_tiny_model
-from hexrl.runtime.preflight import plan_time_checks
+from hexrl.preflight import plan_time_checks
 from hexrl.schema import load_job
 from hexrl.train import checkpoint as ckpt
 

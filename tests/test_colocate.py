@@ -18,8 +18,8 @@ from runtime_utils import ROOT, metrics, torchrun, write_job
 from hexrl.comm import cuda_ipc
 from hexrl.gpus import CATALOGUE
 from hexrl.model.tiny import make_tiny_model
-from hexrl.plan.colocate import shared_step
 from hexrl.plan.planner import plan_job
+from hexrl.plan.shared_gpu import shared_step
 from hexrl.plan.simulate import simulate
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.schema.plan import _world_problems

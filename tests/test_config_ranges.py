@@ -1,5 +1,6 @@
 """Configs that lie (issue 44, items 4 and 6): one typed reader of config.json for the planner,
 hexrl.main and hexrl.generate, and one numeric-range rule (hexrl.ranges) for every number read."""
+import dataclasses
 import json
 import math
 import re
@@ -9,7 +10,7 @@ import sys
 import pytest
 from runtime_utils import ROOT
 
-from hexrl.model.config import ModelConfig
+from hexrl.model.config import ModelConfig, tiny_config
 from hexrl.model.tiny import make_tiny_model
 from hexrl.schema import PRESETS, ConfigError, load_job, load_plan
 
@@ -128,3 +129,10 @@ def test_every_schema_number_goes_through_the_one_rule():
     src = "".join(p.read_text() for p in (ROOT / "hexrl" / "schema").glob("*.py"))
     assert not re.search(r"isinstance\([^)]*\(int, float\)", src)
     assert "math.isfinite" not in src
+
+
+def test_the_tiny_preset_is_the_model_make_tiny_model_writes(tmp_path):
+    """The tiny shape is defined once (tiny_config): the job preset and the CPU demo's checkpoint share it."""
+    assert PRESETS["tiny"] == tiny_config()
+    written = ModelConfig.from_dir(make_tiny_model(tmp_path / "m"))
+    assert dataclasses.replace(written, hf={}) == dataclasses.replace(load_job(job()).model.config, hf={})

@@ -97,9 +97,9 @@ def dp2_step_on_one_gpu(rank, world, model_path):
 
 
 def weight_buckets_stay_on_the_gpu(rank, world):
+    from hexrl.comm.weights import receive_stage, send_stage, stage_specs
     from hexrl.model.config import ModelConfig
     from hexrl.model.tiny import tiny_config
-    from hexrl.weights import receive_stage, send_stage, stage_specs
 
     dist_rules.declare_device("cuda:0")
     cfg = ModelConfig.from_hf(tiny_config(tie=False))

@@ -13,12 +13,12 @@ from hexrl.control.gate import StalenessGate
 from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from hexrl.envs import Problem
 from hexrl.envs.pool import EnvPool
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.episodes import EpisodeDriver
+from hexrl.rollout.rollout_rank import PendingGroup, episode_messages
 from hexrl.rollout.sequence import Finished
-from hexrl.rollout.worker import PendingGroup, episode_messages
 from hexrl.schema.job import EnvSpec
 from hexrl.train.packing import build_micro_batch
 from hexrl.trajectory import Trajectory
@@ -204,13 +204,14 @@ def test_an_episode_that_ends_before_its_first_turn_has_the_version_it_started_u
     weights the engine had when its group arrived), and a fresh group is not dropped as stale."""
     from types import SimpleNamespace
 
-    from hexrl.rollout import worker
+    from hexrl.rollout import rollout_rank
 
     engine, env = FakeEngine(), EnvSpec("env_fixtures:FailsAtStart", options=options)
     engine.version = 3
     sent = []
-    leader = object.__new__(worker.RolloutLeader)  # only what starting and sending a group touch
-    leader.engine, leader.tokenizer, leader.rank, leader.groups, leader.time = engine, TOK, 0, {}, worker.LeaderTime()
+    leader = object.__new__(rollout_rank.RolloutLeader)  # only what starting and sending a group touch
+    leader.engine, leader.tokenizer, leader.rank, leader.groups = engine, TOK, 0, {}
+    leader.time = rollout_rank.LeaderTime()
     leader.channel = SimpleNamespace(send=lambda msg, timeout_s: sent.append(msg) or True)
     sampling = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     with EnvPool(env.name, env.options, workers=1, timeout_s=30) as pool:

@@ -5,11 +5,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.comm.weights import load_into, load_state
 from hexrl.model.fused import hf_state_dict, hf_tensors
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import make_tiny_model
-from hexrl.weights import load_into, load_state
 
 IDS = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(3))
 

@@ -8,9 +8,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hexrl.model import ops
 from hexrl.model.attention import CausalAttention
-from hexrl.model.checkpoint import load_pretrained
 from hexrl.model.config import ModelConfig
-from hexrl.model.decoder import Rotary
+from hexrl.model.hf_checkpoint import load_pretrained
+from hexrl.model.rotary import Rotary
 from hexrl.model.tiny import make_tiny_model, tiny_config
 from hexrl.rollout import Engine, EngineConfig, Request
 

@@ -1,4 +1,4 @@
-"""reasoning-gym as a data source (hexrl/data/gym.py) with the task's own scorer as the reward
+"""reasoning-gym as a data source (hexrl/data/gym_problems.py) with the task's own scorer as the reward
 (hexrl/rewards/gym.py), run in the reward pool: the job section checked, the held-out split apart from
 training, and the task's scorer agreeing with ours where both apply."""
 import json
@@ -15,7 +15,7 @@ from hexrl.schema import ConfigError, load_job
 rg = pytest.importorskip("reasoning_gym")  # the [gym] extra (also in [dev])
 
 from hexrl.data.datasets import dataset_problems, load_dataset  # noqa: E402
-from hexrl.data.gym import format_prompt, gym_answer  # noqa: E402
+from hexrl.data.gym_problems import format_prompt, gym_answer  # noqa: E402
 from hexrl.rewards.gym import gym_reward  # noqa: E402
 
 CHAIN = {"tasks": {"chain_sum": {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}},

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from hexrl.model.attention import CausalAttention
-from hexrl.model.checkpoint import CheckpointError, load_pretrained, save_pretrained
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
+from hexrl.model.hf_checkpoint import CheckpointError, load_pretrained, save_pretrained
 from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import make_tiny_model, tiny_config
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 
@@ -237,7 +237,7 @@ def test_a_flood_of_prompts_cannot_starve_the_rollout_loop():
     from collections import deque
     from types import SimpleNamespace
 
-    from hexrl.rollout import worker
+    from hexrl.rollout import rollout_rank
 
     class Channel:
         def __init__(self, msgs):
@@ -247,12 +247,12 @@ def test_a_flood_of_prompts_cannot_starve_the_rollout_loop():
             return self.queue.popleft() if self.queue else None
 
     added = []
-    leader = object.__new__(worker.RolloutLeader)  # only what _poll touches
+    leader = object.__new__(rollout_rank.RolloutLeader)  # only what _poll touches
     leader.engine = SimpleNamespace(has_work=lambda: bool(added), add=added.append, version=0)
     leader.groups, leader.scoring = {}, {}
     sampling = {"max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": 0, "seed": 0}
     flood = [{"type": "prompt", "group_id": g, "n": 1, "prompt_ids": [1, 5], "sampling": sampling}
-             for g in range(worker.MAX_MESSAGES_PER_POLL + 10)]
+             for g in range(rollout_rank.MAX_MESSAGES_PER_POLL + 10)]
     leader.channel = Channel(flood + [{"type": "stop"}])
-    assert leader._poll() is True and len(added) == worker.MAX_MESSAGES_PER_POLL
-    assert leader._poll() is False and len(added) == worker.MAX_MESSAGES_PER_POLL + 10  # nothing lost
+    assert leader._poll() is True and len(added) == rollout_rank.MAX_MESSAGES_PER_POLL
+    assert leader._poll() is False and len(added) == rollout_rank.MAX_MESSAGES_PER_POLL + 10  # nothing lost

@@ -4,7 +4,7 @@ single-turn generation of the same context from scratch, with prefilled tokens c
 import pytest
 import torch
 
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 

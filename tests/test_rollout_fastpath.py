@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
-from hexrl.rollout.attention import build_meta
+from hexrl.rollout.attention_meta import build_meta
 from hexrl.rollout.cpu_linear import available, pack_linears
 from hexrl.rollout.cuda_graph import SharedGraphBuffers, batch_size_problems, default_batch_sizes, pick_size
 from hexrl.rollout.flashinfer_backend import WORKSPACE_BYTES, float_workspace_bytes, pad_csr
@@ -50,7 +50,7 @@ def test_device_table_matches_the_host_block_tables(engine):
         engine.step()
     seqs = engine.scheduler.decode_only()
     assert seqs is not None and len(seqs) == 3  # nothing waits: the decode-only path is taken
-    got = engine._decode_inputs(seqs).meta
+    got = engine.runner.prepare_decode(seqs).meta
     want = build_meta([(s.pages, s.num_cached, 1) for s in seqs], 4, torch.device("cpu"))
     for name in ("positions", "slot_pages", "slot_offsets"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name

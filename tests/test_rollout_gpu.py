@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
-from hexrl.rollout.attention import build_meta
+from hexrl.rollout.attention_meta import build_meta
 from hexrl.rollout.pages import PagePool
 from hexrl.rollout.torch_paged import TorchPagedAttention
 

@@ -4,7 +4,7 @@ preemptions, seeded sampling, weight-update recompute and stop strings."""
 import pytest
 import torch
 
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.model_runner import ModelRunner, Pending

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from hexrl.model.attention import CausalAttention
-from hexrl.rollout.attention import build_meta
+from hexrl.rollout.attention_meta import build_meta
 from hexrl.rollout.pages import PagePool
 from hexrl.rollout.scheduler import Scheduler
 from hexrl.rollout.sequence import Request, Sequence

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import hexrl.rollout.sampler as sampler
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_world
 
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request

@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
-from hexrl.rollout.attention import build_meta, decode_slots
+from hexrl.rollout.attention_meta import build_meta, decode_slots
 from hexrl.rollout.flashinfer_backend import pad_csr
 from hexrl.rollout.sampler import SlotParams
 from hexrl.rollout.sequence import Sequence
@@ -124,7 +124,7 @@ def test_the_graph_prologue_gathers_the_slots_the_eager_step_would(tmp_path):
         engine.add(Request(i, list(range(1, n + 1)), max_new_tokens=9, temperature=0.0, ignore_eos=True))
     for _ in range(3):
         engine.step()
-    step = engine._decode_inputs(engine.scheduler.decode_only())
+    step = engine.runner.prepare_decode(engine.scheduler.decode_only())
     pad = engine.params.pad_slot
     rows = torch.cat([step.rows, torch.tensor([pad])])
     kv_lens = torch.cat([step.kv_lens, torch.tensor([1])])

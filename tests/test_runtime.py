@@ -64,7 +64,7 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     assert all(a["sent"] <= b["sent"] and a["time"] <= b["time"] for a, b in zip(trace, trace[1:]))
     assert trace[-1]["sent"] >= rows[-1]["trajectories_produced"] and trace[-1]["steps"] == engine["steps"]
     assert trace[-1]["engine_step_s"] <= trace[-1]["engine_s"] < trace[-1]["time"] - trace[0]["time"] + 2.0
-    from hexrl.model.checkpoint import load_pretrained
+    from hexrl.model.hf_checkpoint import load_pretrained
 
     assert load_pretrained(tmp_path / "run" / "final").cfg.num_hidden_layers == 4
     evals = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").read_text().splitlines()]

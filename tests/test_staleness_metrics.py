@@ -19,10 +19,11 @@ from hexrl.control.metrics import equal_reward_share, token_staleness_histogram
 from hexrl.data.heldout import prompt_ids
 from hexrl.data.problems import Problem
 from hexrl.data.tokenizer import load_tokenizer
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.schema import load_job
 from hexrl.train import TrainConfig, Trainer
+from hexrl.train.checkpoint import gather_stage
 from hexrl.train.importance import log_w_counts, w_quantile
 from hexrl.train.probe import PolicyProbe, policy_kl, probe_batch
 from hexrl.trajectory import Trajectory
@@ -70,7 +71,7 @@ def test_a_lag_scaled_step_matches_the_reference(tmp_path, scale):
     m = trainer.step(stale_batch())
     loss, _, _, weights = reference_step(path, stale_batch(), cfg, version=5)
     assert m["loss"] == pytest.approx(loss, abs=2e-5)
-    got = trainer.named_full_weights_for_stage()
+    got = gather_stage(trainer.model, trainer.grid)
     for name, w in weights.items():
         torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     if scale:
@@ -152,7 +153,7 @@ def test_proximal_per_minibatch_is_the_weights_each_minibatch_starts_from(tmp_pa
     out = {}
     for mode in ("step", "minibatch"):
         trainer = Trainer(path, SINGLE, TrainConfig(proximal=mode, **cfg))
-        out[mode] = trainer.step(make_batch()), trainer.named_full_weights_for_stage()
+        out[mode] = trainer.step(make_batch()), gather_stage(trainer.model, trainer.grid)
     assert out["minibatch"][0]["clip_frac"] == 0 < out["step"][0]["clip_frac"]
     *_, ref = reference_step(path, make_batch(), TrainConfig(proximal="minibatch", **cfg))
     for name, w in ref.items():  # 1e-4: 0.3% of one Adam step at this lr
@@ -336,7 +337,7 @@ def test_untimed_work_runs_before_the_rollout_hears_of_the_new_version(monkeypat
     which flatters eta=0's wall time against any eta > 0. So they run first."""
     from types import SimpleNamespace as NS
 
-    import hexrl.train.worker as worker
+    import hexrl.train.trainer_rank as worker
 
     events = []
     monkeypatch.setattr(worker, "share_batch", lambda batch, *a: batch)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.schema import TrainerLayout
 from hexrl.train import Grid, TrainConfig, Trainer

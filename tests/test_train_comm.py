@@ -8,6 +8,7 @@ from dist_utils import run_world
 from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import make_tiny_model
 from hexrl.train import TrainConfig, Trainer
+from hexrl.train.checkpoint import gather_stage
 from hexrl.train.data_parallel import GradBuckets
 from hexrl.train.linear_logprobs import linear_logprobs
 from hexrl.trajectory import Trajectory
@@ -69,7 +70,7 @@ def _buckets_worker(rank, world):
 
 def _idle_rank_worker(rank, world, model_path):
     trainer = Trainer(model_path, {"dp": 2, "stages": [{"tp": 1, "layers": [0, 2]}]}, TrainConfig(**IDLE_RANK_CONFIG))
-    return trainer.step(IDLE_RANK_BATCH), trainer.named_full_weights_for_stage()
+    return trainer.step(IDLE_RANK_BATCH), gather_stage(trainer.model, trainer.grid)
 
 
 def _world_worker(rank, world, model_path):

@@ -11,6 +11,7 @@ from hexrl.control.buffer import ReplayBuffer
 from hexrl.control.gate import StalenessGate
 from hexrl.model.tiny import make_tiny_model
 from hexrl.train import TrainConfig, Trainer
+from hexrl.train.checkpoint import gather_stage
 from hexrl.train.loss import equal_reward_groups
 from hexrl.train.packing import plan_step
 from hexrl.trajectory import Trajectory
@@ -60,7 +61,7 @@ def test_a_step_on_episodes_scores_sampled_tokens_only(tmp_path):
     for i, lp in ref_logprobs.items():
         assert len(lp) == batch[i].num_generated
         torch.testing.assert_close(trainer.last_logprobs[i], lp, **TOL)
-    for name, w in trainer.named_full_weights_for_stage().items():
+    for name, w in gather_stage(trainer.model, trainer.grid).items():
         torch.testing.assert_close(w, ref_weights[name], **TOL)
     plans = plan_step(batch, trained, [0.0] * len(batch), 2, 1, cfg.micro_batch_tokens)
     assert sum(len(p.micro_batches[0]) for p in plans) > 2  # packing split the episodes

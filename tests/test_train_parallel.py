@@ -12,9 +12,10 @@ import pytest
 import torch
 from dist_utils import run_world
 
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.train import TrainConfig, Trainer
+from hexrl.train.checkpoint import gather_stage
 from hexrl.train.export import checkpoint_weights, write_model_files
 from hexrl.train.loss import equal_reward_groups, group_advantages, ppo_terms
 from hexrl.train.packing import plan_step
@@ -92,7 +93,7 @@ def _train_worker(rank, world, path, layout, cfg, out_dir):
     trainer = Trainer(path, layout, TrainConfig(**cfg))
     batch = make_batch()
     first = trainer.step(batch)
-    out = {"metrics": first, "logprobs": trainer.last_logprobs, "weights": trainer.named_full_weights_for_stage()}
+    out = {"metrics": first, "logprobs": trainer.last_logprobs, "weights": gather_stage(trainer.model, trainer.grid)}
     if out_dir:
         trainer.export_hf(Path(out_dir) / "hf")  # all stages and TP shards gathered on one rank
         ckpt_dir = Path(out_dir) / "ck"  # resume: the step after a reload must repeat the step after the save

@@ -7,7 +7,7 @@ import torch
 from hexrl.data.datasets import make_arithmetic
 from hexrl.data.heldout import greedy_accuracy, prompt_ids
 from hexrl.data.tokenizer import CharTokenizer, load_tokenizer
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.rewards import exact_match_reward
 from hexrl.train import warm_start
 

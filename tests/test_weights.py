@@ -5,11 +5,11 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_world
 
+from hexrl.comm.weights import load_into, receive_stage, send_stage, stage_specs
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import tiny_config
-from hexrl.weights import load_into, receive_stage, send_stage, stage_specs
 
 CFG = ModelConfig.from_hf(tiny_config(tie=False))
 IDS = torch.tensor([5, 9, 2, 33, 7])
@@ -28,7 +28,7 @@ def sync_worker(rank, world):
     everyone = dist.new_group([0, 1, 2])
     specs = stage_specs(CFG, (0, CFG.num_hidden_layers))
     BUCKET = 1 << 14  # force many buckets
-    import hexrl.weights as w
+    import hexrl.comm.weights as w
 
     w.BUCKET_BYTES = BUCKET
     if rank == 0:

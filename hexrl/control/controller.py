@@ -24,7 +24,7 @@ from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
-from hexrl.control.progress import ProgressWatch
+from hexrl.control.progress_watch import ProgressWatch
 
 
 @dataclass

@@ -227,10 +227,10 @@ def load_dataset(synthetic: dict | None = None, path: str | None = None,
 
     Synthetic: `{"task": "arithmetic", "n": N, "seed": S, "n_heldout": H, digits/ops/negatives}`
     gives N training and H disjoint held-out problems. JSONL: all lines train, none held out.
-    gym: the `reasoning_gym` section (hexrl.data.gym).
+    gym: the `reasoning_gym` section (hexrl.data.gym_problems).
     """
     if gym is not None:
-        from hexrl.data.gym import load_reasoning_gym  # an optional dependency: only its jobs import it
+        from hexrl.data.gym_problems import load_reasoning_gym  # an optional dependency: only its jobs import it
 
         return load_reasoning_gym(gym)
     if synthetic is not None:
@@ -268,7 +268,7 @@ def dataset_problems(synthetic: dict | None, gym: dict | None = None) -> list[st
         return []
     try:
         if gym is not None:
-            from hexrl.data.gym import gym_problems  # an optional dependency: only its jobs import it
+            from hexrl.data.gym_problems import gym_problems  # an optional dependency: only its jobs import it
 
             if found := gym_problems(gym):  # each task's options and the prompt, every problem at once
                 return found

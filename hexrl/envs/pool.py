@@ -1,4 +1,4 @@
-"""Environment calls in worker processes (the reward pool's mechanism: hexrl/rewards/pool.py).
+"""Environment calls in worker processes (the reward pool's mechanism: hexrl/rewards/worker_pool.py).
 
 The engine never waits on an environment: the episode driver submits a call and decodes on.
 Whatever the environment does, the reply is a valid `Step`: a call that raises or whose worker
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from functools import partial
 
-from hexrl.rewards.pool import WorkerPool
+from hexrl.rewards.worker_pool import WorkerPool
 
 from .base import Environment, Problem, Step
 

@@ -1,5 +1,5 @@
 """The decoder model (Qwen2 / Llama family) and its Hugging Face checkpoint I/O.
 
-Import from the submodules (`hexrl.model.decoder`, `.checkpoint`, ...): this package imports
+Import from the submodules (`hexrl.model.decoder`, `.hf_checkpoint`, ...): this package imports
 nothing itself, so `hexrl.model.config` (the HF config parser) loads without torch.
 """

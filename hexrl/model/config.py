@@ -18,6 +18,7 @@ if TYPE_CHECKING:  # torch is imported where it is needed: the planner reads con
     import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen2ForCausalLM", "LlamaForCausalLM")
+ARCH = {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}  # model_type -> architecture
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -281,7 +282,7 @@ def _model_type(arch: str) -> str:
 
 
 def _arch_from_model_type(model_type: str | None) -> str:
-    return {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}.get(model_type or "", str(model_type))
+    return ARCH.get(model_type or "", str(model_type))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -306,3 +307,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     mid = (1 - smooth) * scaled / factor + smooth * scaled
     is_mid = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
     return torch.where(is_mid, mid, scaled)
+
+
+def tiny_config(arch: str = "qwen2", vocab: int = 64, hidden: int = 64, layers: int = 4, heads: int = 4,
+                kv_heads: int = 2, intermediate: int = 128, tie: bool = True, rope_theta: float = 10000.0) -> dict:
+    """An HF config dict for a tiny decoder (GQA when kv_heads < heads); its defaults are the CPU demo's
+    model (`hexrl.model.tiny.make_tiny_model`) and the job preset "tiny"."""
+    return {
+        "architectures": [ARCH[arch]], "model_type": arch, "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": intermediate, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "head_dim": hidden // heads, "rms_norm_eps": 1e-6,
+        "rope_theta": rope_theta, "tie_word_embeddings": tie, "max_position_embeddings": 4096,
+        "attention_bias": False, "mlp_bias": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2,
+    }

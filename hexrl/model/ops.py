@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from .decoder import Rotary
+    from .rotary import Rotary
 
 FLASHINFER = True  # False: torch everywhere (to compare the two paths side by side)
 _DTYPES = (torch.float16, torch.bfloat16)

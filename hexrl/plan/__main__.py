@@ -20,7 +20,7 @@ from dataclasses import asdict
 from hexrl.plan.planner import plan_job
 from hexrl.plan.progress import Progress
 from hexrl.plan.simulate import simulate
-from hexrl.runtime.preflight import plan_time_checks
+from hexrl.preflight import plan_time_checks
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.schema.fields import plural
 

@@ -22,7 +22,7 @@ class Candidate:
     C_reward: float  # the step's last group, scored after its decode ends
     C_sync: float  # weight update
     step_s: float
-    stretch: float = 1.0  # colocated: both roles' slowdown on the shared GPU (hexrl/plan/colocate.py)
+    stretch: float = 1.0  # colocated: both roles' slowdown on the shared GPU (hexrl/plan/shared_gpu.py)
     device_busy: float | None = None  # colocated: the share of its time the replica's kernels hold the GPU
 
     @property

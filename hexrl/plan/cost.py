@@ -25,7 +25,7 @@ MAX_DECODE_BATCH = 1024  # engine cap on running sequences per replica
 MIN_MICRO_TOKENS = 4096
 # gym: as exact (chain_sum's scorer took 8 us of CPU a call); other tasks vary: workload.reward_s_per_sample
 REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5, "gym": 2e-4}
-# The rollout leader hands a finished group to its RewardPool (hexrl/rollout/worker.py, default
+# The rollout leader hands a finished group to its RewardPool (hexrl/rollout/rollout_rank.py, default
 # reward_workers=2) and decodes on: scoring overlaps decoding; only the step's last group, and any
 # backlog when scoring is slower than decoding, comes after it.
 REWARD_WORKERS = 2
@@ -135,7 +135,7 @@ class CostModel:
         self._send_cache: dict = {}
         self._bound_cache: dict = {}  # train_search._type_part
         self._wave_cache: dict = {}
-        # colocated (hexrl/plan/colocate.py): the bytes each role may use on the shared GPU
+        # colocated (hexrl/plan/shared_gpu.py): the bytes each role may use on the shared GPU
         self.role_bytes: dict[str, float] = {}
         knobs = job.runtime.get("trainer", {})
         # the trainer all-reduces its float32 gradient buckets (plan.trainer.grad_reduce_dtype)
@@ -587,7 +587,7 @@ class CostModel:
         """Weight broadcast: each stage's leader (on node n) sends its bytes to all rollout ranks.
 
         stage_bytes: (leader node, bytes, tp) per stage. A rollout rank joins the stages' broadcasts
-        one after the other (hexrl/rollout/worker.py), so the stages add up. NCCL's broadcast is a
+        one after the other (hexrl/rollout/rollout_rank.py), so the stages add up. NCCL's broadcast is a
         pipelined ring: each byte crosses the slowest link once, at NCCL_EFFICIENCY of its rate.
         """
         by_type: dict[str, list[int]] = {}  # links depend only on node types: one node of each will do

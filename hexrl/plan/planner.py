@@ -1,11 +1,11 @@
 """The planner: job -> plan. Checks feasibility, runs the two-phase search (or a baseline,
 or fills in a user-fixed layout) and writes ranks, trainer grid, replicas and predictions."""
 
-from hexrl.plan import baselines, colocate, fixed, partition
+from hexrl.plan import baselines, fixed, partition, shared_gpu
 from hexrl.plan.budget import affordable_subsets
 from hexrl.plan.candidate import Candidate, Evaluator
+from hexrl.plan.candidate_knobs import replica_knobs, train_knobs
 from hexrl.plan.cost import BYTES_PER_PARAM_TRAIN, CostModel
-from hexrl.plan.knobs import replica_knobs, train_knobs
 from hexrl.plan.progress import quiet
 from hexrl.schema import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout
 
@@ -76,7 +76,7 @@ def search(cm: CostModel, method: str = "two-phase", progress=quiet) -> tuple[Ca
 
 def plan_candidate(cm: CostModel, plan: Plan) -> Candidate:
     """The candidate a finished plan describes, to cost (or simulate) exactly this placement."""
-    return colocate.recost(cm, plan) if plan.job.colocate is not None else fixed.recost(cm, plan)
+    return shared_gpu.recost(cm, plan) if plan.job.colocate is not None else fixed.recost(cm, plan)
 
 
 def plan_job(job: Job, method: str = "two-phase", use_profiles: bool = True, progress=quiet) -> Plan:
@@ -84,13 +84,13 @@ def plan_job(job: Job, method: str = "two-phase", use_profiles: bool = True, pro
     with the search's phase and how far along it is, hexrl/plan/progress.py).
 
     Over budget, the best affordable subset of whole nodes is planned (see budget.py). A job with
-    `colocate` puts both roles on its one GPU (hexrl/plan/colocate.py).
+    `colocate` puts both roles on its one GPU (hexrl/plan/shared_gpu.py).
     """
     if job.colocate is not None:
         if job.budget is not None and job.price_per_hour() > job.budget + 1e-9:
             raise ConfigError([f"budget: the one GPU costs ${job.price_per_hour():.2f}/h, over the budget "
                                f"${job.budget:.2f}/h; raise the budget"], "infeasible job")
-        return colocated_plan(*colocate.best_colocated(job, use_profiles))
+        return colocated_plan(*shared_gpu.best_colocated(job, use_profiles))
     if job.budget is not None and job.price_per_hour() > job.budget + 1e-9:
         return _plan_within_budget(job, method, use_profiles, progress)
     return _plan(job, method, use_profiles, progress)
@@ -134,7 +134,7 @@ def _plan(job: Job, method: str, use_profiles: bool, progress=quiet) -> Plan:
 
 def materialize(cm: CostModel, cand: Candidate, info: dict) -> Plan:
     """Turn a candidate into a Plan: every global rank's role and coordinates, the runtime knobs
-    the cost model assumed (hexrl.plan.knobs), plus predictions."""
+    the cost model assumed (hexrl.plan.candidate_knobs), plus predictions."""
     gpn = cm.gpn
     roles: dict[int, RankInfo] = {}
     stages = []

@@ -8,7 +8,7 @@ StalenessGate (hexrl/control/gate.py) decides when a prompt group may be handed 
 Dispatcher (control/dispatch.py) picks its replica (least in flight per share), and the
 ReplayBuffer (control/buffer.py) hands the trainer B groups oldest first and drops groups
 more than eta versions old. A finished group goes to its replica's reward workers, which
-score groups one after another while the replica decodes on (as hexrl/rollout/worker.py
+score groups one after another while the replica decodes on (as hexrl/rollout/rollout_rank.py
 does), then enters the buffer. A share `workload.equal_reward_fraction` of the groups (drawn at
 random) get equal rewards, and the buffer filters them as the runtime does. The trainer takes B groups per
 step (time: the plan's C_T scaled by the batch's tokens), then publishes weights: every
@@ -49,7 +49,7 @@ class Replica:
     def __init__(self, idx: int, gpu_type: str, tp: int, max_batch: int, share: float, cm: CostModel,
                  stretch: float = 1.0):
         self.idx, self.gpu_type, self.tp, self.max_batch, self.share, self.cm = idx, gpu_type, tp, max_batch, share, cm
-        self.stretch = stretch  # > 1 where it shares its GPU with the trainer (hexrl/plan/colocate.py)
+        self.stretch = stretch  # > 1 where it shares its GPU with the trainer (hexrl/plan/shared_gpu.py)
         self.host_s = cm.gpus[gpu_type].host_s_per_sample  # leader's host work per finished sample
         self.rem = np.zeros(0, dtype=np.int64)  # tokens still to generate
         self.context = np.zeros(0, dtype=np.int64)  # prompt + generated so far

@@ -6,9 +6,9 @@ Every reward has the signature `fn(completion: str, answer) -> float`.
 
 from hexrl.rewards.code import code_reward
 from hexrl.rewards.math import math_reward
-from hexrl.rewards.pool import PoolStats, RewardPool, reward_fn_by_name
 from hexrl.rewards.sandbox import SandboxUnavailable
 from hexrl.rewards.synthetic import exact_match_reward
+from hexrl.rewards.worker_pool import PoolStats, RewardPool, reward_fn_by_name
 
 __all__ = ["math_reward", "exact_match_reward", "code_reward", "RewardPool", "PoolStats",
            "reward_fn_by_name", "SandboxUnavailable"]

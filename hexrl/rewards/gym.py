@@ -43,7 +43,7 @@ def extract(completion: str) -> str:
 
 def gym_reward(completion: str, answer: str) -> float:
     """The task's score (0..1; some tasks give partial credit) of `completion`; `answer` is the problem's
-    reasoning-gym entry as JSON (hexrl.data.gym), naming its task and config."""
+    reasoning-gym entry as JSON (hexrl.data.gym_problems), naming its task and config."""
     if not isinstance(completion, str) or not isinstance(answer, str):
         return 0.0
     entry = json.loads(answer)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import StepMeta, build_meta, decode_slots
+from .attention_meta import StepMeta, build_meta, decode_slots
 from .flashinfer_backend import GraphDecodeAttention
 from .pages import PagePool
 from .sampler import FILTERED, GREEDY, PLAIN, SlotParams

@@ -39,8 +39,8 @@ from typing import Callable
 
 import torch
 
+from hexrl.comm.weights import load_state
 from hexrl.model.decoder import Decoder
-from hexrl.weights import load_state
 
 from .model_runner import ModelRunner, Pending, StepInputs
 from .pages import PagePool, page_bytes
@@ -379,10 +379,6 @@ class Engine:
             if c.start + c.n < len(c.seq.tokens):
                 c.seq.num_cached = c.start + c.n
         return step
-
-    def _decode_inputs(self, seqs: list[Sequence]) -> StepInputs:
-        """A decode step's inputs (the runner's; kept for tests that inspect them)."""
-        return self.runner.prepare_decode(seqs)
 
     def _sequence(self, r: Request) -> Sequence:
         stops = set(r.stop_ids) | (set() if r.ignore_eos else self.eos_ids)

@@ -13,7 +13,7 @@ import torch
 
 from hexrl.model.ops import KVSlots, append_kv, head_dim_problem
 
-from .attention import StepMeta
+from .attention_meta import StepMeta
 from .pages import PagePool
 
 WORKSPACE_BYTES = 128 << 20  # FlashInfer's recommended float workspace (split-kv partial results)

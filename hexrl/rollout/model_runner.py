@@ -22,7 +22,7 @@ import torch
 
 from hexrl.model.decoder import Decoder
 
-from .attention import StepMeta, step_meta
+from .attention_meta import StepMeta, step_meta
 from .cpu_linear import pack_linears
 from .pages import PagePool
 from .sampler import GREEDY, SlotParams, sampling_mode

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hexrl.model.attention import CausalAttention
 from hexrl.model.ops import write_kv
 
-from .attention import StepMeta
+from .attention_meta import StepMeta
 from .pages import PagePool
 
 

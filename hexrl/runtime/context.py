@@ -10,15 +10,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hexrl.runtime.preflight import Inputs
+from hexrl.data.prompts import Prompts
 from hexrl.runtime.watchdog import Watchdog
 from hexrl.schema import Plan, TrainerLayout
 from hexrl.schema.plan import RankInfo
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RankContext:
-    """What a role's loop needs: the plan, who it is, and the groups it belongs to."""
+    """What a role's loop needs: the plan, who it is, and the groups it belongs to (built with keywords:
+    a dozen fields in a row are too easy to misplace)."""
 
     plan: Plan
     rank: int
@@ -31,8 +32,9 @@ class RankContext:
     sync_groups: list[tuple[int, dist.ProcessGroup]]  # per pipeline stage: (src rank, group) of the weight broadcast
     replica_group: dist.ProcessGroup | None  # this rollout rank's TP group (None for TP 1 or trainer ranks)
     watchdog: Watchdog
-    inputs: Inputs  # the checked, tokenized prompts (tokenized once, by the checks)
-    sync_ipc: bool = False  # the weight sync groups share this GPU: weights go by CUDA IPC (hexrl/weights.py)
+    train_prompts: Prompts | None  # the checked, tokenized prompts (tokenized once, by hexrl.preflight)
+    heldout_prompts: Prompts | None
+    sync_ipc: bool = False  # the weight sync groups share this GPU: weights go by CUDA IPC (hexrl/comm/weights.py)
     groups: list[str] = field(default_factory=list)  # every group's name, in creation order (effective_config)
     secret: bytes = b""  # the job's channel secret (hexrl.comm.secret), never sent through the store
 

@@ -1,7 +1,7 @@
 """job.json and plan.json: their dataclasses, loading, and checks that report every problem at once.
 
-The schema depends on nothing above it: the GPU catalogue (hexrl.gpus) and the HF config
-parser (hexrl.model.config) are the only project modules it reads.
+Torch-free, so the planner runs without torch. What it may import (the packages below it) is
+LAYERS in tests/test_layout.py, the one statement of the package order.
 """
 from hexrl.schema.fields import ConfigError
 from hexrl.schema.job import (

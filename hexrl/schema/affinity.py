@@ -6,7 +6,7 @@
 refuses a core shared by two local ranks; `threads` (default 1) is each rank's torch thread
 count. On CPU a rank per core is the honest stand-in for a rank per GPU: ranks that share
 cores compete for them and cannot show what overlap buys. Whether the cores exist is a
-property of the machine the rank runs on, checked there (`hexrl.runtime.affinity.core_problems`).
+property of the machine the rank runs on, checked there (`hexrl.runtime.cpu_pinning.core_problems`).
 """
 
 from dataclasses import dataclass

@@ -8,7 +8,7 @@ rank 0 (the trainer) and rank 1 (the rollout replica), both on device 0. Every f
 the device's memory, what `torch.cuda.set_per_process_memory_fraction` takes: the trainer's
 allocator may hold `train_fraction`, the rollout's `rollout_fraction` (its weights, its KV pool
 of `kv_fraction` and its scratch). A job may give any of them (or `"colocate": {}`); the planner
-fills in the rest (hexrl/plan/colocate.py) and plan.json holds all three.
+fills in the rest (hexrl/plan/shared_gpu.py) and plan.json holds all three.
 """
 
 from dataclasses import dataclass

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hexrl.gpus import CATALOGUE, canonical_name
 from hexrl.input_files import InputFileError, read_json
-from hexrl.model.config import MAX_POSITIONS, ModelConfig
+from hexrl.model.config import MAX_POSITIONS, ModelConfig, tiny_config
 from hexrl.ranges import MAX_RANKS, MAX_SEED, number_problem, numbers_problem
 from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.colocate import Colocate, cluster_problems, read_colocate
@@ -39,8 +39,7 @@ PRESETS = {
     "r1-distill-qwen-1.5b": _qwen2(1536, 8960, 28, 12, 2, 151936, False),
     "r1-distill-qwen-7b": _qwen2(3584, 18944, 28, 28, 4, 152064, False),
     "r1-distill-qwen-14b": _qwen2(5120, 13824, 48, 40, 8, 152064, False, eps=1e-5),
-    # the CPU demo's shape (tools/make_tiny_model.py): a character vocabulary
-    "tiny": {**_qwen2(64, 128, 4, 4, 2, 64, True, max_pos=4096), "bos_token_id": 1, "eos_token_id": 2},
+    "tiny": tiny_config(),  # the CPU demo's model (tools/make_tiny_model.py): a character vocabulary
 }
 
 @dataclass
@@ -117,7 +116,7 @@ _GYM_KEYS = {"tasks", "size", "n_heldout", "seed", "prompt"}
 
 
 def _read_gym(r: Reader, g) -> DataSpec:
-    """data.reasoning_gym (hexrl/data/gym.py); the task names are checked where reasoning-gym is installed
+    """data.reasoning_gym (hexrl/data/gym_problems.py); the task names are checked where reasoning-gym is installed
     (hexrl.data.datasets.dataset_problems, at plan time and before launch)."""
     g = r.section(g, "data.reasoning_gym", _GYM_KEYS)
     tasks = g.get("tasks")
@@ -134,7 +133,7 @@ def _read_gym(r: Reader, g) -> DataSpec:
     if not isinstance(prompt, str) or not prompt:
         r.bad("data.reasoning_gym.prompt", f"a format string like \"{{question}}\", got {prompt!r}")
     else:
-        from hexrl.data.gym import template_problems  # its fields are checked against each task's problems there
+        from hexrl.data.gym_problems import template_problems  # fields are checked against tasks there
 
         for p in template_problems(prompt):
             r.bad("data.reasoning_gym.prompt", p)

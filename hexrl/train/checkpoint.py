@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 
 from hexrl import ranges
+from hexrl.comm.weights import stage_specs
 from hexrl.input_files import InputFileError, read_json
-from hexrl.model.checkpoint import CheckpointError
 from hexrl.model.config import ModelConfig
+from hexrl.model.hf_checkpoint import CheckpointError
 from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
-from hexrl.weights import stage_specs
 
 from .grid import Grid
 

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from hexrl.data.tokenizer import tokenizer_files
-from hexrl.model.checkpoint import CheckpointError, save_state_dict
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
+from hexrl.model.hf_checkpoint import CheckpointError, save_state_dict
 from hexrl.model.parallel import TPGroup
 from hexrl.schema.layout import TrainerLayout
 

@@ -25,8 +25,8 @@ from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
 from hexrl.control.metrics import token_staleness_histogram
 from hexrl.model.attention import CausalAttention
-from hexrl.model.checkpoint import load_pretrained, save_state_dict
 from hexrl.model.config import ModelConfig
+from hexrl.model.hf_checkpoint import load_pretrained, save_state_dict
 from hexrl.runtime.dist_rules import warm_up
 from hexrl.schema.job import PROXIMAL
 from hexrl.schema.layout import TrainerLayout
@@ -396,11 +396,6 @@ class Trainer:
             ckpt.set_rng_state(rng)
         self.version = meta["version"]
         return extra
-
-    def named_full_weights_for_stage(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
-        """This stage's full (TP-gathered, CPU) weights with HF names on its (dp 0, tp 0) rank; None on
-        other ranks. Collective over the TP group of DP replica 0."""
-        return ckpt.gather_stage(self.model, self.grid, dtype)
 
     def export_hf(self, path: str | os.PathLike, dtype: torch.dtype | None = None,
                   extra_files: dict[str, str] | None = None) -> None:

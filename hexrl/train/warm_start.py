@@ -30,15 +30,15 @@ import torch
 import torch.nn.functional as F
 
 from hexrl.data.datasets import load_dataset
-from hexrl.data.gym import gym_answer
+from hexrl.data.gym_problems import gym_answer
 from hexrl.data.heldout import greedy_accuracy, prompt_ids
 from hexrl.data.tokenizer import CharTokenizer
-from hexrl.model.checkpoint import save_pretrained
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
+from hexrl.model.hf_checkpoint import save_pretrained
 from hexrl.model.tiny import tiny_config
 from hexrl.rewards import exact_match_reward, reward_fn_by_name
-from hexrl.runtime.affinity import available_cores, busy_cores, fair_threads
+from hexrl.runtime.cpu_pinning import available_cores, busy_cores, fair_threads
 
 
 @dataclass

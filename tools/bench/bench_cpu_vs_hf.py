@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.cpu_linear import pack_linears

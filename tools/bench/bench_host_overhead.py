@@ -158,7 +158,7 @@ def show(times: list[tuple], i: int) -> str:
 
 def main_model(args) -> None:
     """Old (no overlap) and new (overlap) engine loops over a real model (on the GPU), side by side."""
-    from hexrl.model.checkpoint import load_pretrained
+    from hexrl.model.hf_checkpoint import load_pretrained
     from tools.bench.bench_rollout import SHAPES, model_config, random_model
 
     cuda = torch.cuda.is_available()  # CPU: a smoke run of the same code (fp32, torch attention)

@@ -318,8 +318,8 @@ class _Chars:
 
 def finished(gid: int, prompt_msg: dict, out_len: int):
     """A prompt group whose n samples all finished (out_len tokens each), as the rollout leader holds it."""
+    from hexrl.rollout.rollout_rank import PendingGroup
     from hexrl.rollout.sequence import Finished
-    from hexrl.rollout.worker import PendingGroup
 
     return PendingGroup(prompt_msg, {i: Finished(f"{gid}:{i}", list(prompt_msg["prompt_ids"]), [4 + i % 5] * out_len,
                                                  [-0.5] * out_len, [0] * out_len, "length")
@@ -333,7 +333,7 @@ def host_point(groups: int = 64, group: int = 8, prompt_len: int = 12, out_len: 
     from hexrl.comm.channel import DealerChannel, RouterChannel, new_secret
     from hexrl.plan.cost import REWARD_WORKERS
     from hexrl.rewards import RewardPool
-    from hexrl.rollout.worker import PendingGroup, reward_inputs, trajectory_messages
+    from hexrl.rollout.rollout_rank import PendingGroup, reward_inputs, trajectory_messages
 
     secret = new_secret()
     router, dealer = RouterChannel(secret), DealerChannel("replica-0", secret)
@@ -550,7 +550,7 @@ def _control_seconds(groups: int, group: int, prompt_len: int, out_len: int) -> 
     from hexrl.control.controller import Controller, ReplicaInfo
     from hexrl.control.dataset import DatasetCursor
     from hexrl.data.problems import Problem
-    from hexrl.rollout.worker import trajectory_messages
+    from hexrl.rollout.rollout_rank import trajectory_messages
 
     secret = new_secret()
     router, dealer = RouterChannel(secret), DealerChannel("replica-0", secret)
@@ -631,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu-core", type=int, help="pin to this core with one torch thread (a CPU 'device')")
     args = p.parse_args(argv)
     if args.cpu_core is not None:  # the same pinning a rank applies from the plan's cpu_affinity
-        from hexrl.runtime.affinity import core_problems, pin
+        from hexrl.runtime.cpu_pinning import core_problems, pin
         from hexrl.schema.affinity import CpuAffinity
         spec = CpuAffinity([[args.cpu_core]])
         if bad := core_problems(spec):

@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from hexrl.model.checkpoint import save_state_dict
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
+from hexrl.model.hf_checkpoint import save_state_dict
 from hexrl.train import TrainConfig, Trainer
 from hexrl.train.phases import PhaseTimer
 from hexrl.trajectory import Trajectory

@@ -32,7 +32,7 @@ from hexrl.data.datasets import load_dataset
 from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from hexrl.envs import Problem
 from hexrl.envs.pool import EnvPool
-from hexrl.model.checkpoint import load_pretrained, save_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.rewards import exact_match_reward
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.episodes import EpisodeDriver

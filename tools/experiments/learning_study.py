@@ -93,7 +93,7 @@ def windows(metrics: list[dict], width: int) -> list[dict]:
 def rollout_time(run: Path, windows: list[dict]) -> list[dict] | None:
     """Per window and training step: seconds the rollout leader spent in engine steps, in the rest
     of its loop on the CPU (prompts, rewards, sending) and waiting; the engine's steps, generated
-    and prefilled tokens; trajectories sent. From RUN/engine/replica0.jsonl (hexrl/rollout/worker.py),
+    and prefilled tokens; trajectories sent. From RUN/engine/replica0.jsonl (hexrl/rollout/rollout_rank.py),
     lined up with the window by trajectories sent (the controller's `trajectories_produced`).
     None for runs without it."""
     path = run / "engine" / "replica0.jsonl"

@@ -9,7 +9,7 @@
 Every configuration (LR:ETA:OBJ) runs from the same warm start (OUT/model, tools/warm_start.py)
 at every seed, through tools/experiments/learning_run.py's `run_config`: 1 trainer rank and 1
 rollout rank, each pinned to its own core with one thread, held-out accuracy every
-`--eval-every` steps. Each run also writes the per-step staleness metrics (hexrl/train/worker.py):
+`--eval-every` steps. Each run also writes the per-step staleness metrics (hexrl/train/trainer_rank.py):
 the trained tokens' lag histogram, the importance weights' spread, the cap's and the clip's
 shares, the share of groups filtered for equal rewards, and (rl.policy_kl_probe) the KL between
 consecutive policy versions on fixed held-out answers. OUT/staleness.md (tables, the issue's

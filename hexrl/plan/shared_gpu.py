@@ -22,9 +22,9 @@ weights (hexrl/comm/cuda_ipc.py); on the CPU stand-in it is a gloo broadcast ove
 from dataclasses import dataclass, replace
 
 from hexrl.plan.candidate import Candidate, step_times
+from hexrl.plan.candidate_knobs import ENGINE_BATCH_TOKENS
 from hexrl.plan.cost import NCCL_EFFICIENCY, CostModel
 from hexrl.plan.fixed import _rollout_plan, _train_plan
-from hexrl.plan.knobs import ENGINE_BATCH_TOKENS
 from hexrl.schema import ConfigError, Job
 from hexrl.schema.colocate import Colocate
 

@@ -17,20 +17,20 @@ import torch
 
 from hexrl.comm.channel import RouterChannel
 from hexrl.comm.store import broadcast_bytes, publish_endpoint
+from hexrl.comm.weights import IpcSender, send_stage, stage_specs
 from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
 from hexrl.data.heldout import greedy_accuracy
 from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
-from hexrl.model.checkpoint import load_pretrained
+from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.rewards import reward_fn_by_name
 from hexrl.runtime import effective
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.nodes import bind_host
 from hexrl.schema.knobs import TrainKnobs
 from hexrl.trajectory import Trajectory
-from hexrl.weights import IpcSender, send_stage, stage_specs
 
 from .checkpoint import full_param, shard_dims
 from .export import write_model_files
@@ -127,7 +127,7 @@ def sync_weights(ctx: RankContext, trainer: Trainer, dtype: torch.dtype) -> floa
         return t if ctx.rank == src else None
 
     specs = stage_specs(trainer.model_cfg, g.layers)
-    if ctx.sync_ipc:  # the rollout shares this GPU: it maps our export buffer (hexrl/weights.py)
+    if ctx.sync_ipc:  # the rollout shares this GPU: it maps our export buffer (hexrl/comm/weights.py)
         _IPC.setdefault(g.stage, IpcSender()).send(full, specs, src, group, dtype, ctx.device)
     else:
         send_stage(full, specs, src, group, dtype)
@@ -152,7 +152,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
         write_model_files(ctx.run_dir / "checkpoints", job.model.path)
     controller = metrics = None
     tokenizer = load_tokenizer(job.model.path)
-    train, heldout = ctx.inputs.train, ctx.inputs.heldout  # the same usable prompts on every trainer rank
+    train, heldout = ctx.train_prompts, ctx.heldout_prompts  # the same usable prompts on every trainer rank
     if is_controller and train.skipped:
         print(f"[hexrl] skipped {len(train.skipped)} training prompts: {train.summary()}", flush=True)
     train, heldout = train.problems, heldout.problems

@@ -1,11 +1,11 @@
-"""A run that makes no progress says so (hexrl/control/progress.py): groups filtered for equal rewards
+"""A run that makes no progress says so (hexrl/control/progress_watch.py): groups filtered for equal rewards
 and environment timeouts are counted and, past a threshold, named in a warning at most once a minute."""
 from types import SimpleNamespace
 
 from hexrl.comm.wire import message
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
-from hexrl.control.progress import WARN_EVERY_S, ProgressWatch
+from hexrl.control.progress_watch import WARN_EVERY_S, ProgressWatch
 from hexrl.data.problems import Problem
 from hexrl.schema import load_job
 from hexrl.schema.job import EnvSpec

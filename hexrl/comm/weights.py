@@ -20,11 +20,13 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from hexrl.comm.cuda_ipc import export_handle, import_handle
+from hexrl.comm.store import broadcast_bytes
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
-
-from .model.fused import hf_tensors, to_hf_names
-from .model.parallel import TPGroup, shard_dim_of
+from hexrl.model.fused import hf_tensors, to_hf_names
+from hexrl.model.parallel import TPGroup, shard_dim_of
+from hexrl.runtime.dist_rules import host_collective
 
 BUCKET_BYTES = 64 << 20  # big enough to amortise per-call latency, small enough to hold one extra
 
@@ -97,10 +99,6 @@ class IpcSender:
              dtype: torch.dtype, device: torch.device) -> None:
         """Fill the buffer (every TP rank calls `full`, as in send_stage), then hand the receivers
         its handle over the gloo group and wait until they have copied it out."""
-        from hexrl.comm.cuda_ipc import export_handle
-        from hexrl.comm.store import broadcast_bytes
-        from hexrl.runtime.dist_rules import host_collective
-
         sizes = [_numel(s.shape) for s in specs]
         if self.buffer is None and dist.get_rank() == src:
             self.buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
@@ -123,10 +121,6 @@ def receive_stage_ipc(specs: list[TensorSpec], src: int, group, dtype: torch.dty
                       consume: Callable[[dict[str, torch.Tensor]], None], mapped: dict[bytes, torch.Tensor]) -> None:
     """Receiver side of IpcSender: map the buffer (once: `mapped` keeps it), hand `consume` its
     buckets as views, and tell the sender when the copies are done."""
-    from hexrl.comm.cuda_ipc import import_handle
-    from hexrl.comm.store import broadcast_bytes
-    from hexrl.runtime.dist_rules import host_collective
-
     with host_collective():
         handle = broadcast_bytes(None, src, group)
     if handle not in mapped:

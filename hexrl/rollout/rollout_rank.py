@@ -21,6 +21,7 @@ import torch
 
 from hexrl.comm.channel import DealerChannel
 from hexrl.comm.store import lookup_endpoint
+from hexrl.comm.weights import TensorSpec, load_into, receive_stage, receive_stage_ipc
 from hexrl.comm.wire import message, trajectory_to_msg
 from hexrl.envs.base import Problem
 from hexrl.envs.pool import EnvPool
@@ -30,7 +31,6 @@ from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import write_json_atomic
 from hexrl.runtime.watchdog import describe_exception
 from hexrl.trajectory import Trajectory
-from hexrl.weights import TensorSpec, load_into, receive_stage, receive_stage_ipc
 
 from .engine import Engine, EngineStats
 from .episodes import Episode, EpisodeDriver
@@ -284,10 +284,10 @@ def check_kv_room(model, knobs, replica_id: int, device: torch.device) -> None:
 
 def run_rollout(ctx: RankContext) -> None:
     """A rollout rank: load the model (this rank's TP shard), then lead or follow the replica."""
+    from hexrl.comm.weights import stage_specs
     from hexrl.data.tokenizer import load_tokenizer
-    from hexrl.model.checkpoint import load_pretrained
+    from hexrl.model.hf_checkpoint import load_pretrained
     from hexrl.model.parallel import TPGroup
-    from hexrl.weights import stage_specs
 
     from .engine import EngineConfig
 

@@ -1,6 +1,6 @@
 """Calibration of the catalogue against the AReaL-Hex paper's measurements.
 
-    python -m hexrl.plan.calibrate      # the fit, and every ratio against the paper
+    python -m hexrl.plan.paper_calibration      # the fit, and every ratio against the paper
 
 Table 1 of the paper gives, per model and GPU type, the $ per generated token and the $ per
 trained token; both are at one GPU's price, so their quotient is how many times faster one GPU
