@@ -27,6 +27,13 @@ def test_calculator_refuses_everything_else(expr):
         evaluate(expr)
 
 
+@pytest.mark.parametrize("expr", ["1e309", "-1e309", "1e999-1e999"])
+def test_a_number_beyond_a_float_is_an_error_observation(expr):
+    with pytest.raises(ArithError):
+        evaluate(expr)
+    assert Calculator().step(Problem("q", "1"), [f"<calc>{expr}</calc>"]) == Step(observation="=error")
+
+
 def test_numbers_print_as_integers_or_short_decimals():
     assert format_number(Fraction(56088)) == "56088"
     assert format_number(Fraction(7, 2)) == "3.5"
