@@ -1,6 +1,7 @@
 """Environments for the tests, in a module of their own: worker processes import it, and it
 imports nothing heavy (a worker's start-up is then quick on a busy machine)."""
 import os
+import sys
 import time
 
 from hexrl.envs import Environment, Step
@@ -60,3 +61,22 @@ class Scripted(Environment):
         if t in obs:
             return Step(observation=obs[t])
         return Step(done=True, reward=float(t == problem.answer))
+
+
+class Broken(Environment):
+    """Cannot start: its __init__ raises (a missing key, say)."""
+
+    def __init__(self, **options):
+        raise ValueError("Broken needs an API key")
+
+
+class Introspect(Environment):
+    """Tells about its worker process: the turn "secret" gets HEXRL_SECRET ("unset" if none), "torch"
+    whether torch is imported; "hang" never returns."""
+
+    def step(self, problem, turns):
+        if turns[-1] == "hang":
+            time.sleep(60)
+        if turns[-1] == "secret":
+            return Step(observation=os.environ.get("HEXRL_SECRET", "unset"))
+        return Step(observation=str("torch" in sys.modules))
