@@ -2,6 +2,7 @@
 imports nothing heavy (a worker's start-up is then quick on a busy machine)."""
 import abc
 import os
+import sys
 import time
 
 from hexrl.envs import Environment, Step
@@ -125,3 +126,22 @@ class FailsAtStart(Environment):
 
     def step(self, problem, turns):
         return Step(done=True)
+
+
+class Broken(Environment):
+    """Cannot start: its __init__ raises (a missing key, say)."""
+
+    def __init__(self, **options):
+        raise ValueError("Broken needs an API key")
+
+
+class Introspect(Environment):
+    """Tells about its worker process: the turn "secret" gets HEXRL_SECRET ("unset" if none), "torch"
+    whether torch is imported; "hang" never returns."""
+
+    def step(self, problem, turns):
+        if turns[-1] == "hang":
+            time.sleep(60)
+        if turns[-1] == "secret":
+            return Step(observation=os.environ.get("HEXRL_SECRET", "unset"))
+        return Step(observation=str("torch" in sys.modules))

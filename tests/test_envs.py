@@ -1,11 +1,16 @@
 """Environments: the safe calculator, the retry environment, the job's `env` section, and the
 worker pool that keeps a raising, hanging, dying or garbage-returning environment from
 stopping anything (each such call ends its episode with a named reason and reward 0)."""
+import os
+import subprocess
+import sys
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 from env_fixtures import Hostile
 
+import hexrl
 from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from hexrl.envs import Calculator, Problem, Retry, Step, environment_class, stop_string_problems
 from hexrl.envs.arith import ArithError, evaluate, format_number
@@ -26,6 +31,13 @@ def test_calculator_evaluates_plain_arithmetic(expr, value):
 def test_calculator_refuses_everything_else(expr):
     with pytest.raises(ArithError):
         evaluate(expr)
+
+
+@pytest.mark.parametrize("expr", ["1e309", "-1e309", "1e999-1e999"])
+def test_a_number_beyond_a_float_is_an_error_observation(expr):
+    with pytest.raises(ArithError):
+        evaluate(expr)
+    assert Calculator().step(Problem("q", "1"), [f"<calc>{expr}</calc>"]) == Step(observation="=error")
 
 
 def test_numbers_print_as_integers_or_short_decimals():
@@ -74,6 +86,33 @@ def test_a_hostile_environment_ends_only_its_episode_with_a_named_reason():
         assert pool.stats.restarts == 2  # the hung worker and the dead one
         assert pool.run_step(p, ["fine"]) == Step(observation="=fine")  # still serving
     assert MAX_OBSERVATION_CHARS < 1 << 20
+
+
+def test_an_environment_that_cannot_start_is_reported_with_its_own_error():
+    with pytest.raises(RuntimeError, match="EnvPool worker could not start: ValueError: Broken needs an API key"):
+        EnvPool("env_fixtures:Broken", {}, workers=1)
+
+
+LAUNCHER = """
+import torch  # the launcher's heavy import, as hexrl.main's
+from hexrl.envs import EnvPool, Problem
+
+if __name__ == "__main__":
+    with EnvPool("env_fixtures:Introspect", {}, workers=1, timeout_s=1.0) as pool:
+        p = Problem("q")
+        seen = [pool.run_step(p, [turn]) for turn in ("torch", "hang", "torch", "secret")]
+        print(*[s.observation or s.reason for s in seen], pool.stats.restarts)
+"""
+
+
+def test_a_replaced_worker_neither_imports_the_launcher_nor_sees_the_secret(tmp_path):
+    """A launcher that imported torch, with HEXRL_SECRET set: its workers, first and replaced, have neither."""
+    (tmp_path / "launcher.py").write_text(LAUNCHER)
+    hexrl_root, tests = Path(hexrl.__file__).parents[1], Path(__file__).parent  # this hexrl, and env_fixtures
+    env = {**os.environ, "HEXRL_SECRET": "s" * 40, "PYTHONPATH": os.pathsep.join(map(str, (hexrl_root, tests)))}
+    out = subprocess.run([sys.executable, str(tmp_path / "launcher.py")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.split() == ["False", "env_timeout", "False", "unset", "1"], out.stderr[-2000:]
 
 
 def test_environment_names_resolve_to_classes():

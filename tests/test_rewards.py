@@ -10,6 +10,7 @@ import pytest
 from hexrl.rewards import RewardPool, code_reward, exact_match_reward, math_reward, reward_fn_by_name
 from hexrl.rewards.code import extract_code
 from hexrl.rewards.math import answers_match, find_boxed, normalize_answer
+from hexrl.rewards.worker_pool import WorkerPool, worker_env
 
 # ----------------------------------------------------------------------------- math
 
@@ -285,6 +286,17 @@ def test_pool_rejects_bad_arguments():
         RewardPool(lambda c, a: 1.0, workers=1)
     with pytest.raises(ValueError, match=r"workers.*timeout_s"):
         RewardPool(flaky_reward, workers=0, timeout_s=0)
+
+
+def test_workers_start_without_the_jobs_variables(monkeypatch):
+    """Model output reaches the workers: they see what Python needs, not the job's secret or keys."""
+    monkeypatch.setenv("HEXRL_SECRET", "s" * 40)
+    monkeypatch.setenv("WANDB_API_KEY", "k" * 40)
+    with WorkerPool(os.getenv, workers=1) as pool:
+        assert pool.run([("HEXRL_SECRET",), ("WANDB_API_KEY",), ("PATH",)]) == [None, None, os.environ["PATH"]]
+    kept = {"PATH": "/bin", "HOME": "/h", "PYTHONPATH": "/src", "LC_ALL": "C", "OMP_NUM_THREADS": "1",
+            "HEXRL_CODE_REWARD_UNSAFE": "1"}
+    assert worker_env({**kept, "HEXRL_SECRET": "s", "AWS_SECRET_ACCESS_KEY": "k", "HF_TOKEN": "t"}) == kept
 
 
 def test_reward_fn_by_name():

@@ -4,6 +4,7 @@ nodes are walked; sizes and powers are bounded, so no input can take long or use
 from __future__ import annotations
 
 import ast
+import math
 import operator
 from fractions import Fraction
 
@@ -38,6 +39,8 @@ def _bounded(x: Fraction) -> Fraction:
 
 def _walk(node) -> Fraction:
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        if not math.isfinite(node.value):  # 1e309 is parsed as inf
+            raise ArithError("a number beyond a float's range")
         return _bounded(Fraction(node.value))
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
         v = _walk(node.operand)

@@ -10,22 +10,32 @@ environments' calls (hexrl/envs/pool.py) use the same mechanism.
 An idle worker is handed a chunk of queued items in one message and streams a reply per item,
 so a worker keeps scoring while its caller decodes, however rarely the caller polls. Each item
 still has its own `timeout_s`: the clock restarts at every reply.
+
+A worker is a fresh `python -c WORKER_BOOT` (not multiprocessing's spawn, which re-imports the
+launching module, `hexrl.main` and torch with it, in every worker): it imports this module and what
+its functions need, so replacing one is cheap. It starts with `worker_env()`, none of the job's
+variables: model output reaches workers, the job's secret must not.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
 import math
-import multiprocessing as mp
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from multiprocessing import Pipe
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import ForkingPickler
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Mapping
 
 from hexrl.rewards.code import code_reward, unsafe_default
 from hexrl.rewards.gym import gym_reward, import_gym
@@ -88,12 +98,35 @@ def _finite_float(value) -> float:
     return value
 
 
-def _worker_main(conn: Connection, fn: Callable, check: Callable, warm_up: Callable | None) -> None:
-    """Worker loop: `warm_up()`, then a chunk of (job, *args) in, one (job, "ok"|"error",
-    check(fn(*args))) out per item, in order; None stops it."""
+# a worker's variables: what Python, the locale and thread pools read, and the code reward's opt-out
+KEPT_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV",
+                      "CUDA_VISIBLE_DEVICES", "HEXRL_CODE_REWARD_UNSAFE"})
+WORKER_BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
+               "from hexrl.rewards.worker_pool import serve; serve(int(sys.argv[1]))")
+
+
+def worker_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """The variables a worker process starts with: KEPT_ENV, LC_*, PYTHON* and *_THREADS of `environ`;
+    nothing else of the job's (HEXRL_SECRET, tokens, keys)."""
+    return {k: v for k, v in environ.items()
+            if k in KEPT_ENV or k.startswith(("LC_", "PYTHON")) or k.endswith("_THREADS")}
+
+
+def serve(fd: int) -> None:
+    """A worker process's main: (fn, check, warm_up) from the pipe on `fd`, `warm_up()`, then a chunk
+    of (job, *args) in, one (job, "ok"|"error", check(fn(*args))) out per item, in order; None stops
+    it. A start that fails is reported as ("failed", its error)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
-    if warm_up is not None:  # before "ready": one-time costs never count against a call's timeout
-        warm_up()
+    conn = Connection(fd)
+    try:
+        fn, check, warm_up = conn.recv()
+        if warm_up is not None:  # before "ready": one-time costs never count against a call's timeout
+            warm_up()
+    except EOFError:  # the pool closed before it sent them
+        return
+    except BaseException as e:  # an import or an environment's __init__ that raises, or exits
+        conn.send(("failed", f"{type(e).__name__}: {e}"[:1000]))
+        return
     conn.send(("ready",))
     while True:
         try:
@@ -119,7 +152,7 @@ class _Batch:
 
 @dataclass
 class _Worker:
-    proc: mp.process.BaseProcess
+    proc: subprocess.Popen
     conn: Connection
     started: float
     ready: bool = False
@@ -150,40 +183,46 @@ class WorkerPool:
             problems.append(f"timeout_s must be > 0, got {timeout_s!r}")
         if problems:
             raise ValueError(f"{self.name}: " + "; ".join(problems))
+        try:
+            self._setup = ForkingPickler.dumps((self.fn, self.check, self.warm_up))
+        except Exception as e:  # typically a lambda or a local function
+            raise ValueError(f"{self.name} fn {self.fn!r} cannot be sent to a worker process "
+                             f"(use a module-level function): {e}") from e
         self.timeout_s = float(timeout_s)
         self.start_timeout_s = float(start_timeout_s)
         self.stats = PoolStats()
         self.recent_errors: deque[str] = deque(maxlen=20)
-        self._ctx = mp.get_context("spawn")  # fork would copy the caller's threads and CUDA state
         self._lock = threading.Lock()
         self._closed = False
         self._queue: deque[tuple] = deque()  # ((ticket, i), *args)
         self._batches: dict[int, _Batch] = {}
         self._tickets = itertools.count()
-        self._workers = [self._start() for _ in range(workers)]
-        self._wait_all_ready()
+        self._workers: list[_Worker] = []
+        self._stop = weakref.finalize(self, _stop_workers, self._workers)  # at close, collection or exit
+        try:
+            self._workers.extend(self._start() for _ in range(workers))
+            self._wait_all_ready()
+        except BaseException:
+            self.close()
+            raise
 
     # -- workers ---------------------------------------------------------------
 
     def _start(self) -> _Worker:
-        parent, child = self._ctx.Pipe()
-        proc = self._ctx.Process(target=_worker_main, args=(child, self.fn, self.check, self.warm_up),
-                                 daemon=True,
-                                 name=f"hexrl-{self.name}")
+        parent, child = Pipe()
+        argv = [sys.executable, "-c", WORKER_BOOT, str(child.fileno()), json.dumps(sys.path)]
         try:
-            proc.start()
-        except Exception as e:  # typically a lambda or a local function
-            raise ValueError(f"{self.name} fn {self.fn!r} cannot be sent to a worker process "
-                             f"(use a module-level function): {e}") from e
+            proc = subprocess.Popen(argv, pass_fds=(child.fileno(),), env=worker_env(), stdin=subprocess.DEVNULL)
         finally:
             child.close()
+        try:
+            parent.send_bytes(self._setup)
+        except OSError:
+            pass  # it died at once: _receive reports it
         return _Worker(proc, parent, started=time.monotonic())
 
     def _replace(self, i: int) -> None:
-        old = self._workers[i]
-        old.proc.kill()
-        old.proc.join(timeout=5)
-        old.conn.close()
+        _kill(self._workers[i])
         self.stats.restarts += 1
         self._workers[i] = self._start()
 
@@ -282,8 +321,7 @@ class WorkerPool:
         try:
             msg = w.conn.recv()
         except (EOFError, OSError):
-            w.proc.join(timeout=1)
-            code = w.proc.exitcode
+            code = _exit_code(w.proc)
             if not w.ready:
                 raise RuntimeError(f"{self.name} worker died while starting (exit code {code}); "
                                    f"is {self.fn!r} importable in a fresh process?") from None
@@ -295,6 +333,8 @@ class WorkerPool:
         if msg == ("ready",):
             w.ready = True
             return True
+        if msg[0] == "failed":
+            raise RuntimeError(f"{self.name} worker could not start: {msg[1]}")
         job, status, value = msg
         if w.jobs and job == w.jobs[0][0]:
             w.jobs.popleft()
@@ -320,20 +360,8 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop every worker (politely, then by force). Safe to call twice."""
-        if self._closed:
-            return
         self._closed = True
-        for w in self._workers:
-            try:
-                w.conn.send(None)
-            except Exception:
-                pass
-        for w in self._workers:
-            w.proc.join(timeout=2)
-            if w.proc.is_alive():
-                w.proc.kill()
-                w.proc.join(timeout=2)
-            w.conn.close()
+        self._stop()
 
     def __enter__(self):
         return self
@@ -341,11 +369,32 @@ class WorkerPool:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def __del__(self) -> None:
+
+def _exit_code(proc: subprocess.Popen, wait_s: float = 1.0) -> int | None:
+    """The process's exit code once it has ended (within `wait_s`), else None."""
+    try:
+        return proc.wait(timeout=wait_s)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+def _kill(w: _Worker) -> None:
+    w.proc.kill()
+    _exit_code(w.proc, 5.0)
+    w.conn.close()
+
+
+def _stop_workers(workers: list[_Worker]) -> None:
+    """Ask every worker to stop, wait up to 2 s for each, kill what is left."""
+    for w in workers:
         try:
-            self.close()
+            w.conn.send(None)
         except Exception:
             pass
+    for w in workers:
+        if _exit_code(w.proc, 2.0) is None:
+            _kill(w)
+        w.conn.close()
 
 
 class RewardPool(WorkerPool):
