@@ -109,6 +109,9 @@ def test_right_answers_score_as_the_tasks_own_scorer(task):
         for right in right_answers(task, entry):
             own = scorer(task, "{}")(answer=right, entry=entry)
             assert own > 0, (task, right)
+            if "Integral(" in right:  # an integral sympy could not do: the question echoed back, refused
+                assert gym_reward(f"<answer>{right}</answer>", json.dumps(entry, default=str)) == 0.0
+                continue
             assert gym_reward(f"<answer>{right}</answer>", json.dumps(entry, default=str)) == own, (task, right)
 
 
@@ -116,7 +119,7 @@ ARITHMETIC = {"6*(98 - 54) - 34 - 66": True, "-3 + 4/2": True, "(1)": True, "2**
               "7//2": False, "7%2": False, "1.5*2": False, "x+1": False, "__import__('os')": False,
               "1+2 # note": False, "1" * 201: False, "": False, "1 +": False}
 ALGEBRA = {"-5*X**9 - 2*X**6/3 + 4*X**3 + C": True, "-4*(-2*x - 8)**(3/2)/3 + C": True, "E**(2*x)": True,
-           "exp(x)*sin(x) - log(x, 2)": True, "x**(n + 1)": True, "Integral(exp(x**2), x) + C": True,
+           "exp(x)*sin(x) - log(x, 2)": True, "x**(n + 1)": True, "Integral(exp(x**2), x) + C": False,
            "__import__('os').system('true')": False, "x.__class__": False, "sin('x')": False,
            "sympify('1')": False, "Symbol('x')": False, "(lambda: 1)()": False, "sin(x=1)": False,
            "_x + 1": False, "[x]": False, "x[0]": False, "x if x else 1": False, "sin(*x)": False,
@@ -133,3 +136,13 @@ def test_each_gate_lets_through_only_its_tasks_answers():
 
     for gate, table in ((arithmetic, ARITHMETIC), (algebra, ALGEBRA), (literal, LITERAL)):
         assert {text: gate(text) for text in table} == table, gate.__name__
+
+
+def test_an_integral_written_back_unevaluated_earns_nothing():
+    """intermediate_integration's own scorer takes `Integral(f, x) + C` for f's integral: the question
+    echoed back. An unevaluated integral is refused before the scorer, on every problem."""
+    for entry in entries("intermediate_integration", {}, 8, 1):
+        integrand = entry["metadata"]["integrand"]
+        echo = f"Integral({integrand}, x) + C"
+        assert scorer("intermediate_integration", "{}")(answer=echo, entry=entry) == 1.0  # the hole
+        assert gym_reward(f"<answer>{echo}</answer>", json.dumps(entry, default=str)) == 0.0

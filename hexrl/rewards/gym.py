@@ -24,8 +24,9 @@ MAX_NUMBER = 10**30  # literals in an algebra answer
 MAX_POWER = 1000  # an algebra answer's largest total exponent: sympy would compute 2**(10**9) in full
 # what sympy may call in an algebra answer: every other name is a symbol, never called
 FUNCTIONS = frozenset({"sin", "cos", "tan", "cot", "sec", "csc", "asin", "acos", "atan", "acot", "sinh", "cosh",
-                       "tanh", "asinh", "acosh", "atanh", "exp", "log", "ln", "sqrt", "cbrt", "Abs", "abs",
-                       "Integral"})  # reasoning-gym writes an integral it cannot do as Integral(f, x)
+                       "tanh", "asinh", "acosh", "atanh", "exp", "log", "ln", "sqrt", "cbrt", "Abs", "abs"})
+# not Integral: reasoning-gym writes an integral sympy cannot do as Integral(f, x), and its scorer takes
+# `Integral(f, x) + C`, the question written back, as right: the model would learn to echo questions
 _ARITHMETIC_TEXT = re.compile(r"[0-9+\-*/() \t\n]*")
 _ARITHMETIC_NODES = (ast.Expression, ast.BinOp, ast.Add, ast.Sub, ast.Mult, ast.Div, ast.UnaryOp, ast.USub)
 _LITERAL_NODES = (ast.Expression, ast.Constant, ast.Name, ast.Load, ast.List, ast.Tuple, ast.UnaryOp, ast.USub,
