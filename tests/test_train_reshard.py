@@ -112,6 +112,22 @@ def test_a_slot_reads_only_the_files_that_hold_its_slice(tmp_path):
     assert len(reads((0, 4), 1, 0)) == 7  # one rank for the whole model reads every file
 
 
+def test_a_slot_loads_from_only_the_files_it_reads(tmp_path, model_path):
+    t = Trainer(model_path, SINGLE, TrainConfig(**CONFIG))
+    t.step(make_batch(0))
+    t.save(tmp_path / "ck")
+    saved = {"dp": 1, "stages": [{"tp": 4, "layers": [0, 3]}, {"tp": 2, "layers": [3, 4]}]}
+    reshard_into(ckpt.resolve(tmp_path / "ck"), saved, tmp_path / "a", t.model_cfg)
+    lay = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 2, "layers": [0, 2]}, {"tp": 4, "layers": [2, 4]}]})
+    grid, stage = Grid(lay, lay.rank(1, 0, 3), 1, 0, 3), ckpt.meta_stage(t.model_cfg, (2, 4), 4)
+    reads = ckpt.saved_files(TrainerLayout.from_dict(saved), stage, 3, 4)
+    assert reads == ["model-s0-tp3.pt", "model-s1-tp1.pt"]  # of the six
+    (tmp_path / "b").mkdir()
+    for f in reads + [f.name for f in (tmp_path / "a").glob("*.json")] + ["rng-s0-dp0-tp0.pt"]:
+        (tmp_path / "b" / f).write_bytes((tmp_path / "a" / f).read_bytes())
+    assert_identical(ckpt.load(tmp_path / "b", grid, stage)[0], ckpt.load(tmp_path / "a", grid, stage)[0])
+
+
 def test_a_new_slot_takes_the_saved_leaders_rng(tmp_path, model_path):
     t = Trainer(model_path, SINGLE, TrainConfig(**CONFIG))
     t.save(tmp_path / "ck")

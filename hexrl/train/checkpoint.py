@@ -469,9 +469,12 @@ def _reslice(saved: _SavedStage, kind: str, name: str, t: int, n: int, dim: int 
     if dim is None or first.dim() == 0:  # replicated, or the step count
         return first.clone()
     width = first.shape[dim]  # of a saved slice
-    size = width * saved.tp // n  # of this rank's
-    parts = [first] + [saved.tensor(r, kind, name) for r in ranks[1:]]
-    return torch.cat(parts, dim).narrow(dim, t * size - ranks[0] * width, size).clone()
+    size = width * saved.tp // n  # of this rank's, which starts at t * size in the whole tensor
+    parts = []
+    for r in ranks:  # the overlap of each saved slice, so only those bytes are read from the mapped file
+        lo, hi = max(t * size, r * width), min((t + 1) * size, (r + 1) * width)
+        parts.append(saved.tensor(r, kind, name).narrow(dim, lo - r * width, hi - lo))
+    return torch.cat(parts, dim)  # a copy: nothing aliases the mapped file
 
 
 def resharded(path: Path, saved: TrainerLayout, grid: Grid, model: torch.nn.Module) -> dict:
