@@ -142,8 +142,12 @@ def test_a_checkpoint_of_another_model_is_not_resharded(tmp_path, model_path):
     t.save(tmp_path / "ck")
     other = ModelConfig.from_dir(make_tiny_model(tmp_path / "o", layers=4, tie=True, kv_heads=4, hidden=32))
     lay = TrainerLayout.from_dict(TP2_PP2, 4)
-    with pytest.raises(CheckpointError, match="cannot be resharded"):
+    with pytest.raises(CheckpointError, match="does not match this job's model"):
         ckpt.load(tmp_path / "ck", Grid(lay, 0, 0, 0, 0), ckpt.meta_stage(other, (0, 2), 2))
+    shallow = ModelConfig.from_dir(make_tiny_model(tmp_path / "s", layers=2, tie=True, kv_heads=4))
+    lay = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 1, "layers": [1, 2]}]})
+    with pytest.raises(CheckpointError, match="cannot be resharded.*model has 2 layers"):
+        ckpt.load(tmp_path / "ck", Grid(lay, 0, 0, 0, 0), ckpt.meta_stage(shallow, (0, 1), 1))
 
 
 def step_weights(trainer: Trainer, seed: int) -> dict:

@@ -13,6 +13,8 @@ a version that is on disk commits `step00000012.1`, and only then deletes the ol
 a kill -9 at any point leaves `latest` naming a complete checkpoint; stale temp directories are
 removed next time.
 Every .pt file holds only tensors and plain containers, so loading uses `weights_only=True`.
+A trainer of another layout of the same model (TP degrees, stages and their layers, DP) loads it
+too: each rank cuts its slice from the files that hold it (`resharded`).
 """
 from __future__ import annotations
 
@@ -296,9 +298,10 @@ def resolve_complete(path: str | os.PathLike) -> tuple[Path, list[str]]:
 
 def problems(path: str | os.PathLike, layout: dict | None = None, config: ModelConfig | None = None) -> list[str]:
     """Why the checkpoint at `path` (a root or one checkpoint) cannot be resumed from, by a trainer
-    with `layout` (a TrainerLayout.to_dict(); None: any) of the model `config` (None: any; compared
-    with the config.json the run wrote beside its checkpoints). Cheap (reads the JSON files and
-    each .pt file's zip directory, not the tensors), so it runs before launch on every rank."""
+    with `layout` (a TrainerLayout.to_dict(), any layout of the saved model; None: any) of the model
+    `config` (None: any; compared with the config.json the run wrote beside its checkpoints). Cheap
+    (reads the JSON files and each .pt file's zip directory, not the tensors), so it runs before
+    launch on every rank."""
     try:
         path, _ = resolve_complete(path)
     except FileNotFoundError as e:
@@ -366,9 +369,11 @@ def load(path: str | os.PathLike, grid: Grid, model: torch.nn.Module | None = No
     elif isinstance(have, dict) and model is not None:
         try:
             shard = resharded(path, TrainerLayout.from_dict(have, model.cfg.num_hidden_layers), grid, model)
+        except CheckpointError:
+            raise
         except (ValueError, KeyError, IndexError, RuntimeError) as e:  # a layout or file of another model
             raise CheckpointError(f"{path}: cannot be resharded into this trainer's model "
-                                  f"({type(e).__name__}: {str(e)[:300]})") from None
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
     else:
         raise ValueError(f"{path}: saved with stages {have and have.get('stages')}, this trainer has "
                          f"{grid.layout.to_dict()['stages']}; resharding needs the trainer's model")
