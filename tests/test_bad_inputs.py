@@ -185,14 +185,23 @@ def test_an_incomplete_step_is_named_and_resume_falls_back(tmp_path, capsys, mis
     assert "step00000002 is incomplete" in err and missing in err and "resuming from step00000001" in err, err
 
 
-def test_resume_with_other_stages_is_refused_before_launch(tmp_path, capsys):
+def test_resume_into_other_stages_passes_preflight_unless_another_model(tmp_path, capsys):
+    """A checkpoint saved with other stages and TP degrees is resharded on load, so it passes the
+    checks before launch; one whose stages tile another number of layers is of another model: refused."""
     plan = write_job(tmp_path, steps=1)
     trainer = json.loads(plan.read_text())["trainer"]
-    other = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}, {"tp": 1, "layers": [2, 4]}]}
+    other = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 2, "layers": [1, 4]}]}
     layout_checkpoint(tmp_path / "ck", 1, other)
-    assert ckpt.problems(tmp_path / "ck") == []  # whole, for its own layout
-    found = ckpt.problems(tmp_path / "ck", trainer)
-    assert len(found) == 1 and "saved with stages" in found[0], found
+    assert ckpt.problems(tmp_path / "ck") == [] and ckpt.problems(tmp_path / "ck", trainer) == []
+    load_checked_plan(str(plan), 0, 3, 3, None, resume=str(tmp_path / "ck"))
+    fewer = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}, {"tp": 1, "layers": [2, 3]}]}
+    layout_checkpoint(tmp_path / "ck3", 1, fewer)
+    assert ckpt.problems(tmp_path / "ck3") == []  # whole, for its own layout
+    found = ckpt.problems(tmp_path / "ck3", trainer)
+    assert len(found) == 1 and "saved with stages" in found[0] and "another model" in found[0], found
+    with pytest.raises(SystemExit) as e:
+        load_checked_plan(str(plan), 0, 3, 3, None, resume=str(tmp_path / "ck3"))
+    assert e.value.code == 2 and "model of 4 layers" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("layout", [{"dp": 10 ** 9, "stages": [{"tp": 1}]}, {"dp": 1, "stages": [{"tp": 0}]},

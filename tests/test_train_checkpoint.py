@@ -45,7 +45,7 @@ def test_resume_is_bit_identical(tmp_path, model_path):
         assert torch.equal(v, weights(b)[k]), k
     two_stages = TrainerLayout.from_dict({"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]},
                                                               {"tp": 1, "layers": [1, 2]}]})
-    with pytest.raises(ValueError, match="resume needs the same stages"):
+    with pytest.raises(ValueError, match="resharding needs the trainer's model"):
         ckpt.load(tmp_path / "ck", Grid(two_stages, rank=0, stage=0, dp_rank=0, tp_rank=0))
 
 

@@ -13,6 +13,8 @@ a version that is on disk commits `step00000012.1`, and only then deletes the ol
 a kill -9 at any point leaves `latest` naming a complete checkpoint; stale temp directories are
 removed next time.
 Every .pt file holds only tensors and plain containers, so loading uses `weights_only=True`.
+A trainer of another layout of the same model (TP degrees, stages and their layers, DP) loads it
+too: each rank cuts its slice from the files that hold it (`resharded`).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import os
 import random
 import shutil
 import zipfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,10 +34,13 @@ from hexrl import ranges
 from hexrl.comm.weights import stage_specs
 from hexrl.input_files import InputFileError, read_json
 from hexrl.model.config import ModelConfig
+from hexrl.model.decoder import Decoder
 from hexrl.model.hf_checkpoint import CheckpointError
-from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
+from hexrl.schema.layout import TrainerLayout
 
 from .grid import Grid
+from .optim import join_by_param, split_by_param
 
 LATEST = "latest"
 
@@ -292,20 +298,32 @@ def resolve_complete(path: str | os.PathLike) -> tuple[Path, list[str]]:
 
 def problems(path: str | os.PathLike, layout: dict | None = None, config: ModelConfig | None = None) -> list[str]:
     """Why the checkpoint at `path` (a root or one checkpoint) cannot be resumed from, by a trainer
-    with `layout` (a TrainerLayout.to_dict(); None: any) of the model `config` (None: any; compared
-    with the config.json the run wrote beside its checkpoints). Cheap (reads the JSON files and
-    each .pt file's zip directory, not the tensors), so it runs before launch on every rank."""
+    with `layout` (a TrainerLayout.to_dict(), any layout of the saved model; None: any) of the model
+    `config` (None: any; compared with the config.json the run wrote beside its checkpoints). Cheap
+    (reads the JSON files and each .pt file's zip directory, not the tensors), so it runs before
+    launch on every rank."""
     try:
         path, _ = resolve_complete(path)
     except FileNotFoundError as e:
         return [str(e)]
     out = incomplete(path) or (_model_problems(path.parent, config) if config is not None else [])
     if not out and layout is not None:
-        have = _read_json_file(path / "meta.json")["layout"]
-        if have.get("stages") != layout["stages"]:
-            out.append(f"{path}: saved with stages {have.get('stages')}, this plan's trainer has {layout['stages']}; "
-                       "resume needs the same stages (the DP degree may differ)")
+        out += _layout_problems(path, layout, config)
     return out
+
+
+def _layout_problems(path: Path, layout: dict, config: ModelConfig | None) -> list[str]:
+    """Why a trainer with `layout` cannot load the checkpoint `path`: its saved stages do not tile the
+    layers of this job's model (another model). Any other layout is resharded on load."""
+    have = _read_json_file(path / "meta.json")["layout"]
+    layers = config.num_hidden_layers if config is not None else layout["stages"][-1]["layers"][1]
+    try:
+        TrainerLayout.from_dict(have, layers)
+    except ValueError as e:
+        why = str(e).splitlines()[-1].strip()
+        return [f"{path}: saved with stages {have.get('stages')}, which do not fit this job's model of {layers} "
+                f"layers ({why}); a checkpoint of another model (TP, PP and DP may differ, the model may not)"]
+    return []
 
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -335,23 +353,158 @@ def check_shapes(state: dict, want: dict, where: str) -> None:
         raise CheckpointError(f"{where}: does not match this job's model ({len(bad)} tensors): " + "; ".join(bad[:5]))
 
 
-def load(path: str | os.PathLike, grid: Grid) -> tuple[dict, dict | None, dict, dict]:
+def load(path: str | os.PathLike, grid: Grid, model: torch.nn.Module | None = None
+         ) -> tuple[dict, dict | None, dict, dict]:
     """(shard of this (stage, tp) slot on the CPU, this rank's RNG state or None, meta, extra) of the
-    checkpoint at `path` (a root: its newest complete step, see resolve_complete)."""
+    checkpoint at `path` (a root: its newest complete step, see resolve_complete). Saved with the same
+    stages (any DP degree), the shard is the slot's own file; saved with other stages or TP degrees,
+    it is resharded from the saved files (see `resharded`), which needs this rank's `model`."""
     path, _ = resolve_complete(path)
     meta = _read_json_file(path / "meta.json")
-    want, have = grid.layout.to_dict(), meta.get("layout")
-    if not isinstance(have, dict) or want["stages"] != have.get("stages"):
-        # the DP degree may change: every replica loads replica 0's shard
+    have, (s, _, t) = meta.get("layout"), grid.coord
+    if isinstance(have, dict) and _cuts(have) == _cuts(grid.layout.to_dict()):
+        # to host memory, then the caller copies into its tensors: loading onto the GPU would need room
+        # for a second copy of weights and optimizer state
+        shard = _torch_load(path / f"model-s{s}-tp{t}.pt", map_location="cpu")
+    elif isinstance(have, dict) and model is not None:
+        try:
+            shard = resharded(path, TrainerLayout.from_dict(have, model.cfg.num_hidden_layers), grid, model)
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, IndexError, RuntimeError) as e:  # a layout or file of another model
+            raise CheckpointError(f"{path}: cannot be resharded into this trainer's model "
+                                  f"({type(e).__name__}: {' '.join(str(e).split())[:300]})") from None
+    else:
         raise ValueError(f"{path}: saved with stages {have and have.get('stages')}, this trainer has "
-                         f"{want['stages']}; resume needs the same stages (the DP degree may differ)")
+                         f"{grid.layout.to_dict()['stages']}; resharding needs the trainer's model")
+    return shard, _rng_for(path, grid), meta, _read_json_file(path / "extra.json")
+
+
+def _cuts(layout: dict) -> list:
+    """How a layout (its to_dict()) cuts the model into (stage, TP) shards: each stage's TP degree and
+    layers (its GPU type and the DP degree do not change a shard)."""
+    return [(st.get("tp"), st.get("layers")) for st in layout.get("stages") or [] if isinstance(st, dict)]
+
+
+def _rng_for(path: Path, grid: Grid) -> dict | None:
+    """This rank's RNG state: the file of its own (stage, dp, tp) slot when the saved layout had one,
+    else the saved leader's (so a rank new to the layout starts from a saved state, not its own)."""
     s, d, t = grid.coord
-    # to host memory, then the caller copies into its tensors: loading onto the GPU would need room
-    # for a second copy of weights and optimizer state
-    shard = _torch_load(path / f"model-s{s}-tp{t}.pt", map_location="cpu")
-    rng_file = path / f"rng-s{s}-dp{d}-tp{t}.pt"  # absent for replicas beyond the saved DP degree
-    rng = _torch_load(rng_file) if rng_file.is_file() else None
-    return shard, rng, meta, _read_json_file(path / "extra.json")
+    for f in (path / f"rng-s{s}-dp{d}-tp{t}.pt", path / "rng-s0-dp0-tp0.pt"):
+        if f.is_file():
+            return _torch_load(f)
+    return None
+
+
+# ------------------------------------------------------------------ loading into another layout
+
+
+def meta_stage(cfg: ModelConfig, layers: tuple[int, int], tp: int) -> Decoder:
+    """A stage of `cfg` (layers [start, end), TP degree `tp`) on the meta device: its parameter names,
+    order and shard dims without any memory."""
+    with torch.device("meta"):
+        return Decoder(cfg, layers=layers, tp=TPGroup(None, 0, tp) if tp > 1 else None)
+
+
+def _tp_sources(t: int, n: int, m: int) -> range:
+    """The TP ranks of a TP-`m` stage whose slices overlap TP rank `t` of `n`'s slice (the first one
+    also holds what is replicated)."""
+    return range(t * m // n, ((t + 1) * m - 1) // n + 1)
+
+
+def _stage_of(name: str, saved: TrainerLayout) -> int:
+    """The saved stage holding parameter `name`: a layer's by its index, the embedding the first,
+    the final norm and lm_head the last."""
+    if name.startswith("model.layers."):
+        i = int(name.split(".")[2])
+        return next(s for s, st in enumerate(saved.stages) if st.layers[0] <= i < st.layers[1])
+    return 0 if name.startswith("model.embed_tokens.") else saved.pp - 1
+
+
+def saved_files(saved: TrainerLayout, model: torch.nn.Module, tp_rank: int, tp: int) -> list[str]:
+    """The model files of a checkpoint saved with layout `saved` that TP rank `tp_rank` (of `tp`) of
+    the stage `model` reads to reshard: the saved stages holding its parameters, and of each only the
+    TP ranks whose slices overlap its own."""
+    stages = sorted({_stage_of(name, saved) for name in model.state_dict()})
+    return [f"model-s{s}-tp{r}.pt" for s in stages for r in _tp_sources(tp_rank, tp, saved.stages[s].tp)]
+
+
+@dataclass
+class _SavedStage:
+    """One stage of a checkpoint's saved layout; each TP shard file is read (memory-mapped, so only
+    the pages of the slices taken) when first needed."""
+
+    path: Path
+    index: int
+    tp: int
+    params: list[tuple[str, int]]  # (name, dimensions) of each parameter in the saved optimizer's order
+    dims: dict[str, int | None]  # the saved shard dims (all None at TP 1)
+    files: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, path: Path, saved: TrainerLayout, index: int, cfg: ModelConfig) -> "_SavedStage":
+        st = saved.stages[index]
+        stage = meta_stage(cfg, st.layers, st.tp)
+        return cls(path, index, st.tp, [(n, p.dim()) for n, p in stage.named_parameters()], shard_dims(stage))
+
+    def file(self, r: int) -> dict:
+        """TP rank r's file, its optimizer state split by parameter name under "params"."""
+        if r not in self.files:
+            raw = _torch_load(self.path / f"model-s{self.index}-tp{r}.pt", map_location="cpu", mmap=True)
+            names, ndims = zip(*self.params)
+            raw["params"] = dict(zip(names, split_by_param(raw["optim"], list(ndims))))
+            self.files[r] = raw
+        return self.files[r]
+
+    def tensor(self, r: int, kind: str, name: str) -> torch.Tensor:
+        """Kind "model" (the weight), or an optimizer kind (exp_avg, exp_avg_sq, step, master), of
+        parameter `name` in TP rank r's file."""
+        raw = self.file(r)
+        if name not in raw["params"]:  # a tied lm_head where the saved stage also held the embedding
+            name = "model.embed_tokens.weight"
+        return raw["model"][name] if kind == "model" else raw["params"][name][kind]
+
+
+def _reslice(saved: _SavedStage, kind: str, name: str, t: int, n: int, dim: int | None) -> torch.Tensor:
+    """TP rank t of n's slice of `name` (sharded along `dim` in this layout, None: replicated), joined
+    from the overlapping slices of the saved stage's TP ranks."""
+    ranks = _tp_sources(t, n, saved.tp)
+    first = saved.tensor(ranks[0], kind, name)
+    dim = saved.dims.get(name, dim) if saved.tp > 1 else dim
+    if dim is None or first.dim() == 0:  # replicated, or the step count
+        return first.clone()
+    width = first.shape[dim]  # of a saved slice
+    size = width * saved.tp // n  # of this rank's, which starts at t * size in the whole tensor
+    parts = []
+    for r in ranks:  # the overlap of each saved slice, so only those bytes are read from the mapped file
+        lo, hi = max(t * size, r * width), min((t + 1) * size, (r + 1) * width)
+        parts.append(saved.tensor(r, kind, name).narrow(dim, lo - r * width, hi - lo))
+    return torch.cat(parts, dim)  # a copy: nothing aliases the mapped file
+
+
+def resharded(path: Path, saved: TrainerLayout, grid: Grid, model: torch.nn.Module) -> dict:
+    """This rank's shard, as save() writes it ({"model", "optim"}), of the checkpoint `path` saved with
+    layout `saved`: every weight, AdamW moment, step count and master weight of its parameters is cut
+    from the saved (stage, TP) files that hold it (`saved_files`): joined along its shard dim when
+    the saved TP degree is higher, sliced when lower; layers found by their index. Any saved DP
+    degree: replica 0's files."""
+    t, n = grid.tp_rank, grid.tp_size
+    stages = {s: _SavedStage.of(path, saved, s, model.cfg) for s in range(saved.pp)}
+    dims = shard_dims(model)
+
+    def get(kind, name):
+        return _reslice(stages[_stage_of(name, saved)], kind, name, t, n, dims.get(name))
+
+    weights = {name: get("model", name) for name in model.state_dict()}
+    check_shapes(weights, model.state_dict(), str(path))
+    params = [(name, p.dim()) for name, p in model.named_parameters()]
+    source = stages[_stage_of(params[0][0], saved)]
+    raw = source.file(_tp_sources(t, n, source.tp)[0])
+    kinds = list(raw["params"][params[0][0]])  # the optimizer kinds saved (none before the first step)
+    per_param = [{k: get(k, name) for k in kinds} for name, _ in params]
+    optim = join_by_param(per_param, [d for _, d in params], raw["optim"]["opt"]["param_groups"],
+                          raw["optim"]["steps"])
+    return {"model": weights, "optim": optim}
 
 
 def gather_stage(model: torch.nn.Module, grid: Grid, dtype: torch.dtype | None = None) -> dict | None:

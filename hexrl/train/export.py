@@ -18,12 +18,10 @@ import torch
 
 from hexrl.data.tokenizer import tokenizer_files
 from hexrl.model.config import ModelConfig
-from hexrl.model.decoder import Decoder
 from hexrl.model.hf_checkpoint import CheckpointError, save_state_dict
-from hexrl.model.parallel import TPGroup
 from hexrl.schema.layout import TrainerLayout
 
-from .checkpoint import _read_json_file, resolve, shard_dims
+from .checkpoint import _read_json_file, meta_stage, resolve, shard_dims
 
 
 def write_model_files(root: str | os.PathLike, model_dir: str | os.PathLike) -> None:
@@ -35,14 +33,6 @@ def write_model_files(root: str | os.PathLike, model_dir: str | os.PathLike) -> 
         tmp = root / f".{name}.tmp"  # readers never see half a file
         tmp.write_text(text, encoding="utf-8")
         tmp.replace(root / name)
-
-
-def stage_shard_dims(cfg: ModelConfig, layers: tuple[int, int], tp: int) -> dict[str, int | None]:
-    """The dimension each parameter of a stage is TP-sharded along (None: replicated), read from the
-    stage's own modules built on the meta device."""
-    with torch.device("meta"):
-        model = Decoder(cfg, layers=layers, tp=TPGroup(None, 0, tp) if tp > 1 else None)
-    return shard_dims(model)
 
 
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
@@ -65,7 +55,7 @@ def checkpoint_weights(path: str | os.PathLike) -> tuple[ModelConfig, dict[str, 
     layout = TrainerLayout.from_dict(_read_json_file(step / "meta.json").get("layout"), cfg.num_hidden_layers)
     state = {}
     for s, stage in enumerate(layout.stages):
-        dims = stage_shard_dims(cfg, stage.layers, stage.tp)
+        dims = shard_dims(meta_stage(cfg, stage.layers, stage.tp))
         shards = [_load_weights(step / f"model-s{s}-tp{t}.pt") for t in range(stage.tp)]
         for name, first in shards[0].items():
             dim = dims.get(name)

@@ -36,10 +36,9 @@ class AdamW:
         self._copies = ([p for p, _ in pairs], [m for _, m in pairs]) if pairs else None  # masters -> model
         self.lr, self.warmup_steps, self.steps = lr, warmup_steps, 0
         self.decay_steps, self.final_frac = decay_steps, final_frac
-        decay = [m for m in self.master if m.dim() >= 2]
-        no_decay = [m for m in self.master if m.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}],
+        decay, no_decay = _groups([m.dim() for m in self.master])
+        self.opt = torch.optim.AdamW([{"params": [masters[i] for i in decay], "weight_decay": weight_decay},
+                                      {"params": [masters[i] for i in no_decay], "weight_decay": 0.0}],
                                      lr=lr, betas=betas, eps=eps, fused=True)  # CPU and CUDA alike
 
     def lr_at(self, step: int) -> float:
@@ -86,6 +85,40 @@ class AdamW:
                 if m is not p:
                     m.copy_(next(it))
                     p.copy_(m)
+
+
+def _groups(ndims: list[int]) -> tuple[list[int], list[int]]:
+    """(decayed, not decayed) parameter positions, by their number of dimensions: matrices are decayed.
+    torch numbers the optimizer state in this order: the decayed group first."""
+    return [i for i, n in enumerate(ndims) if n >= 2], [i for i, n in enumerate(ndims) if n < 2]
+
+
+def split_by_param(state: dict, ndims: list[int]) -> list[dict]:
+    """An `AdamW.state_dict()` of parameters with `ndims` dimensions as one dict per parameter, in the
+    parameters' order: torch's state of it (exp_avg, exp_avg_sq, step; empty before the first step)
+    and its float32 "master" when the model computes in another dtype."""
+    order = [i for group in _groups(ndims) for i in group]
+    out = [{} for _ in ndims]
+    for index, i in enumerate(order):
+        out[i].update(state["opt"]["state"].get(index, {}))
+    masters = state["master"]
+    if masters and len(masters) != len(ndims):  # AdamW keeps a master for every parameter or for none
+        raise ValueError(f"optimizer state holds {len(masters)} master weights for {len(ndims)} parameters")
+    for d, m in zip(out, masters):
+        d["master"] = m
+    return out
+
+
+def join_by_param(per_param: list[dict], ndims: list[int], param_groups: list[dict], steps: int) -> dict:
+    """The `AdamW.state_dict()` of parameters with `ndims` dimensions from `split_by_param`'s form;
+    `param_groups`: a saved state's (their settings are kept, their parameter lists rebuilt)."""
+    decay, no_decay = _groups(ndims)
+    order = decay + no_decay
+    state = {index: {k: v for k, v in per_param[i].items() if k != "master"} for index, i in enumerate(order)}
+    groups = [dict(param_groups[0], params=list(range(len(decay)))),
+              dict(param_groups[1], params=list(range(len(decay), len(order))))]
+    return {"opt": {"state": {k: v for k, v in state.items() if v}, "param_groups": groups}, "steps": steps,
+            "master": [d["master"] for d in per_param if "master" in d]}
 
 
 def global_grad_norm(counted: list[torch.Tensor], group: dist.ProcessGroup | None,

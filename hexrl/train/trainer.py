@@ -387,12 +387,13 @@ class Trainer:
         return ckpt.save(root, self.version, self.grid, shard, meta, extra, self.device, self.config.keep_checkpoints)
 
     def load(self, path: str | os.PathLike) -> dict:
-        """Restore a checkpoint written by save() with the same stages (any DP degree); returns its `extra`."""
-        shard, rng, meta, extra = ckpt.load(path, self.grid)  # on the CPU; copied into place here
+        """Restore a checkpoint written by save() in any layout of this model (resharded when its stages
+        or TP degrees differ); returns its `extra`."""
+        shard, rng, meta, extra = ckpt.load(path, self.grid, self.model)  # on the CPU; copied into place here
         ckpt.check_shapes(shard["model"], self.model.state_dict(), f"{path}: model shard")
         self.model.load_state_dict(shard["model"])
         self.optimizer.load_state_dict(shard["optim"])
-        if rng is not None:  # a DP replica new since the save keeps its own
+        if rng is not None:
             ckpt.set_rng_state(rng)
         self.version = meta["version"]
         return extra
