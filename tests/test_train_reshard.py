@@ -11,8 +11,8 @@ import torch
 from dist_utils import run_world
 from test_train_parallel import CONFIG, TOL, make_batch
 
-from hexrl.model.hf_checkpoint import CheckpointError
 from hexrl.model.config import ModelConfig
+from hexrl.model.hf_checkpoint import CheckpointError
 from hexrl.model.tiny import make_tiny_model
 from hexrl.schema import TrainerLayout
 from hexrl.train import Grid, TrainConfig, Trainer
@@ -153,7 +153,7 @@ def test_a_checkpoint_of_another_model_is_not_resharded(tmp_path, model_path):
 def step_weights(trainer: Trainer, seed: int) -> dict:
     """The next step's metrics and the whole model's weights after it (on stage leaders)."""
     metrics = trainer.step(make_batch(seed))
-    return {"metrics": metrics, "weights": trainer.named_full_weights_for_stage(),
+    return {"metrics": metrics, "weights": ckpt.gather_stage(trainer.model, trainer.grid),
             "optimizer_steps": trainer.optimizer.steps}
 
 
@@ -164,7 +164,7 @@ def resume_step(path, layout: dict, ck: Path, out: Path) -> dict | None:
         return None
     t = Trainer(path, layout, TrainConfig(**CONFIG), grid=grid)
     t.load(ck)
-    loaded = t.named_full_weights_for_stage()
+    loaded = ckpt.gather_stage(t.model, t.grid)
     after = step_weights(t, t.version)
     t.save(out)
     return {"loaded": loaded, t.version - 1: after}
@@ -176,7 +176,7 @@ def move_there_and_back(rank, world, path, root):
     t = Trainer(path, TP2_PP2, TrainConfig(**CONFIG))
     t.step(make_batch(0))
     t.save(root / "ck")
-    base = {"saved": t.named_full_weights_for_stage(), 1: step_weights(t, 1), 2: step_weights(t, 2)}
+    base = {"saved": ckpt.gather_stage(t.model, t.grid), 1: step_weights(t, 1), 2: step_weights(t, 2)}
     there = resume_step(path, TP1_DP2, root / "ck", root / "dp2")
     back = resume_step(path, TP2_PP2, root / "dp2", root / "back")
     return base, there, back
