@@ -189,3 +189,12 @@ def test_hand_off_sends_each_replica_its_share():
         for dp_rank, got, error in per_layout:
             assert got == [mbs[dp_rank] for mbs in want]
             assert "trajectories[5]: token ids outside [0, 50): [50]" in error
+
+
+def test_the_bench_prints_every_piece_per_token(capsys):
+    import bench_trainer_handoff
+    assert bench_trainer_handoff.main(["--groups", "3", "--samples", "2", "--mean", "30", "--dp", "2",
+                                       "--repeats", "1", "--micro-batch-tokens", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "DP 2" in out and "other rank total" in out and "new (arrays)" in out
+    assert "micro-batches identical in every column: yes" in out  # lists and arrays build the same
