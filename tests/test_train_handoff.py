@@ -192,7 +192,7 @@ def test_hand_off_sends_each_replica_its_share():
 
 
 def test_the_bench_prints_every_piece_per_token(capsys):
-    import bench_trainer_handoff
+    from tools.bench import bench_trainer_handoff
     assert bench_trainer_handoff.main(["--groups", "3", "--samples", "2", "--mean", "30", "--dp", "2",
                                        "--repeats", "1", "--micro-batch-tokens", "64"]) == 0
     out = capsys.readouterr().out

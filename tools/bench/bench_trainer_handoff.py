@@ -1,7 +1,7 @@
 """The trainer hand-off's host cost per batch token, the code before and now side by side, in one run.
 
-    python tools/bench/bench_trainer_handoff.py --old /tmp/hexrl-old      # a checkout of the code before
-    python tools/bench/bench_trainer_handoff.py --groups 64 --samples 16 --mean 1000 --dp 2,4,8
+    PYTHONPATH=. python tools/bench/bench_trainer_handoff.py --old /tmp/hexrl-old   # a checkout of the code before
+    PYTHONPATH=. python tools/bench/bench_trainer_handoff.py --groups 64 --samples 16 --mean 1000 --dp 2,4,8
 
 What each trainer rank does between the controller's batch and its first forward, per token of
 the batch (prompt + completion, every trajectory), in CPU time of the thread (min over repeats):
@@ -12,9 +12,9 @@ the batch (prompt + completion, every trajectory), in CPU time of the thread (mi
   share into arrays (`send`: every share, one copy per field, and its msgpack bytes); each rank
   decodes its own share (`receive`) and builds only its own micro-batches (`build`).
 The transport (scatter/broadcast) is not counted on either side. The old code runs in a
-subprocess from `--old` (PYTHONPATH); the new one here, with Trajectory fields as lists (today's)
-and as numpy arrays. Both build the same batch from one seed, and the run checks that DP rank
-0's micro-batches hash the same before and now.
+subprocess with `--old` as its PYTHONPATH; the new one here (the hexrl this Python imports: the
+first lines say which), with Trajectory fields as lists and as numpy arrays. Both build the same
+batch from one seed, and the run checks that DP rank 0's micro-batches hash the same in every column.
 """
 from __future__ import annotations
 
@@ -28,10 +28,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[2]
-if "--side=old" not in sys.argv:  # the old side imports hexrl from --old (its PYTHONPATH)
-    sys.path.insert(0, str(ROOT))
 
 VOCAB = 151_936
 
@@ -73,6 +69,11 @@ def digest(mbs) -> str:
     return h.hexdigest()[:16]
 
 
+def hexrl_dir() -> str:
+    import hexrl
+    return str(Path(hexrl.__file__).parent)
+
+
 def measure_old(args, dps: list[int]) -> dict:
     """The code before: pack / unpack of the whole batch, check, every rank's plan_step."""
     import msgpack
@@ -85,7 +86,7 @@ def measure_old(args, dps: list[int]) -> dict:
     unpack, batch = cpu_ns(lambda: [msg_to_trajectory(m) for m in msgpack.unpackb(raw)], args.repeats)
     check, _ = cpu_ns(lambda: check_trajectories(batch, VOCAB), args.repeats)
     rewards, gids = [t.reward for t in batch], [t.group_id for t in batch]
-    out = {"pack": pack, "receive": unpack, "check": check, "plan": {}, "digest": {}}
+    out = {"pack": pack, "receive": unpack, "check": check, "plan": {}, "digest": {}, "hexrl": hexrl_dir()}
     for dp in dps:
         def plan(dp=dp):
             adv = group_advantages(rewards, gids)
@@ -103,7 +104,7 @@ def measure_new(args, dps: list[int], arrays: bool) -> dict:
     from hexrl.train.packing import check_trajectories, plan_batch
     batch = make_batch(args.groups, args.samples, args.mean, args.prompt, arrays)
     check, _ = cpu_ns(lambda: check_trajectories(batch, VOCAB), args.repeats)
-    out = {"check": check, "plan": {}, "pack": {}, "receive": {}, "build": {}, "digest": {}}
+    out = {"check": check, "plan": {}, "pack": {}, "receive": {}, "build": {}, "digest": {}, "hexrl": hexrl_dir()}
     for dp in dps:
         out["plan"][dp], plan = cpu_ns(lambda dp=dp: plan_batch(batch, args.minibatches, dp, args.micro_batch_tokens),
                                        args.repeats)
@@ -143,6 +144,8 @@ ROWS = {"pack": "rank 0: pack to send (old: msgpack of the batch; new: every sha
 
 
 def table(args, dps: list[int], sides: dict[str, dict], tokens: int) -> None:
+    for name, side in sides.items():
+        print(f"{name}: {side['hexrl']}")
     print(f"ns per batch token ({tokens:,} tokens: {args.groups} groups x {args.samples}, mean completion "
           f"{args.mean}, prompt ~{args.prompt}), thread CPU, min of {args.repeats}")
     for dp in dps:
