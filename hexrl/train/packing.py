@@ -225,7 +225,7 @@ class BatchSummary:
         return {str(a): lags[a] for a in sorted(lags)}
 
 
-def version_stats(trajs: list[Trajectory], trained: list[int]) -> tuple[int | None, dict[int, int]]:
+def _version_stats(trajs: list[Trajectory], trained: list[int]) -> tuple[int | None, dict[int, int]]:
     """(the oldest version of any trajectory, sampled tokens per version over `trained`), in C per array."""
     oldest, counts, trained = None, {}, set(trained)
     for i, t in enumerate(trajs):
@@ -292,7 +292,7 @@ def plan_batch(trajs: list[Trajectory], minibatches: int, dp: int, micro_batch_t
     generated = [_generated(t) for t in trajs]
     seqs = [i for i, t in enumerate(trajs) if t.group_id not in dropped and generated[i]]
     sizes = [input_length(t) for t in trajs]
-    oldest, version_tokens = version_stats(trajs, seqs)
+    oldest, version_tokens = _version_stats(trajs, seqs)
     summary = BatchSummary(len(seqs), len(set(group_ids)), len(dropped), oldest, version_tokens)
     return StepPlan(adv, assign(sizes, generated, seqs, minibatches, dp, micro_batch_tokens), summary)
 
