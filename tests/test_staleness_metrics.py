@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from test_train_parallel import CONFIG, make_batch, reference_step, seq_logprobs
 
 from hexrl.control.buffer import ReplayBuffer
-from hexrl.control.metrics import equal_reward_share, token_staleness_histogram
+from hexrl.control.metrics import equal_reward_share
 from hexrl.data.heldout import prompt_ids
 from hexrl.data.problems import Problem
 from hexrl.data.tokenizer import load_tokenizer
@@ -25,6 +25,7 @@ from hexrl.schema import load_job
 from hexrl.train import TrainConfig, Trainer
 from hexrl.train.checkpoint import gather_stage
 from hexrl.train.importance import log_w_counts, w_quantile
+from hexrl.train.packing import plan_batch
 from hexrl.train.probe import PolicyProbe, policy_kl, probe_batch
 from hexrl.trajectory import Trajectory
 
@@ -57,7 +58,7 @@ def test_token_staleness_histogram_counts_every_trained_token_by_lag(tmp_path):
     assert m["token_staleness_hist"] == by_hand
     assert sum(m["token_staleness_hist"].values()) == m["tokens"]
     assert len(by_hand) >= 3  # the batch really mixes lags
-    assert token_staleness_histogram([], 3) == {}
+    assert plan_batch([], 1, 1, 64).summary.token_staleness(3) == {}  # an empty batch
 
 
 @pytest.mark.parametrize("scale", [0.0, 0.5])

@@ -25,19 +25,6 @@ def staleness_histogram(oldest_versions: Iterable[int], trainer_version: int) ->
     return {str(a): ages[a] for a in sorted(ages)}
 
 
-def token_staleness_histogram(trajectories: Iterable, trainer_version: int) -> dict[str, int]:
-    """{"lag": count} over every completion token: trainer_version - the version that sampled it
-    (one trajectory may mix versions when a weight update interrupts it)."""
-    lags: Counter[int] = Counter()
-    for t in trajectories:
-        v = t.versions
-        if v and min(v) == max(v):  # one version (the usual case): no per-token Python loop
-            lags[trainer_version - v[0]] += len(v)
-        else:
-            lags.update(trainer_version - x for x in v)
-    return {str(a): lags[a] for a in sorted(lags)}
-
-
 def equal_reward_share(before: dict, after: dict) -> float | None:
     """Share of the groups completed between two controller `counters()` readings that were filtered
     for equal rewards (in trajectories, so groups of any size weigh by their samples); None if none completed."""

@@ -1,10 +1,11 @@
 """The GRPO trainer: one slot of a DP x PP x TP grid running the decoupled PPO objective.
 
-Every trainer rank calls `step()` with the SAME full batch (all trajectories of the step).
-Each rank then derives the identical plan: group advantages and filtering over the whole
-batch, PPO mini-batches, each rank's DP share, micro-batches and their shapes; so pipeline
-ranks never exchange metadata and the loss normaliser (global completion-token count) is
-known locally. One step:
+A step's plan (group advantages and filtering over the whole batch, PPO mini-batches, each
+DP rank's share and its micro-batches, the global loss-token count of each mini-batch) comes
+from rewards and lengths only (hexrl/train/packing.py). `step()` takes either the full batch
+(the same list on every trainer rank: each rank plans, then packs only its own share) or this
+rank's `RankShare`, which `hexrl.train.handoff` delivers from the controller rank; either way
+the ranks of a pipeline agree on the micro-batches without exchanging metadata. One step:
   1. proximal log-probs (and reference log-probs for the KL) in a forward-only pipeline pass,
      with the weights before any update;
   2. per mini-batch: 1F1B forward/backward, DP all-reduce overlapping the last backward,
@@ -23,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint as activation_checkpoint
 
-from hexrl.control.metrics import token_staleness_histogram
 from hexrl.model.attention import CausalAttention
 from hexrl.model.config import ModelConfig
 from hexrl.model.hf_checkpoint import load_pretrained, save_state_dict
@@ -46,9 +46,9 @@ from .importance import (
     w_std,
 )
 from .linear_logprobs import CHUNK_ROWS, linear_logprobs
-from .loss import equal_reward_groups, group_advantages, lag_weights, ppo_terms
+from .loss import lag_weights, ppo_terms
 from .optim import AdamW, clip_divisor, global_grad_norm
-from .packing import MicroBatch, check_trajectories, plan_step
+from .packing import BatchSummary, MicroBatch, RankShare, StepPlan, check_trajectories, plan_batch
 from .phases import PhaseTimer
 from .pipeline import PipeComm, forward_only, train_1f1b
 
@@ -190,18 +190,21 @@ class Trainer:
 
     # ------------------------------------------------------------------ the step
 
-    def step(self, trajectories: list[Trajectory]) -> dict:
-        """One training step on the full batch (the same list on every trainer rank); returns metrics."""
-        c, g = self.config, self.grid
+    def plan(self, trajectories: list[Trajectory]) -> StepPlan:
+        """Check the full batch (one ValueError naming every problem) and plan the step: every DP
+        rank's sequences and micro-batches, from rewards and lengths only."""
+        c = self.config
         check_trajectories(trajectories, self.model_cfg.vocab_size)
-        rewards = [t.reward for t in trajectories]
-        group_ids = [t.group_id for t in trajectories]
-        adv = group_advantages(rewards, group_ids, c.adv_eps)
-        dropped = equal_reward_groups(rewards, group_ids) if c.filter_equal_groups else set()
-        seqs = [i for i, t in enumerate(trajectories) if t.group_id not in dropped and t.num_generated]
-        plans = [p for p in plan_step(trajectories, seqs, adv, c.ppo_minibatches, g.layout.dp, c.micro_batch_tokens)
-                 if p.num_loss_tokens > 0]
-        mine = [[mb.to(self.device) for mb in p.micro_batches[g.dp_rank]] for p in plans]
+        return plan_batch(trajectories, c.ppo_minibatches, self.grid.layout.dp, c.micro_batch_tokens, c.adv_eps,
+                          c.filter_equal_groups)
+
+    def step(self, batch: list[Trajectory] | RankShare) -> dict:
+        """One training step (collective); returns metrics. `batch`: the full batch (the same list on
+        every trainer rank) or this rank's share of it (hexrl.train.handoff)."""
+        c, g = self.config, self.grid
+        share = batch if isinstance(batch, RankShare) else self.plan(batch).share(batch, g.dp_rank)
+        plans = [(mbs, n) for mbs, n in zip(share.micro_batches(), share.num_loss_tokens) if n > 0]
+        mine = [[mb.to(self.device) for mb in mbs] for mbs, _ in plans]
         each = c.decoupled and c.proximal == "minibatch"
         with self._phase("proximal"):  # the forward-only passes: proximal and KL-reference log-probs
             none = [[None] * len(m) for m in mine]
@@ -210,17 +213,17 @@ class Trainer:
         state = _StepState(torch.zeros(len(SUMS) + NUM_BINS + NUM_MISMATCH_BINS, dtype=torch.float64,
                                        device=self.device))
         lr = self.optimizer.lr_at(self.optimizer.steps)
-        for i, (plan, mbs, p, r) in enumerate(zip(plans, mine, prox, ref)):
+        for i, ((_, num_tokens), mbs, p, r) in enumerate(zip(plans, mine, prox, ref)):
             state.pre_step = i == 0 or (c.decoupled and not each)
             if each:  # the weights as the step's earlier mini-batches left them
                 with self._phase("proximal"):
                     p = self._forward_logprobs(self.model, [mbs])[0]
-            lr = self._train_minibatch(mbs, p, r, plan.num_loss_tokens, state)
+            lr = self._train_minibatch(mbs, p, r, num_tokens, state)
         self.version += 1
         sums, norms, self.last_logprobs = self._to_host(state)
         nonfinite = sum(not math.isfinite(n) for n in norms)
         self.optimizer.steps -= nonfinite  # skipped updates do not advance the warm-up
-        return self._metrics(sums, trajectories, seqs, dropped, plans, norms, lr, nonfinite)
+        return self._metrics(sums, share.summary, len(plans), norms, lr, nonfinite)
 
     def _to_host(self, state: _StepState) -> tuple[torch.Tensor, list[float], dict[int, torch.Tensor]]:
         """The step's metric sums (reduced over trainer ranks), gradient norms and θ log-probs in one
@@ -353,7 +356,7 @@ class Trainer:
         dist.all_reduce(full, group=g.tied_group)
         p.main_grad.copy_(full[g.tp_rank * rows:(g.tp_rank + 1) * rows])
 
-    def _metrics(self, sums, trajs, seqs, dropped, plans, norms, lr, nonfinite) -> dict:
+    def _metrics(self, sums, summary: BatchSummary, optimizer_steps: int, norms, lr, nonfinite) -> dict:
         s, w_counts = dict(zip(SUMS, sums[:len(SUMS)].tolist())), sums[len(SUMS):len(SUMS) + NUM_BINS]
         n = max(s["tokens"], 1.0)
         return {
@@ -363,16 +366,16 @@ class Trainer:
             "logprob_mismatch_p99": mismatch_quantile(sums[len(SUMS) + NUM_BINS:], 0.99),
             "logprob_mismatch_tokens": int(s["lag0"]),
             # the staleness of what was trained, per token: lag behind the weights before this step
-            "token_staleness_hist": token_staleness_histogram([trajs[i] for i in seqs], self.version - 1),
+            "token_staleness_hist": summary.token_staleness(self.version - 1),
             "w_std": w_std(s["tokens"], s["w"], s["w2"]), "w_p05": w_quantile(w_counts, 0.05),
             "w_p50": w_quantile(w_counts, 0.5), "w_p95": w_quantile(w_counts, 0.95),
-            "version": self.version, "loss": s["loss"] / max(len(plans), 1), "tokens": int(s["tokens"]),
+            "version": self.version, "loss": s["loss"] / max(optimizer_steps, 1), "tokens": int(s["tokens"]),
             "clip_frac": s["clipped"] / n, "capped_frac": s["capped"] / n, "mean_w": s["w"] / n,
             "kl": s["kl"] / n, "entropy": s["entropy"] / n if self.config.entropy_metric else float("nan"),
-            "grad_norm": sum(norms) / len(norms) if norms else 0.0, "lr": lr, "optimizer_steps": len(plans),
-            "nonfinite_steps": nonfinite, "sequences": len(seqs), "groups": len({t.group_id for t in trajs}),
-            "groups_filtered": len(dropped), "max_staleness": max(
-                (self.version - 1 - t.oldest_version for t in trajs), default=0),
+            "grad_norm": sum(norms) / len(norms) if norms else 0.0, "lr": lr, "optimizer_steps": optimizer_steps,
+            "nonfinite_steps": nonfinite, "sequences": summary.sequences, "groups": summary.groups,
+            "groups_filtered": summary.groups_filtered,
+            "max_staleness": self.version - 1 - summary.oldest_version if summary.oldest_version is not None else 0,
         }
 
     # ------------------------------------------------------------------ state

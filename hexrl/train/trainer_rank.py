@@ -1,8 +1,8 @@
 """The trainer rank's loop: batches in, GRPO steps, weights out.
 
 Trainer slot (stage 0, dp 0, tp 0) also hosts the controller thread. Each step it takes B
-complete prompt groups from the controller and broadcasts them (msgpack bytes, never pickle)
-to every trainer rank; all ranks run the collective `Trainer.step`; then each stage's
+complete prompt groups from the controller, plans the step and sends each DP replica only its
+own share (hexrl/train/handoff.py); all ranks run the collective `Trainer.step`; then each stage's
 (dp 0, tp 0) rank broadcasts the new weights to the rollout ranks, whom the controller has
 told to join. Metrics go to `run_dir/metrics.jsonl`, checkpoints to `run_dir/checkpoints`.
 """
@@ -12,13 +12,11 @@ import json
 import time
 from collections import Counter
 
-import msgpack
 import torch
 
 from hexrl.comm.channel import RouterChannel
-from hexrl.comm.store import broadcast_bytes, publish_endpoint
+from hexrl.comm.store import publish_endpoint
 from hexrl.comm.weights import IpcSender, send_stage, stage_specs
-from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
@@ -30,10 +28,10 @@ from hexrl.runtime import effective
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.nodes import bind_host
 from hexrl.schema.knobs import TrainKnobs
-from hexrl.trajectory import Trajectory
 
 from .checkpoint import full_param, shard_dims
 from .export import write_model_files
+from .handoff import share_batch
 from .probe import PolicyProbe, probe_batch
 from .trainer import DTYPES, TrainConfig, Trainer
 
@@ -65,16 +63,6 @@ def start_controller(ctx: RankContext, tokenizer, train: list) -> Controller:
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
     return controller
-
-
-def share_batch(batch: list[Trajectory] | None, group, src: int, device) -> list[Trajectory]:
-    """Broadcast the step's trajectories from the controller rank to every trainer rank (as bytes
-    in a tensor on the compute device)."""
-    if group is None:  # a single trainer rank
-        return batch
-    payload = msgpack.packb([trajectory_to_msg(t) for t in batch]) if batch is not None else None
-    raw = broadcast_bytes(payload, src, group, device)
-    return batch if batch is not None else [msg_to_trajectory(m) for m in msgpack.unpackb(raw)]
 
 
 class HeldoutEval:
@@ -206,9 +194,9 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
     batch = ([t for g in sorted(groups, key=lambda g: g.group_id) for t in g.trajectories]
              if groups is not None else None)
     t_batch = time.perf_counter()
-    batch = share_batch(batch, trainer.grid.trainer_group, ctx.controller_rank, ctx.device)
+    share = share_batch(batch, trainer)  # this rank's part; the controller rank keeps the batch
     version_before = trainer.version
-    out = trainer.step(batch)
+    out = trainer.step(share)
     t_train = time.perf_counter()
     last = step + 1 == job.rl.steps
     # Untimed work (kept out of wall_s) runs before the rollout is told of the new version: at eta=0
