@@ -14,11 +14,12 @@ from runtime_utils import metrics, torchrun, wait_for, write_job
 
 from hexrl.comm import channel, wire
 from hexrl.comm.channel import DealerChannel, RouterChannel
-from hexrl.comm.wire import message
+from hexrl.comm.wire import message, trajectory_to_msg
 from hexrl.control.controller import Controller, ControllerFailure, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.data.problems import Problem
 from hexrl.train.loss import group_advantages
+from hexrl.trajectory import Trajectory
 
 SECRET = channel.new_secret()
 PROMPT = [3, 4, 5]  # what the controller's encoder returns for every problem
@@ -26,9 +27,8 @@ VOCAB = 16
 
 
 def trajectory(gid, problem_id, prompt=PROMPT, tokens=(6, 7), reward=1.0, logprob=-0.5):
-    return message("trajectory", group_id=gid, prompt_ids=list(prompt), completion_ids=list(tokens),
-                   logprobs=[logprob] * len(tokens), versions=[0] * len(tokens), start_version=0, reward=reward,
-                   finish_reason="eos", problem_id=problem_id)
+    return trajectory_to_msg(Trajectory(gid, list(prompt), list(tokens), [logprob] * len(tokens), [0] * len(tokens),
+                                        reward=reward, finish_reason="eos", problem_id=problem_id))
 
 
 @pytest.fixture

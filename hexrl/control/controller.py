@@ -25,6 +25,7 @@ from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
 from hexrl.control.progress import ProgressWatch
+from hexrl.trajectory import ID_DTYPE, to_array
 
 
 @dataclass
@@ -238,7 +239,7 @@ class Controller:
             self.gate.try_acquire(version)
             self.buffer.expect(gid, self.rl.group_size, problem.id)
             self.dispatcher.assign(gid)
-            self.dispatched[gid] = Dispatched(replica, problem.id, list(prompt_ids))
+            self.dispatched[gid] = Dispatched(replica, problem.id, to_array(prompt_ids, ID_DTYPE, "prompt_ids"))
             self.in_flight[gid] = index
             self.next_group += 1
 

@@ -14,6 +14,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Iterable, TextIO
 
+import numpy as np
+
 REQUIRED_KEYS = ("step", "version", "reward_mean", "trajectories_accepted", "trajectories_filtered",
                  "trajectories_dropped", "max_staleness", "rollout_tokens_per_s", "train_tokens_per_s",
                  "weight_sync_s")
@@ -29,12 +31,10 @@ def token_staleness_histogram(trajectories: Iterable, trainer_version: int) -> d
     """{"lag": count} over every completion token: trainer_version - the version that sampled it
     (one trajectory may mix versions when a weight update interrupts it)."""
     lags: Counter[int] = Counter()
-    for t in trajectories:
-        v = t.versions
-        if v and min(v) == max(v):  # one version (the usual case): no per-token Python loop
-            lags[trainer_version - v[0]] += len(v)
-        else:
-            lags.update(trainer_version - x for x in v)
+    for t in trajectories:  # versions: a list or an array; counted per distinct version, not per token
+        versions, counts = np.unique(np.asarray(t.versions, dtype=np.int64), return_counts=True)
+        for v, n in zip(versions.tolist(), counts.tolist()):
+            lags[trainer_version - v] += n
     return {str(a): lags[a] for a in sorted(lags)}
 
 

@@ -17,7 +17,7 @@ import torch
 
 from hexrl.comm.channel import RouterChannel
 from hexrl.comm.store import broadcast_bytes, publish_endpoint
-from hexrl.comm.wire import msg_to_trajectory, trajectory_to_msg
+from hexrl.comm.wire import decode, encode, msg_to_trajectory, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
@@ -72,9 +72,9 @@ def share_batch(batch: list[Trajectory] | None, group, src: int, device) -> list
     in a tensor on the compute device)."""
     if group is None:  # a single trainer rank
         return batch
-    payload = msgpack.packb([trajectory_to_msg(t) for t in batch]) if batch is not None else None
+    payload = msgpack.packb([encode(trajectory_to_msg(t)) for t in batch]) if batch is not None else None
     raw = broadcast_bytes(payload, src, group, device)
-    return batch if batch is not None else [msg_to_trajectory(m) for m in msgpack.unpackb(raw)]
+    return batch if batch is not None else [msg_to_trajectory(decode(m)) for m in msgpack.unpackb(raw)]
 
 
 class HeldoutEval:
