@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import pytest
+import torch
 
 from hexrl.comm import wire
 from hexrl.comm.wire import MessageError, message
@@ -19,7 +20,7 @@ from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.episodes import EpisodeDriver
 from hexrl.rollout.sequence import Finished
-from hexrl.rollout.worker import PendingGroup, episode_messages
+from hexrl.rollout.worker import PendingGroup, episode_messages, trajectory_messages
 from hexrl.schema.job import EnvSpec
 from hexrl.train.packing import build_micro_batch
 from hexrl.trajectory import Trajectory
@@ -65,6 +66,34 @@ def test_trained_ids_are_the_sampled_ids_not_a_retokenized_transcript(tmp_path):
     while engine.has_work():  # the releases of the last episodes apply at the next step
         engine.step()
     assert engine.pool.num_free == engine.pool.num_pages and not engine._live
+
+
+def test_the_leaders_messages_arrive_as_the_values_it_sampled(tmp_path):
+    """A group sampled by the real engine and sent as the rollout leader sends it: the Trajectory the
+    controller files holds typed arrays equal to the engine's lists (each float32 log-prob exactly as
+    sampled), and the trainer's micro-batch from it is the one from those lists, bit for bit."""
+    model = load_pretrained(make_tiny_model(tmp_path / "m", seed=0, vocab=TOK.vocab_size, tie=False))
+    engine = Engine(model, EngineConfig(page_size=4, max_pages=64), tokenizer=TOK)
+    prompt = TOK.encode("12+30=")
+    for i in range(4):
+        engine.add(Request(f"0:{i}", prompt, max_new_tokens=12, temperature=1.0, seed=i))
+    outputs = {}
+    while engine.has_work():
+        outputs.update({int(out.id.split(":")[1]): out for out in engine.step()})
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    group = PendingGroup({"group_id": 0, "n": 4, "prompt_ids": prompt, "problem_id": 7}, outputs, start_version=0)
+    trajs = [wire.msg_to_trajectory(wire.decode(wire.encode(m))) for m in trajectory_messages(group, rewards, 0)]
+    sampled = [Trajectory(0, prompt, o.token_ids, o.logprobs, o.versions, reward=r, finish_reason=o.finish_reason,
+                          problem_id=7) for o, r in zip((outputs[i] for i in range(4)), rewards)]
+    for t, want in zip(trajs, sampled):
+        assert [a.dtype for a in (t.prompt_ids, t.completion_ids, t.logprobs, t.versions)] == [
+            np.int32, np.int32, np.float32, np.int32]
+        assert t == want and t.logprobs.tolist() == want.logprobs  # no log-prob rounded on the way
+    adv = [1.0, -1.0, -1.0, 1.0]
+    got, expect = build_micro_batch(trajs, [0, 1, 2, 3], adv), build_micro_batch(sampled, [0, 1, 2, 3], adv)
+    for name, value in vars(expect).items():
+        mine = getattr(got, name)
+        assert (torch.equal(mine, value) and mine.dtype == value.dtype) if torch.is_tensor(value) else mine == value
 
 
 # ----------------------------------------------------------------------------- wire and controller

@@ -42,8 +42,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
 }
 
 # dtype name -> numpy dtype of the raw bytes (bfloat16 travels as its uint16 bit pattern)
-_ARRAY_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
-                 "int32": "<i4", "uint8": "u1", "bool": "?"}
+_ARRAY_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+                 "int64": np.dtype("<i8"), "int32": np.dtype("<i4"), "uint8": np.dtype("u1"), "bool": np.dtype("?")}
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
 
@@ -89,7 +89,7 @@ def _decode_array(d: dict):
         raise MessageError("bad_array", f"shape {shape!r} is not a list of at most 32 non-negative ints")
     if not isinstance(data, bytes):
         raise MessageError("bad_array", "data is not bytes")
-    raw = np.dtype(_ARRAY_DTYPES[name])
+    raw = _ARRAY_DTYPES[name]
     if math.prod(shape) * raw.itemsize != len(data):
         raise MessageError("bad_array", f"{len(data)} bytes do not hold shape {shape} of {name}")
     arr = np.frombuffer(data, dtype=raw).reshape(shape)
@@ -128,7 +128,7 @@ def _array_elem(v) -> str:
 
 
 _ELEM_TYPES = {"int": {int}, "float": {int, float}}  # exact types: a bool is not a number here
-_TYPED_ARRAYS = {f"{name}[]": np.dtype(raw) for name, raw in _ARRAY_DTYPES.items() if name != "bfloat16"}
+_TYPED_ARRAYS = {f"{name}[]": raw for name, raw in _ARRAY_DTYPES.items() if name != "bfloat16"}
 
 
 def _check_one(value, kind: str) -> bool:
@@ -147,6 +147,23 @@ def _check_one(value, kind: str) -> bool:
             return value.ndim == 1 and _array_elem(value) == elem
         return isinstance(value, list) and set(map(type, value)) <= _ELEM_TYPES[elem]  # C-speed scan
     return isinstance(value, {"str": str, "bool": bool, "dict": dict, "list": list}[kind])
+
+
+def _matches(value, kinds: tuple[str, ...]) -> bool:
+    for kind in kinds:  # a loop, not any(<generator>): every received message runs this per field
+        if _check_one(value, kind):
+            return True
+    return False
+
+
+def _parse(spec: str) -> tuple[bool, str, tuple[str, ...]]:
+    """(optional, the spec without its "?", its alternatives) of a field spec."""
+    body = spec.lstrip("?")
+    return spec.startswith("?"), body, tuple(body.split("|"))
+
+
+# the schemas parsed once: validate runs on every message received
+_PARSED = {kind: [(field, *_parse(spec)) for field, spec in schema.items()] for kind, schema in SCHEMAS.items()}
 
 
 def _describe(value) -> str:
@@ -185,16 +202,15 @@ def validate(msg) -> None:
     v, kind = msg.get("v"), msg.get("type")
     if type(v) is not int or v != SCHEMA_VERSION:
         raise MessageError("bad_version", f"schema version {v!r}, expected {SCHEMA_VERSION}")
-    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
-    if schema is None:
+    fields = _PARSED.get(kind) if isinstance(kind, str) else None
+    if fields is None:
         raise MessageError("unknown_type", f"type {kind!r}; known: {sorted(SCHEMAS)}")
     problems = []
-    for field, spec in schema.items():
-        optional, spec = spec.startswith("?"), spec.lstrip("?")
+    for field, optional, spec, kinds in fields:
         if field not in msg:
             if not optional:
                 problems.append(f"missing field {field!r}")
-        elif not any(_check_one(msg[field], k) for k in spec.split("|")):
+        elif not _matches(msg[field], kinds):
             problems.append(f"field {field!r} should be {spec}, got {_describe(msg[field])}")
     problems = problems or _semantic_problems(msg)
     if problems:
