@@ -149,6 +149,7 @@ def test_forged_token_arrays_are_refused_by_reason_and_nothing_is_filed(job):
     t = group.trajectories[0]
     assert (t.completion_ids.dtype, t.logprobs.dtype, t.versions.dtype) == (np.int32, np.float32, np.int32)
     assert t.completion_ids.tolist() == [6, 7] and t.logprobs.tolist() == [-0.5, -0.5]
+    assert t.prompt_ids.tolist() == PROMPT and t.prompt_ids is group.trajectories[1].prompt_ids  # one copy per group
 
 
 def test_a_reward_beyond_the_bound_is_clipped_before_any_arithmetic(job):

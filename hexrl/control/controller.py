@@ -283,6 +283,7 @@ class Controller:
                 self._group_done(gid, trained=False)
             return
         traj = msg_to_trajectory(msg)
+        traj.prompt_ids = sent.prompt_ids  # equal (checked): the group's samples then hold one copy
         if abs(traj.reward) > self.rl.reward_bound:  # before anything adds, squares or compares rewards
             traj.reward = math.copysign(self.rl.reward_bound, traj.reward)
             self.rewards_clipped += 1
