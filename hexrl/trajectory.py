@@ -108,8 +108,9 @@ class Trajectory:
 
 
 def to_array(values, dtype: np.dtype, name: str) -> np.ndarray:
-    """`values` (a list or 1-D array) as a 1-D array of `dtype`; ValueError naming `name` if one does
-    not fit (a bool, a fraction for an int dtype, an int out of range): never a silent cast."""
+    """`values` (a list or 1-D array) as a 1-D array of `dtype`; ValueError naming `name` for a value an
+    int dtype cannot hold (a bool, a fraction, an int out of range) rather than a silent cast. Floats are
+    rounded to the float dtype (one beyond its range becomes infinite, which the controller refuses)."""
     if isinstance(values, np.ndarray) and values.dtype == dtype and values.ndim == 1:
         return values
     arr = np.asarray(values)
