@@ -2,7 +2,10 @@
 
     python tools/bench/bench_host_path.py                    # against c27c36e (lists on the wire)
     python tools/bench/bench_host_path.py --old /tmp/old     # against a checkout (its hexrl/ is imported)
-    python tools/bench/bench_host_path.py --repeats 7 --lengths 128,1024,8192
+    python tools/bench/bench_host_path.py --sections ingest --repeats 7 --lengths 128,1024,8192
+
+A section (SECTIONS) is a pair of functions: one measures this process's hexrl and returns JSON-able
+results, the other prints old and new side by side.
 
 Ingest (`ingest`): what the controller thread spends per trajectory message it receives, with the
 real classes in the order the controller runs them: `Auth.open` (HMAC and replay check), `wire.decode`
@@ -124,14 +127,14 @@ def ingest_repeat(length: int, messages: int, seed: int, memory: bool) -> dict:
     return out
 
 
-def ingest_runs(lengths: list[int], repeats: int, tokens: int) -> dict:
-    """{length: [repeat results]} for this process's hexrl; the last repeat also measures memory
+def measure_ingest(args) -> dict:
+    """{length: [repeat results]} for this process's hexrl; one more repeat measures memory
     (tracemalloc slows what it watches, so that repeat's times are not used)."""
     runs = {}
-    for length in lengths:
-        messages = max(2 * GROUP, tokens // length)
-        runs[length] = [ingest_repeat(length, messages, seed=r, memory=False) for r in range(repeats)]
-        runs[length].append(ingest_repeat(length, messages, seed=repeats, memory=True))
+    for length in lengths(args):
+        messages = max(2 * GROUP, args.tokens // length)
+        runs[length] = [ingest_repeat(length, messages, seed=r, memory=False) for r in range(args.repeats)]
+        runs[length].append(ingest_repeat(length, messages, seed=args.repeats, memory=True))
     return runs
 
 
@@ -143,37 +146,43 @@ def fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def show_ingest(old: dict, new: dict, lengths: list[int], repeats: int, old_name: str) -> None:
-    """The side-by-side table and the fits."""
+def show_ingest(old: dict, new: dict, args) -> None:
+    """The side-by-side table and the fits (results keyed by str(length), as JSON has them)."""
     def us(runs, key, length):
-        v = [r[key] * 1e6 for r in runs[length][:-1]]
+        v = [r[key] * 1e6 for r in runs[str(length)][:-1]]
         return f"{min(v):.0f} / {statistics.median(v):.0f}"
 
     def total(runs, length):
-        return [sum(r[k] for k in STAGES) * 1e6 for r in runs[length][:-1]]
+        return [sum(r[k] for k in STAGES) * 1e6 for r in runs[str(length)][:-1]]
 
     print(f"ingest: the controller's receive path per trajectory message, CPU us of this thread, min / median of "
-          f"{repeats} repeats; prompt {PROMPT} tokens; old = {old_name}, new = this checkout")
-    head = "".join(f"{f'{n:,} tokens':>26}" for n in lengths)
-    print(f"{'':<34}{head}")
-    print(f"{'':<34}" + "".join(f"{'old':>13}{'new':>13}" for _ in lengths))
-    rows = [("wire bytes", lambda r, n: f"{r[n][0]['bytes']:,.0f}"),
+          f"{args.repeats} repeats; prompt {PROMPT} tokens; old = {args.old}, new = this checkout")
+    print(f"{'':<34}" + "".join(f"{f'{n:,} tokens':>26}" for n in lengths(args)))
+    print(f"{'':<34}" + "".join(f"{'old':>13}{'new':>13}" for _ in lengths(args)))
+    rows = [("wire bytes", lambda r, n: f"{r[str(n)][0]['bytes']:,.0f}"),
             ("Auth.open (HMAC, replay)", lambda r, n: us(r, "open", n)),
             ("wire.decode (unpack, validate)", lambda r, n: us(r, "decode", n)),
             ("Controller._handle (admission,", lambda r, n: us(r, "handle", n)),
             ("  to Trajectory, buffer add)", lambda r, n: ""),
             ("receive path total", lambda r, n: f"{min(total(r, n)):.0f} / {statistics.median(total(r, n)):.0f}"),
             ("sender (to message, encode, seal)", lambda r, n: us(r, "send", n)),
-            ("buffer bytes per token", lambda r, n: f"{r[n][-1]['buffer_bytes_per_token']:.1f}")]
+            ("buffer bytes per token", lambda r, n: f"{r[str(n)][-1]['buffer_bytes_per_token']:.1f}")]
     for name, cell in rows:
-        print(f"{name:<34}" + "".join(f"{cell(old, n):>13}{cell(new, n):>13}" for n in lengths))
+        print(f"{name:<34}" + "".join(f"{cell(old, n):>13}{cell(new, n):>13}" for n in lengths(args)))
     for name, runs in (("old", old), ("new", new)):
-        a, b = fit([(n, statistics.median(total(runs, n))) for n in lengths])
+        a, b = fit([(n, statistics.median(total(runs, n))) for n in lengths(args)])
         print(f"fit, receive path, {name}: {a:.1f} us per trajectory + {b * 1e3:.1f} ns per generated token")
     print("targets: <= 60 us per trajectory + <= 40 ns per token")
 
 
-# ---------------------------------------------------------------- old code, in a subprocess
+# ---------------------------------------------------------------- sections, old code in a subprocess
+
+# name -> (measure(args) -> JSON-able results for this process's hexrl, show(old, new, args))
+SECTIONS = {"ingest": (measure_ingest, show_ingest)}
+
+
+def lengths(args) -> list[int]:
+    return [int(x) for x in args.lengths.split(",")]
 
 
 def old_checkout(old: str, tmp: Path) -> Path:
@@ -188,15 +197,22 @@ def old_checkout(old: str, tmp: Path) -> Path:
     return tmp
 
 
-def run_old(old: str, args) -> dict:
-    """This script's measurements under the old code (a subprocess importing `old`'s hexrl)."""
+def measure(args) -> dict:
+    """{section: results} of the chosen sections, for this process's hexrl, as JSON has them."""
+    return json.loads(json.dumps({name: SECTIONS[name][0](args) for name in args.sections.split(",")}))
+
+
+def measure_old(args) -> dict:
+    """`measure` under the old code: this script in a subprocess that imports `args.old`'s hexrl."""
     with tempfile.TemporaryDirectory(prefix="bench-host-path-") as tmp:
-        root = old_checkout(old, Path(tmp))
+        root = old_checkout(args.old, Path(tmp))
         env = {**os.environ, "PYTHONPATH": str(root)}
-        cmd = [sys.executable, __file__, "--measure", "--root", str(root), "--repeats", str(args.repeats),
-               "--lengths", args.lengths, "--tokens", str(args.tokens)]
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True, cwd=tmp)
-    return {int(k): v for k, v in json.loads(out.stdout)["ingest"].items()}
+        cmd = [sys.executable, __file__, "--measure", "--root", str(root), "--sections", args.sections,
+               "--repeats", str(args.repeats), "--lengths", args.lengths, "--tokens", str(args.tokens)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=tmp)
+    if out.returncode != 0:
+        raise SystemExit(f"the old code ({args.old}) failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -205,17 +221,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--lengths", default="128,1024,8192", help="completion tokens per trajectory")
     p.add_argument("--tokens", type=int, default=1 << 17, help="generated tokens per repeat and length")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"which of {', '.join(SECTIONS)} to run")
     p.add_argument("--measure", action="store_true", help="(internal) measure and print JSON")
     p.add_argument("--root", default=str(ROOT), help="(internal) the checkout whose hexrl is measured")
     args = p.parse_args(argv)
     sys.path.insert(0, args.root)
-    lengths = [int(x) for x in args.lengths.split(",")]
     if args.measure:
-        print(json.dumps({"ingest": ingest_runs(lengths, args.repeats, args.tokens)}))
+        print(json.dumps(measure(args)))
         return
-    old = run_old(args.old, args)
-    new = ingest_runs(lengths, args.repeats, args.tokens)
-    show_ingest(old, new, lengths, args.repeats, args.old)
+    old, new = measure_old(args), measure(args)
+    for name in args.sections.split(","):
+        SECTIONS[name][1](old[name], new[name], args)
 
 
 if __name__ == "__main__":
