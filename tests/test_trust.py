@@ -150,6 +150,7 @@ def test_forged_token_arrays_are_refused_by_reason_and_nothing_is_filed(job):
     assert (t.completion_ids.dtype, t.logprobs.dtype, t.versions.dtype) == (np.int32, np.float32, np.int32)
     assert t.completion_ids.tolist() == [6, 7] and t.logprobs.tolist() == [-0.5, -0.5]
     assert t.prompt_ids.tolist() == PROMPT and t.prompt_ids is group.trajectories[1].prompt_ids  # one copy per group
+    assert not any(a.flags.writeable for a in (t.prompt_ids, t.completion_ids, t.logprobs, t.versions))
 
 
 def test_a_reward_beyond_the_bound_is_clipped_before_any_arithmetic(job):

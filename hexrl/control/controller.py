@@ -239,7 +239,9 @@ class Controller:
             self.gate.try_acquire(version)
             self.buffer.expect(gid, self.rl.group_size, problem.id)
             self.dispatcher.assign(gid)
-            self.dispatched[gid] = Dispatched(replica, problem.id, to_array(prompt_ids, ID_DTYPE, "prompt_ids"))
+            prompt = to_array(prompt_ids, ID_DTYPE, "prompt_ids")
+            prompt.flags.writeable = False  # the group's trajectories will share it, read-only like their own arrays
+            self.dispatched[gid] = Dispatched(replica, problem.id, prompt)
             self.in_flight[gid] = index
             self.next_group += 1
 
