@@ -191,7 +191,11 @@ def old_checkout(old: str, tmp: Path) -> Path:
     if (Path(old) / "hexrl").is_dir():
         return Path(old)
     archive = tmp / "old.tar"
-    subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), old, "hexrl"], check=True)
+    git = subprocess.run(["git", "-C", str(ROOT), "archive", "-o", str(archive), old, "hexrl"], capture_output=True,
+                         text=True)
+    if git.returncode != 0:
+        raise SystemExit(f"--old {old}: neither a directory holding hexrl/ nor a git revision "
+                         f"({git.stderr.strip().splitlines()[-1] if git.stderr.strip() else 'git failed'})")
     with tarfile.open(archive) as tar:
         tar.extractall(tmp, filter="data")
     return tmp
