@@ -20,9 +20,10 @@ def one_of_each() -> list[dict]:
     return [
         message("prompt", group_id=7, problem_id="p-3", prompt_ids=[1, 2, 3], n=4,
                 sampling={"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 16}, version=2),
-        message("trajectory", group_id=7, prompt_ids=[1, 2, 3], completion_ids=[4, 5], logprobs=[-0.5, -1.25],
-                versions=[2, 3], start_version=2, reward=1.0, finish_reason="eos", problem_id=3, meta={"k": "v"},
-                rank=1),
+        message("trajectory", group_id=7, prompt_ids=np.array([1, 2, 3], np.int32),
+                completion_ids=np.array([4, 5], np.int32), logprobs=np.array([-0.5, -1.25], np.float32),
+                versions=np.array([2, 3], np.int32), start_version=2, reward=1.0, finish_reason="eos", problem_id=3,
+                meta={"k": "v"}, rank=1),
         message("heartbeat", rank=3, time=12.5),
         message("stats", rank=3, time=13, values={"tokens": 100, "kv_used": np.arange(4, dtype=np.int64)}),
         message("weights", version=5),
@@ -78,26 +79,27 @@ def test_disallowed_dtype_and_bad_fields_refused_at_send():
     for field in ("group_id", "prompt_ids", "'n'"):
         assert field in str(e.value)
     with pytest.raises(MessageError, match="differ in length"):
-        wire.encode(message("trajectory", group_id=1, prompt_ids=[1], completion_ids=[2, 3], logprobs=[-1.0],
-                            versions=[0, 0], start_version=0, reward=0.0, finish_reason="eos"))
+        wire.encode(wire.trajectory_to_msg(Trajectory(1, [1], [2, 3], [-1.0], [0, 0], finish_reason="eos")))
     with pytest.raises(MessageError, match="bool"):  # a bool is not an int
         wire.encode(message("heartbeat", rank=True, time=1.0))
 
 
 def test_trajectory_conversion_round_trip():
     traj = Trajectory(group_id=3, prompt_ids=[5, 6], completion_ids=[7, 8, 9], logprobs=[-0.1, -2.0, -0.75],
-                      versions=[4, 4, 5], reward=0.5, finish_reason="length", problem_id="q1", meta={"a": [1]})
+                      versions=[4, 4, 5], reward=0.5, finish_reason="length", problem_id="q1", meta={"a": [1]},
+                      mask=None, start_version=4)
     msg = wire.trajectory_to_msg(traj, rank=2)
     assert {f.name for f in dataclasses.fields(Trajectory)} <= msg.keys()  # no field left behind
     back = wire.msg_to_trajectory(wire.decode(wire.encode(msg)))
-    assert back == traj
-    # arrays on the wire become plain lists again
-    msg = wire.trajectory_to_msg(traj)
-    msg.update(completion_ids=np.array([7, 8, 9], np.int32), logprobs=torch.tensor([-0.5, -2.0, -0.75]),
-               versions=np.array([4, 4, 5], np.int64))
-    back = wire.msg_to_trajectory(wire.decode(wire.encode(msg)))
-    assert back.completion_ids == [7, 8, 9] and back.logprobs == [-0.5, -2.0, -0.75] and back.versions == [4, 4, 5]
-    assert all(type(x) is int for x in back.completion_ids) and all(type(x) is float for x in back.logprobs)
+    # the token fields arrive as typed arrays; log-probs as float32, the sampler's and the trainer's precision
+    assert [back.prompt_ids.dtype, back.completion_ids.dtype, back.logprobs.dtype, back.versions.dtype] == [
+        np.int32, np.int32, np.float32, np.int32]
+    assert back.logprobs.tolist() == np.float32([-0.1, -2.0, -0.75]).tolist()
+    assert back == Trajectory(**{**vars(traj), "logprobs": np.float32(traj.logprobs)})
+    assert back != traj  # -0.1 is not a float32
+    episode = Trajectory(3, [5], [7, 1, 9], [-0.5, -2.0], [4, 4], mask=[1, 0, 1])
+    back = wire.msg_to_trajectory(wire.decode(wire.encode(wire.trajectory_to_msg(episode))))
+    assert back.mask.dtype == np.uint8 and back == episode and back.num_generated == 2
 
 
 def bad_array_message() -> bytes:

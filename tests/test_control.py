@@ -12,7 +12,13 @@ from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
-from hexrl.control.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics, staleness_histogram
+from hexrl.control.metrics import (
+    REQUIRED_KEYS,
+    MetricsWriter,
+    read_metrics,
+    staleness_histogram,
+    token_staleness_histogram,
+)
 from hexrl.trajectory import Trajectory
 
 
@@ -184,6 +190,26 @@ def test_a_sample_without_tokens_has_the_version_it_started_under():
     assert buf.add(empty) == "accepted"
     assert [g.group_id for g in buf.pop_batch(1, trainer_version=4)] == [0]
     assert gate.too_stale == 0 and buf.dropped == {}
+
+
+def test_a_trajectory_reads_the_same_from_lists_and_from_typed_arrays():
+    """Built by hand (lists) or received (the wire's typed arrays): the same answers, with no per-token
+    Python loop over an array; converting refuses a value its dtype cannot hold instead of wrapping it."""
+    lists = Trajectory(0, [1], [5, 6, 7, 8], [-1.0, -2.0, -0.5], [2, 3, 3], mask=[1, 0, 1, 1], start_version=2)
+    arrays = lists.as_arrays()
+    assert [arrays.completion_ids.dtype, arrays.logprobs.dtype, arrays.versions.dtype, arrays.mask.dtype] == [
+        np.int32, np.float32, np.int32, np.uint8]
+    assert arrays == lists and arrays.as_arrays().completion_ids is arrays.completion_ids  # kept, not copied
+    for t in (lists, arrays):
+        assert (t.num_generated, t.oldest_version, t.generated_positions().tolist(), t.shape_problems()) == (
+            3, 2, [0, 2, 3], [])
+    assert token_staleness_histogram([arrays], 4) == token_staleness_histogram([lists], 4) == {"1": 2, "2": 1}
+    arrays.mask = np.array([1, 0, 2, 1], np.uint8)
+    assert "mask: values must be 0 (environment) or 1 (model)" in arrays.shape_problems() and arrays != lists
+    for field, value in [("completion_ids", [5, 6, 7, 1 << 31]), ("completion_ids", [5, 6, 7, 8.5]),
+                         ("versions", [True, False, True]), ("mask", [1, 0, -1, 1]), ("logprobs", ["a", "b", "c"])]:
+        with pytest.raises(ValueError, match=field):
+            Trajectory(**{**vars(lists), field: value}).as_arrays()
 
 
 def test_buffer_rejects_double_hand_out():

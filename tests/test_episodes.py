@@ -3,7 +3,9 @@ ids, never a re-tokenized transcript), the wire format and the controller's chec
 and hostile environments and models, each ending only its own episode with a named reason."""
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
+import torch
 
 from hexrl.comm import wire
 from hexrl.comm.wire import MessageError, message
@@ -17,7 +19,7 @@ from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Request
 from hexrl.rollout.episodes import EpisodeDriver
-from hexrl.rollout.rollout_rank import PendingGroup, episode_messages
+from hexrl.rollout.rollout_rank import PendingGroup, episode_messages, trajectory_messages
 from hexrl.rollout.sequence import Finished
 from hexrl.schema.job import EnvSpec
 from hexrl.train.packing import build_micro_batch
@@ -49,38 +51,74 @@ def test_trained_ids_are_the_sampled_ids_not_a_retokenized_transcript(tmp_path):
     trajs = [wire.msg_to_trajectory(wire.decode(wire.encode(m))) for m in episode_messages(group, rank=0)]
     retokenized_differs = False
     for i, t in enumerate(trajs):
-        turns = sampled[f"0:{i}"]
-        gen = [t.completion_ids[j] for j in t.generated_positions()]
+        turns, ids = sampled[f"0:{i}"], t.completion_ids.tolist()
+        gen = t.completion_ids[t.generated_positions()].tolist()
         assert gen == [x for out in turns for x in out.token_ids]  # exactly the sampled ids
-        assert t.logprobs == [x for out in turns for x in out.logprobs] and len(t.versions) == len(gen)
-        obs = [t.completion_ids[j] for j, m in enumerate(t.mask) if not m]
+        assert t.logprobs.tolist() == [x for out in turns for x in out.logprobs] and len(t.versions) == len(gen)
+        obs = t.completion_ids[t.mask == 0].tolist()
         assert obs == TOK.encode(" ok ") + TOK.encode("\nobs 1\n") + TOK.encode("\nobs 2\n")  # tokenized once
         assert t.finish_reason == "answer" and t.reward == 1.0 and t.meta == {"turns": 3}
-        retokenized_differs |= TOK.encode(TOK.decode(t.completion_ids)) != t.completion_ids
+        retokenized_differs |= TOK.encode(TOK.decode(ids)) != ids
         mb = build_micro_batch(trajs, [i], [1.0] * 4)  # what the trainer trains on
-        assert mb.targets.tolist() == gen and mb.behav.tolist() == pytest.approx(t.logprobs)
-        assert mb.input_ids.tolist() == (prompt + t.completion_ids)[:-1]
+        assert mb.targets.tolist() == gen and mb.behav.tolist() == t.logprobs.tolist()
+        assert mb.input_ids.tolist() == (prompt + ids)[:-1]
     assert retokenized_differs  # the premise: a re-tokenized transcript would have trained other ids
     while engine.has_work():  # the releases of the last episodes apply at the next step
         engine.step()
     assert engine.pool.num_free == engine.pool.num_pages and not engine._live
 
 
+def test_the_leaders_messages_arrive_as_the_values_it_sampled(tmp_path):
+    """A group sampled by the real engine and sent as the rollout leader sends it: the Trajectory the
+    controller files holds typed arrays equal to the engine's lists (each float32 log-prob exactly as
+    sampled), and the trainer's micro-batch from it is the one from those lists, bit for bit."""
+    model = load_pretrained(make_tiny_model(tmp_path / "m", seed=0, vocab=TOK.vocab_size, tie=False))
+    engine = Engine(model, EngineConfig(page_size=4, max_pages=64), tokenizer=TOK)
+    prompt = TOK.encode("12+30=")
+    for i in range(4):
+        engine.add(Request(f"0:{i}", prompt, max_new_tokens=12, temperature=1.0, seed=i))
+    outputs = {}
+    while engine.has_work():
+        outputs.update({int(out.id.split(":")[1]): out for out in engine.step()})
+    rewards = [1.0, 0.0, 0.0, 1.0]
+    group = PendingGroup({"group_id": 0, "n": 4, "prompt_ids": prompt, "problem_id": 7}, outputs, start_version=0)
+    trajs = [wire.msg_to_trajectory(wire.decode(wire.encode(m))) for m in trajectory_messages(group, rewards, 0)]
+    sampled = [Trajectory(0, prompt, o.token_ids, o.logprobs, o.versions, reward=r, finish_reason=o.finish_reason,
+                          problem_id=7) for o, r in zip((outputs[i] for i in range(4)), rewards)]
+    for t, want in zip(trajs, sampled):
+        assert [a.dtype for a in (t.prompt_ids, t.completion_ids, t.logprobs, t.versions)] == [
+            np.int32, np.int32, np.float32, np.int32]
+        assert t == want and t.logprobs.tolist() == want.logprobs  # no log-prob rounded on the way
+    adv = [1.0, -1.0, -1.0, 1.0]
+    got, expect = build_micro_batch(trajs, [0, 1, 2, 3], adv), build_micro_batch(sampled, [0, 1, 2, 3], adv)
+    for name, value in vars(expect).items():
+        mine = getattr(got, name)
+        assert (torch.equal(mine, value) and mine.dtype == value.dtype) if torch.is_tensor(value) else mine == value
+
+
 # ----------------------------------------------------------------------------- wire and controller
 
 
+WIRE_DTYPES = {"prompt_ids": np.int32, "completion_ids": np.int32, "mask": np.uint8, "logprobs": np.float32,
+               "versions": np.int32}
+
+
 def masked(**over) -> dict:
+    """An episode's trajectory message; token fields given as lists become the wire's typed arrays."""
     fields = dict(group_id=1, prompt_ids=[1], completion_ids=[5, 6, 7, 8], mask=[1, 0, 0, 1], logprobs=[-1.0, -2.0],
                   versions=[0, 1], start_version=0, reward=1.0, finish_reason="answer")
-    return message("trajectory", **{**fields, **over})
+    fields.update(over)
+    return message("trajectory", **{k: np.array(v, WIRE_DTYPES[k]) if isinstance(v, list) and k in WIRE_DTYPES else v
+                                    for k, v in fields.items()})
 
 
 def test_the_mask_travels_and_is_validated_like_every_field():
     t = wire.msg_to_trajectory(wire.decode(wire.encode(masked())))
-    assert t.mask == [1, 0, 0, 1] and t.num_generated == 2 and t.generated_positions() == [0, 3]
+    assert t.mask.tolist() == [1, 0, 0, 1] and t.num_generated == 2 and t.generated_positions().tolist() == [0, 3]
     for bad, why in [(dict(mask=[1, 0, 1]), "mask has 3 values"), (dict(mask=[1, 0, 2, 1]), "0 .environment. or 1"),
-                     (dict(mask=[1, 1, 0, 1]), "differ in length"), (dict(mask=[-1, 0, 1, 1]), "0 .environment."),
-                     (dict(mask=[1.0, 0.0, 0.0, 1.0]), "mask")]:
+                     (dict(mask=[1, 1, 0, 1]), "differ in length"),
+                     (dict(mask=np.array([-1, 0, 1, 1], np.int8)), "'mask' should be uint8.* got 1-D int8 array"),
+                     (dict(mask=np.float32([1.0, 0.0, 0.0, 1.0])), "'mask' should be uint8")]:
         with pytest.raises(MessageError, match=why):
             wire.encode(masked(**bad))
     assert wire.msg_to_trajectory(wire.decode(wire.encode(masked(mask=None, logprobs=[-1.0] * 4,
@@ -221,7 +259,8 @@ def test_an_episode_that_ends_before_its_first_turn_has_the_version_it_started_u
         while len(sent) < 2:
             leader._send_scored(0.05)
     trajs = [wire.msg_to_trajectory(wire.decode(wire.encode(m))) for m in sent]
-    assert [(t.finish_reason, t.versions, t.start_version, t.oldest_version) for t in trajs] == [(reason, [], 3, 3)] * 2
+    assert [(t.finish_reason, t.versions.tolist(), t.start_version, t.oldest_version) for t in trajs] == [
+        (reason, [], 3, 3)] * 2
     gate = StalenessGate(batch_size=1, eta=1)
     buf = ReplayBuffer(gate, filter_equal_rewards=False)
     assert gate.try_acquire(3)

@@ -2,13 +2,14 @@
 and environment timeouts are counted and, past a threshold, named in a warning at most once a minute."""
 from types import SimpleNamespace
 
-from hexrl.comm.wire import message
+from hexrl.comm.wire import trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.progress_watch import WARN_EVERY_S, ProgressWatch
 from hexrl.data.problems import Problem
 from hexrl.schema import load_job
 from hexrl.schema.job import EnvSpec
+from hexrl.trajectory import Trajectory
 
 
 class Clock:
@@ -80,9 +81,8 @@ def test_the_controller_counts_and_warns_while_it_regenerates(capsys):
         prompts, sent[:] = list(sent), []
         for p in prompts:
             for _ in range(2):
-                ctl._admit(0, message("trajectory", group_id=p["group_id"], prompt_ids=[3, 4], completion_ids=[5],
-                                      logprobs=[-1.0], versions=[0], start_version=0, reward=0.0,
-                                      finish_reason="env_timeout", problem_id=p["problem_id"]))
+                ctl._admit(0, trajectory_to_msg(Trajectory(p["group_id"], [3, 4], [5], [-1.0], [0], reward=0.0,
+                                                           finish_reason="env_timeout", problem_id=p["problem_id"])))
     c = ctl.counters()
     assert c["filtered"] == {"equal_rewards": 20} and c["equal_groups_in_a_row"] == 10 and c["env_timeouts"] == 20
     assert ctl.state()["counters"]["env_timeouts"] == 20

@@ -5,11 +5,13 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_world
 
+from hexrl.comm import wire
 from hexrl.model.parallel import TPGroup
 from hexrl.model.tiny import make_tiny_model
 from hexrl.train import TrainConfig, Trainer
 from hexrl.train.checkpoint import gather_stage
 from hexrl.train.data_parallel import GradBuckets
+from hexrl.train.handoff import share_batch
 from hexrl.train.linear_logprobs import linear_logprobs
 from hexrl.trajectory import Trajectory
 
@@ -70,7 +72,12 @@ def _buckets_worker(rank, world):
 
 def _idle_rank_worker(rank, world, model_path):
     trainer = Trainer(model_path, {"dp": 2, "stages": [{"tp": 1, "layers": [0, 2]}]}, TrainConfig(**IDLE_RANK_CONFIG))
-    return trainer.step(IDLE_RANK_BATCH), gather_stage(trainer.model, trainer.grid)
+    # as a run hands it over: the controller rank's batch came over the wire (typed arrays), share_batch sends each
+    # DP rank its part
+    received = [wire.msg_to_trajectory(wire.decode(wire.encode(wire.trajectory_to_msg(t)))) for t in IDLE_RANK_BATCH]
+    shared = [(t.completion_ids.dtype.name, t.logprobs.dtype.name, t == u) for t, u in zip(received, IDLE_RANK_BATCH)]
+    share = share_batch(received if rank == 0 else None, trainer)
+    return trainer.step(share), gather_stage(trainer.model, trainer.grid), shared
 
 
 def _world_worker(rank, world, model_path):
@@ -83,7 +90,8 @@ def test_vocab_parallel_logprobs_dp_buckets_and_an_idle_dp_rank(tmp_path):
     torch.set_num_threads(1)
     single = Trainer(path, {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}]}, TrainConfig(**IDLE_RANK_CONFIG))
     metrics = single.step(IDLE_RANK_BATCH)
-    (dp_metrics, dp_weights) = results[0][2]
+    (dp_metrics, dp_weights, _) = results[0][2]
+    assert [r[2][2] for r in results] == [[("int32", "float32", True)] * 2] * 2  # every rank: the same arrays
     assert dp_metrics["loss"] == pytest.approx(metrics["loss"], abs=1e-6) and dp_metrics["optimizer_steps"] == 2
     for name, w in single.model.state_dict().items():
         torch.testing.assert_close(dp_weights[name], w, rtol=0, atol=1e-6)

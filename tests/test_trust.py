@@ -5,30 +5,33 @@ job under torchrun and attacks it from this (another) process: a spoofed replica
 forged and replayed messages, garbage, an oversize frame and a forged `error`."""
 import math
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import msgpack
+import numpy as np
 import pytest
 import zmq
 from runtime_utils import metrics, torchrun, wait_for, write_job
 
 from hexrl.comm import channel, wire
 from hexrl.comm.channel import DealerChannel, RouterChannel
-from hexrl.comm.wire import message
+from hexrl.comm.wire import message, trajectory_to_msg
 from hexrl.control.controller import Controller, ControllerFailure, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.data.problems import Problem
 from hexrl.train.loss import group_advantages
+from hexrl.trajectory import Trajectory
 
 SECRET = channel.new_secret()
 PROMPT = [3, 4, 5]  # what the controller's encoder returns for every problem
 VOCAB = 16
 
 
-def trajectory(gid, problem_id, prompt=PROMPT, tokens=(6, 7), reward=1.0, logprob=-0.5):
-    return message("trajectory", group_id=gid, prompt_ids=list(prompt), completion_ids=list(tokens),
-                   logprobs=[logprob] * len(tokens), versions=[0] * len(tokens), start_version=0, reward=reward,
-                   finish_reason="eos", problem_id=problem_id)
+def trajectory(gid, problem_id, prompt=PROMPT, tokens=(6, 7), reward=1.0, logprob=-0.5, versions=0, start_version=0):
+    return trajectory_to_msg(Trajectory(gid, list(prompt), list(tokens), [logprob] * len(tokens),
+                                        [versions] * len(tokens), reward=reward, finish_reason="eos",
+                                        problem_id=problem_id, start_version=start_version))
 
 
 @pytest.fixture
@@ -89,6 +92,65 @@ def test_controller_trains_only_what_it_dispatched_to_that_peer(job):
     assert c["rejected_reasons"] == {"not_dispatched": 2, "bad_tokens": 1, "not_finite": 2, "wrong_prompt": 1}
     assert c["trained"] == 2 and c["produced"] == 2 and c["balanced"]  # only the two real samples
     assert sum(c["dropped"].values()) == 0  # the rejected groups held no filed sample
+
+
+def nd(dtype: str, shape: list, data: bytes, kind: str = "numpy") -> dict:
+    """An array as the wire carries it (hexrl.comm.wire's tagged map), with whatever a forger puts in it."""
+    return {"__nd__": True, "dtype": dtype, "shape": shape, "kind": kind, "data": data}
+
+
+def forged_payloads(gid, problem_id) -> dict[str, list[bytes]]:
+    """reason -> payloads the channel must refuse: the token fields' arrays forged in every way."""
+    good = trajectory(gid, problem_id)
+    pack = lambda **over: msgpack.packb({**good, **over}, default=wire._default, use_bin_type=True)  # noqa: E731
+    return {
+        "bad_fields": [pack(completion_ids=np.array([6, 7], np.int64)),  # wrong dtype
+                       pack(logprobs=np.array([-0.5, -0.5], np.float16)),
+                       pack(completion_ids=[6, 7]),  # a list: the old format
+                       pack(completion_ids=np.array([[6, 7]], np.int32)),  # 2-D
+                       pack(versions=nd("int32", [2], b"\0" * 8, kind="torch")),  # a tensor, not an array
+                       pack(logprobs=np.array([-0.5], np.float32)),  # length mismatch with the ids
+                       pack(mask=np.array([1, 1, 1], np.uint8))],  # a mask for 3 tokens of 2
+        "bad_array": [pack(completion_ids=nd("int32", [2], b"\0" * 7)),  # a bin of odd byte length
+                      pack(completion_ids=nd("int32", [2], b"\0" * 4)),  # truncated array
+                      pack(completion_ids=nd("int32", [1 << 40], b"\0" * 8)),  # a shape far past its bytes
+                      pack(logprobs=nd("float64", [2], b"\0" * 16)),  # a dtype the wire does not carry
+                      pack(completion_ids=nd("object", [1], b"\0" * 8))],  # a dtype numpy would unpickle
+        "not_msgpack": [pack()[:-5]],  # the message cut short
+    }
+
+
+def test_forged_token_arrays_are_refused_by_reason_and_nothing_is_filed(job):
+    """A trajectory's token ids, log-probs, versions and mask travel as typed arrays: every forged array is
+    refused with a named reason (the channel's for the format, the controller's for the values), counted in
+    rejected_reasons, and the run goes on."""
+    ctl, (d0, _) = job
+    p = next_prompt(d0)
+    expected = Counter()
+    for reason, payloads in forged_payloads(p["group_id"], p["problem_id"]).items():
+        for payload in payloads:
+            d0.sock.send_multipart([d0.auth.seal(payload), payload])
+            expected[reason] += 1
+    settle(ctl, "rejected_messages", sum(expected.values()))
+    forged_values = [("bad_tokens", dict(tokens=(6, VOCAB))), ("bad_tokens", dict(tokens=(-1, 6))),
+                     ("bad_tokens", dict(tokens=(6,) * 5)),  # more than max_new_tokens = 4
+                     ("not_finite", dict(logprob=math.nan)), ("not_finite", dict(logprob=math.inf)),
+                     ("bad_versions", dict(versions=1)), ("bad_versions", dict(start_version=1))]
+    for why, fields in forged_values:  # each for a group just handed out: it is given up, its slot freed
+        d0.send(trajectory(p["group_id"], p["problem_id"], **fields))
+        expected[why] += 1
+        settle(ctl, "rejected_messages", sum(expected.values()))
+        p = next_prompt(d0)
+    c = ctl.counters()
+    assert c["rejected_reasons"] == expected and c["produced"] == 0
+    for reward in (0.0, 1.0):
+        d0.send(trajectory(p["group_id"], p["problem_id"], reward=reward))
+    [group] = ctl.next_batch(timeout_s=10)
+    t = group.trajectories[0]
+    assert (t.completion_ids.dtype, t.logprobs.dtype, t.versions.dtype) == (np.int32, np.float32, np.int32)
+    assert t.completion_ids.tolist() == [6, 7] and t.logprobs.tolist() == [-0.5, -0.5]
+    assert t.prompt_ids.tolist() == PROMPT and t.prompt_ids is group.trajectories[1].prompt_ids  # one copy per group
+    assert not any(a.flags.writeable for a in (t.prompt_ids, t.completion_ids, t.logprobs, t.versions))
 
 
 def test_a_reward_beyond_the_bound_is_clipped_before_any_arithmetic(job):

@@ -14,23 +14,26 @@ import msgpack
 import numpy as np
 import torch
 
-from hexrl.trajectory import Trajectory
+from hexrl.trajectory import ID_DTYPE, LOGPROB_DTYPE, MASK_DTYPE, VERSION_DTYPE, Trajectory
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: a trajectory's token fields are typed arrays
 MAX_MESSAGE_BYTES = 64 << 20  # a 32k-token trajectory is well under 1 MiB
 
 
-# Field specs: "int", "float", "str", "bool", "dict", "list", "list[int]", "list[float]", "None",
-# joined by "|"; a leading "?" marks an optional field. list[...] also accepts a 1-D array.
+# Field specs: "int", "float", "str", "bool", "dict", "list", "list[int]", "list[float]", "None", or
+# "<dtype>[]" (a 1-D numpy array of exactly that dtype, e.g. "int32[]"), joined by "|"; a leading "?"
+# marks an optional field. list[...] also accepts a 1-D array.
+_IDS, _LOGPROBS, _VERSIONS, _MASK = (f"{d.name}[]" for d in (ID_DTYPE, LOGPROB_DTYPE, VERSION_DTYPE, MASK_DTYPE))
 SCHEMAS: dict[str, dict[str, str]] = {
     "prompt": {"group_id": "int", "problem_id": "int|str", "prompt_ids": "list[int]", "n": "int",
                "sampling": "dict", "version": "int",
                # what the rollout side's reward needs: rewards run next to generation
                "answer": "?str", "tests": "?list"},
-    "trajectory": {"group_id": "int", "prompt_ids": "list[int]", "completion_ids": "list[int]",
-                   "logprobs": "list[float]", "versions": "list[int]", "start_version": "int", "reward": "float",
+    # the token fields as packed arrays: checked per field by dtype and length, not per element
+    "trajectory": {"group_id": "int", "prompt_ids": _IDS, "completion_ids": _IDS, "logprobs": _LOGPROBS,
+                   "versions": _VERSIONS, "start_version": "int", "reward": "float",
                    "finish_reason": "str", "problem_id": "?int|str|None", "meta": "?dict",
-                   "rank": "?int", "mask": "?list[int]|None"},
+                   "rank": "?int", "mask": f"?{_MASK}|None"},
     "heartbeat": {"rank": "int", "time": "float"},
     "stats": {"rank": "int", "time": "float", "values": "dict"},
     "weights": {"version": "int"},  # trainer published `version`: join the weight broadcast
@@ -39,8 +42,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
 }
 
 # dtype name -> numpy dtype of the raw bytes (bfloat16 travels as its uint16 bit pattern)
-_ARRAY_DTYPES = {"float32": "<f4", "float16": "<f2", "bfloat16": "<u2", "int64": "<i8",
-                 "int32": "<i4", "uint8": "u1", "bool": "?"}
+_ARRAY_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+                 "int64": np.dtype("<i8"), "int32": np.dtype("<i4"), "uint8": np.dtype("u1"), "bool": np.dtype("?")}
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                  "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
 
@@ -86,7 +89,7 @@ def _decode_array(d: dict):
         raise MessageError("bad_array", f"shape {shape!r} is not a list of at most 32 non-negative ints")
     if not isinstance(data, bytes):
         raise MessageError("bad_array", "data is not bytes")
-    raw = np.dtype(_ARRAY_DTYPES[name])
+    raw = _ARRAY_DTYPES[name]
     if math.prod(shape) * raw.itemsize != len(data):
         raise MessageError("bad_array", f"{len(data)} bytes do not hold shape {shape} of {name}")
     arr = np.frombuffer(data, dtype=raw).reshape(shape)
@@ -125,6 +128,7 @@ def _array_elem(v) -> str:
 
 
 _ELEM_TYPES = {"int": {int}, "float": {int, float}}  # exact types: a bool is not a number here
+_TYPED_ARRAYS = {f"{name}[]": raw for name, raw in _ARRAY_DTYPES.items() if name != "bfloat16"}
 
 
 def _check_one(value, kind: str) -> bool:
@@ -135,6 +139,8 @@ def _check_one(value, kind: str) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if kind == "None":
         return value is None
+    if kind in _TYPED_ARRAYS:  # a packed array: its dtype and shape say everything about its elements
+        return isinstance(value, np.ndarray) and value.ndim == 1 and value.dtype == _TYPED_ARRAYS[kind]
     if kind in ("list[int]", "list[float]"):
         elem = kind[5:-1]
         if _is_array(value):
@@ -143,8 +149,28 @@ def _check_one(value, kind: str) -> bool:
     return isinstance(value, {"str": str, "bool": bool, "dict": dict, "list": list}[kind])
 
 
-def _length(v) -> int:
-    return len(v) if not _is_array(v) else int(v.shape[0])
+def _matches(value, kinds: tuple[str, ...]) -> bool:
+    for kind in kinds:  # a loop, not any(<generator>): every received message runs this per field
+        if _check_one(value, kind):
+            return True
+    return False
+
+
+def _parse(spec: str) -> tuple[bool, str, tuple[str, ...]]:
+    """(optional, the spec without its "?", its alternatives) of a field spec."""
+    body = spec.lstrip("?")
+    return spec.startswith("?"), body, tuple(body.split("|"))
+
+
+# the schemas parsed once: validate runs on every message received
+_PARSED = {kind: [(field, *_parse(spec)) for field, spec in schema.items()] for kind, schema in SCHEMAS.items()}
+
+
+def _describe(value) -> str:
+    """What a field holds, for a problem message: its type, or an array's shape and dtype."""
+    if isinstance(value, np.ndarray):
+        return f"{value.ndim}-D {value.dtype.name} array"
+    return type(value).__name__
 
 
 def _semantic_problems(msg: dict) -> list[str]:
@@ -152,19 +178,18 @@ def _semantic_problems(msg: dict) -> list[str]:
     kind = msg["type"]
     if kind == "prompt" and msg["n"] < 1:
         return [f"n must be >= 1, got {msg['n']}"]
-    if kind == "trajectory":
+    if kind == "trajectory":  # the token fields are 1-D arrays here: no per-element work but the mask's
         mask = msg.get("mask")
         if mask is None:
-            lens = {f: _length(msg[f]) for f in ("completion_ids", "logprobs", "versions")}
+            lens = {f: len(msg[f]) for f in ("completion_ids", "logprobs", "versions")}
             if len(set(lens.values())) != 1:
                 return [f"completion_ids, logprobs and versions differ in length: {lens}"]
             return []
-        if _length(mask) != _length(msg["completion_ids"]):
-            return [f"mask has {_length(mask)} values for {_length(msg['completion_ids'])} completion tokens"]
-        values = np.asarray(mask)
-        if len(values) and (values.min() < 0 or values.max() > 1):
+        if len(mask) != len(msg["completion_ids"]):
+            return [f"mask has {len(mask)} values for {len(msg['completion_ids'])} completion tokens"]
+        if len(mask) and mask.max() > 1:
             return ["mask values must be 0 (environment) or 1 (model)"]
-        lens = {"mask == 1": int(values.sum()), **{f: _length(msg[f]) for f in ("logprobs", "versions")}}
+        lens = {"mask == 1": int(np.count_nonzero(mask)), **{f: len(msg[f]) for f in ("logprobs", "versions")}}
         if len(set(lens.values())) != 1:
             return [f"generated tokens, logprobs and versions differ in length: {lens}"]
     return []
@@ -177,17 +202,16 @@ def validate(msg) -> None:
     v, kind = msg.get("v"), msg.get("type")
     if type(v) is not int or v != SCHEMA_VERSION:
         raise MessageError("bad_version", f"schema version {v!r}, expected {SCHEMA_VERSION}")
-    schema = SCHEMAS.get(kind) if isinstance(kind, str) else None
-    if schema is None:
+    fields = _PARSED.get(kind) if isinstance(kind, str) else None
+    if fields is None:
         raise MessageError("unknown_type", f"type {kind!r}; known: {sorted(SCHEMAS)}")
     problems = []
-    for field, spec in schema.items():
-        optional, spec = spec.startswith("?"), spec.lstrip("?")
+    for field, optional, spec, kinds in fields:
         if field not in msg:
             if not optional:
                 problems.append(f"missing field {field!r}")
-        elif not any(_check_one(msg[field], k) for k in spec.split("|")):
-            problems.append(f"field {field!r} should be {spec}, got {type(msg[field]).__name__}")
+        elif not _matches(msg[field], kinds):
+            problems.append(f"field {field!r} should be {spec}, got {_describe(msg[field])}")
     problems = problems or _semantic_problems(msg)
     if problems:
         raise MessageError("bad_fields", f"{msg['type']}: " + "; ".join(problems))
@@ -229,7 +253,12 @@ def decode(data, max_bytes: int = MAX_MESSAGE_BYTES) -> dict:
 
 
 def trajectory_to_msg(traj: Trajectory, rank: int | None = None) -> dict:
-    """A `trajectory` message holding every field of `traj` (rank: the sending replica, optional)."""
+    """A `trajectory` message holding every field of `traj`, its token fields as typed arrays (rank:
+    the sending replica, optional); MessageError if a token value does not fit its array's dtype."""
+    try:
+        traj = traj.as_arrays()
+    except ValueError as e:
+        raise MessageError("bad_fields", f"trajectory: {e}") from None
     msg = message("trajectory", group_id=traj.group_id, prompt_ids=traj.prompt_ids,
                   completion_ids=traj.completion_ids, logprobs=traj.logprobs, versions=traj.versions,
                   start_version=traj.start_version, reward=traj.reward, finish_reason=traj.finish_reason,
@@ -239,19 +268,12 @@ def trajectory_to_msg(traj: Trajectory, rank: int | None = None) -> dict:
     return msg
 
 
-def _as_list(v) -> list:
-    return v.tolist() if _is_array(v) else v
-
-
 def msg_to_trajectory(msg: dict) -> Trajectory:
-    """The Trajectory of a validated `trajectory` message (arrays become lists)."""
+    """The Trajectory of a validated `trajectory` message; its token fields stay the message's arrays
+    (read-only views of the received bytes: nothing is converted or copied per token)."""
     if msg.get("type") != "trajectory":
         raise MessageError("bad_fields", f"expected a trajectory message, got type {msg.get('type')!r}")
-    return Trajectory(group_id=msg["group_id"], prompt_ids=_as_list(msg["prompt_ids"]),
-                      completion_ids=_as_list(msg["completion_ids"]),
-                      logprobs=list(map(float, _as_list(msg["logprobs"]))),
-                      versions=_as_list(msg["versions"]), start_version=msg["start_version"],
-                      reward=float(msg["reward"]),
-                      finish_reason=msg["finish_reason"], problem_id=msg.get("problem_id"),
-                      meta=dict(msg.get("meta") or {}),
-                      mask=None if msg.get("mask") is None else list(map(int, _as_list(msg["mask"]))))
+    return Trajectory(group_id=msg["group_id"], prompt_ids=msg["prompt_ids"], completion_ids=msg["completion_ids"],
+                      logprobs=msg["logprobs"], versions=msg["versions"], start_version=msg["start_version"],
+                      reward=float(msg["reward"]), finish_reason=msg["finish_reason"],
+                      problem_id=msg.get("problem_id"), meta=dict(msg.get("meta") or {}), mask=msg.get("mask"))

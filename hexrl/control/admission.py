@@ -5,7 +5,8 @@ subverted replica): a group handed to another replica, a prompt that is not the 
 token ids the model has no embedding for (they would crash the trainer), NaN or infinite
 numbers (they would poison the loss), versions from the future (sampled or started under), more
 tokens than the job allows (an episode: per turn and per observation, times env.max_turns).
-Such a trajectory is rejected and counted, never filed into the replay buffer.
+Such a trajectory is rejected and counted, never filed into the replay buffer. The schema made
+its token fields 1-D arrays of known dtypes, so each check is one vectorized pass over a field.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ class Dispatched:
 
     replica: int
     problem_id: object
-    prompt_ids: list[int]
+    prompt_ids: np.ndarray  # of hexrl.trajectory.ID_DTYPE, as a trajectory message carries it
 
 
 @dataclass
@@ -42,16 +43,13 @@ def token_limits(rl, env=None) -> TokenLimits:
     return TokenLimits(generated, generated + env.max_turns * env.max_obs_tokens)
 
 
-def _ints_in(values, lo: int, hi: int) -> bool:
-    """All of `values` (list or 1-D array of ints) within [lo, hi)."""
-    if len(values) == 0:
-        return True
-    arr = np.asarray(values)
-    return bool(arr.dtype.kind in "iu" and arr.min() >= lo and arr.max() < hi)
+def _ints_in(values: np.ndarray, lo: int, hi: int) -> bool:
+    """All of `values` (a 1-D integer array) within [lo, hi)."""
+    return len(values) == 0 or bool(values.min() >= lo and values.max() < hi)
 
 
-def _finite(values) -> bool:
-    return len(values) == 0 or bool(np.isfinite(np.asarray(values, dtype=np.float64)).all())
+def _finite(values: np.ndarray) -> bool:
+    return bool(np.isfinite(values).all())
 
 
 def trajectory_problem(msg: dict, sent: Dispatched | None, replica: int, vocab_size: int,
@@ -60,7 +58,7 @@ def trajectory_problem(msg: dict, sent: Dispatched | None, replica: int, vocab_s
     tag; None to accept it. `sent`: what the controller dispatched under its group id."""
     if sent is None or sent.replica != replica:
         return "not_dispatched"  # unknown group, or a group handed to someone else
-    if list(msg["prompt_ids"]) != sent.prompt_ids or msg.get("problem_id") != sent.problem_id:
+    if not np.array_equal(msg["prompt_ids"], sent.prompt_ids) or msg.get("problem_id") != sent.problem_id:
         return "wrong_prompt"
     completion = msg["completion_ids"]
     if len(completion) > limits.completion or not _ints_in(completion, 0, vocab_size):

@@ -25,6 +25,7 @@ from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
 from hexrl.control.progress_watch import ProgressWatch
+from hexrl.trajectory import ID_DTYPE, to_array
 
 
 @dataclass
@@ -238,7 +239,9 @@ class Controller:
             self.gate.try_acquire(version)
             self.buffer.expect(gid, self.rl.group_size, problem.id)
             self.dispatcher.assign(gid)
-            self.dispatched[gid] = Dispatched(replica, problem.id, list(prompt_ids))
+            prompt = to_array(prompt_ids, ID_DTYPE, "prompt_ids")
+            prompt.flags.writeable = False  # the group's trajectories will share it, read-only like their own arrays
+            self.dispatched[gid] = Dispatched(replica, problem.id, prompt)
             self.in_flight[gid] = index
             self.next_group += 1
 
@@ -282,6 +285,7 @@ class Controller:
                 self._group_done(gid, trained=False)
             return
         traj = msg_to_trajectory(msg)
+        traj.prompt_ids = sent.prompt_ids  # equal (checked): the group's samples then hold one copy
         if abs(traj.reward) > self.rl.reward_bound:  # before anything adds, squares or compares rewards
             traj.reward = math.copysign(self.rl.reward_bound, traj.reward)
             self.rewards_clipped += 1

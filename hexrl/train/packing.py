@@ -76,7 +76,7 @@ def check_trajectories(trajs: list[Trajectory], vocab_size: int | None = None) -
     """Raise one ValueError naming every malformed trajectory and field."""
     problems = []
     for i, t in enumerate(trajs):
-        if not len(t.prompt_ids):
+        if len(t.prompt_ids) == 0:
             problems.append(f"trajectories[{i}].prompt_ids: empty (the first completion token needs a context)")
         problems += [f"trajectories[{i}].{p}" for p in t.shape_problems()]
         if not isinstance(t.reward, (int, float)) or not math.isfinite(t.reward):
