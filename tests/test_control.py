@@ -17,7 +17,6 @@ from hexrl.control.metrics import (
     MetricsWriter,
     read_metrics,
     staleness_histogram,
-    token_staleness_histogram,
 )
 from hexrl.trajectory import Trajectory
 
@@ -203,7 +202,6 @@ def test_a_trajectory_reads_the_same_from_lists_and_from_typed_arrays():
     for t in (lists, arrays):
         assert (t.num_generated, t.oldest_version, t.generated_positions().tolist(), t.shape_problems()) == (
             3, 2, [0, 2, 3], [])
-    assert token_staleness_histogram([arrays], 4) == token_staleness_histogram([lists], 4) == {"1": 2, "2": 1}
     arrays.mask = np.array([1, 0, 2, 1], np.uint8)
     assert "mask: values must be 0 (environment) or 1 (model)" in arrays.shape_problems() and arrays != lists
     for field, value in [("completion_ids", [5, 6, 7, 1 << 31]), ("completion_ids", [5, 6, 7, 8.5]),
