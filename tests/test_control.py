@@ -2,6 +2,7 @@
 import io
 import json
 import math
+import random
 from collections import Counter, deque
 
 import numpy as np
@@ -218,6 +219,48 @@ def test_dispatch_fills_the_least_loaded_and_skips_the_dead():
     assert d.assign(12) is None
     with pytest.raises(ValueError, match="positive"):
         Dispatcher({0: 1.0, 1: 0.0})
+
+
+def scan_pick(d: Dispatcher) -> int | None:
+    """The dispatch rule read straight: the live replica with the smallest (in flight / share, id)."""
+    alive = [r for r in d.shares if r not in d.dead]
+    return min(alive, key=lambda r: (len(d.in_flight[r]) / d.shares[r], r)) if alive else None
+
+
+def test_dispatch_picks_what_a_scan_of_every_replica_picks():
+    rng = random.Random(0)
+    for _ in range(300):
+        ids = rng.sample(range(100), rng.randint(1, 12))  # not in order: ties must go to the smallest id
+        shares = {r: rng.choice([0.5, 1.0, 1.0, 2.0, 3.0, 1 / 3]) for r in ids}  # equal loads are common
+        d, gid = Dispatcher(shares), 0
+        for _ in range(rng.choice([20, 400])):  # 400: outdated heap entries pile up and are cleared
+            op = rng.random()
+            if op < 0.55:
+                expected = scan_pick(d)
+                assert d.assign(gid) == expected
+                gid += 1
+            elif op < 0.98 and d.owner:
+                d.done(rng.choice(list(d.owner)))
+            elif op >= 0.98:
+                d.mark_dead(rng.choice(ids))
+            assert d.pick() == scan_pick(d)
+
+
+def test_dispatch_looks_at_a_few_replicas_per_group_not_all():
+    class Counting(Dispatcher):
+        looked = 0
+
+        def load(self, replica):
+            self.looked += 1
+            return super().load(replica)
+
+    d = Counting({r: 1.0 + r % 3 for r in range(4096)})
+    d.looked = 0
+    for gid in range(2000):
+        d.assign(gid)
+        if gid >= 500:
+            d.done(gid - 500)  # groups come back: loads go down as well as up
+    assert d.looked < 10 * 2000  # a scan would look at all 4,096 replicas for each group
 
 
 # ---------------------------------------------------------------- dataset cursor
