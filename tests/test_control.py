@@ -4,16 +4,19 @@ import json
 import math
 import random
 from collections import Counter, deque
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from hexrl.control.buffer import ReplayBuffer
+from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
 from hexrl.control.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics, staleness_histogram
+from hexrl.data.problems import Problem
 from hexrl.trajectory import Trajectory
 
 
@@ -261,6 +264,47 @@ def test_dispatch_looks_at_a_few_replicas_per_group_not_all():
         if gid >= 500:
             d.done(gid - 500)  # groups come back: loads go down as well as up
     assert d.looked < 10 * 2000  # a scan would look at all 4,096 replicas for each group
+
+
+class ConnectedRouter:
+    """A RouterChannel stand-in on which the named replicas have connected: it records what is sent
+    and counts how often the controller reads its peer table."""
+
+    def __init__(self, names: list[str]):
+        self.routes, self.rejected, self.sent, self.peer_reads = dict.fromkeys(names, b""), Counter(), [], 0
+
+    @property
+    def peers(self):
+        self.peer_reads += 1
+        return self.routes.keys()
+
+    def send(self, msg: dict, to: str, timeout_s: float = 5.0) -> bool:
+        self.sent.append((msg["type"], to))
+        return to in self.routes
+
+    def broadcast(self, msg: dict, to: list[str], timeout_s: float = 5.0) -> list[str]:
+        return [name for name in to if not self.send(msg, name)]
+
+
+def test_a_version_reaches_every_live_replica_once_and_idle_passes_look_at_none():
+    rl = SimpleNamespace(batch_size=1, group_size=2, eta=0, max_concurrent_rollouts=None, filter_equal_groups=False,
+                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0, reward_bound=1e6)
+    replicas = [ReplicaInfo(i, 1.0) for i in range(64)]
+    router = ConnectedRouter([r.name for r in replicas if r.id != 5])  # replica 5 has not connected yet
+    problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(4)]
+    ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: [3, 4], replicas, router, vocab_size=16)
+    for _ in range(10):
+        ctl._flush_outbox()  # every loop pass: nothing to send, so no replica is looked at
+    assert router.peer_reads == 0 and router.sent == []
+    ctl.publish_version(1)
+    ctl._flush_outbox()
+    assert router.sent == [] and ctl.delivered == 0  # every replica must hear it: wait for replica 5
+    router.routes["replica-5"] = b""
+    ctl.dispatcher.mark_dead(7)  # ... but not for a dead one
+    ctl._flush_outbox()
+    assert router.sent == [("weights", r.name) for r in replicas if r.id != 7] and ctl.delivered == 1
+    ctl._flush_outbox()
+    assert len(router.sent) == 63 and router.peer_reads == 2  # one look at the peer table per pass that sends
 
 
 # ---------------------------------------------------------------- dataset cursor
