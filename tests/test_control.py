@@ -413,6 +413,31 @@ def test_heartbeats_deadlines():
         Heartbeats(timeout_s=0)
 
 
+def test_heartbeats_look_at_every_rank_only_when_one_may_be_overdue():
+    class Looked(dict):  # counts the reads of every rank's time
+        scans = 0
+
+        def items(self):
+            self.scans += 1
+            return super().items()
+
+        def values(self):
+            self.scans += 1
+            return super().values()
+
+    hb = Heartbeats(timeout_s=10)
+    for rank in range(1024):
+        hb.expect(rank, now=0.0)
+    hb.last = Looked(hb.last)
+    for t in range(1, 11):  # a controller loop pass after each beat: no rank can be overdue yet
+        hb.beat(t, now=float(t))
+        assert hb.dead(now=float(t)) == []
+    assert hb.last.scans == 0
+    assert hb.dead(now=10.5) == [0, *range(11, 1024)]  # ranks 1-10 beat within the last 10 s
+    hb.forget(0)
+    assert hb.dead(now=10.5) == list(range(11, 1024))
+
+
 def test_metrics_tensorboard_gets_numeric_scalars(tmp_path):
     class FakeTB:  # stands in for SummaryWriter (tensorboard is optional and not installed here)
         def __init__(self):
