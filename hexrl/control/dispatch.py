@@ -41,7 +41,7 @@ class Dispatcher:
             load, replica = heap[0]
             if replica not in self.dead and load == self.load(replica):
                 return replica
-            heapq.heappop(heap)  # outdated: its replica has another entry with its current load
+            heapq.heappop(heap)  # dead, or outdated: its replica has a newer entry with its current load
         return None
 
     def assign(self, group_id: int) -> int | None:
