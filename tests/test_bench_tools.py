@@ -189,6 +189,17 @@ def test_bench_fused_prints_split_and_fused_side_by_side(monkeypatch, capsys):
     assert len(row) == 1 and len(row[0]) == 3 and all(float(ms) > 0 for ms in row[0][1:])
 
 
+def test_bench_controller_scale_measures_every_item_on_this_code(monkeypatch, capsys):
+    import bench_controller_scale as bench
+
+    monkeypatch.setattr(bench, "CPU_PER_ITEM_S", 0.01)  # a few calls each: this checks it runs, not the figures
+    results = bench.scale_run([8], repeats=1, groups=16)
+    assert set(results[8]) == {"flush", "pass", "dispatch", "pick", "publish"}
+    assert all(len(xs) == 1 and xs[0] > 0 for xs in results[8].values())
+    bench.scale_report({"new": {"8": results[8]}}, [8])
+    assert "publish" in capsys.readouterr().out
+
+
 def test_the_planner_reads_the_shipped_h100_profile_from_any_directory(monkeypatch, tmp_path):
     """hexrl/profiles/H100.json (measured 2026-11-26) sets the planner's H100 decode times: median error
     5% against its own measurements, where the paper-calibrated catalogue is 40-140% slow."""

@@ -156,6 +156,20 @@ def test_channels_carry_every_message_type_both_ways():
         dealer.close()
 
 
+def test_router_broadcast_reaches_each_named_peer_and_names_the_rest():
+    router, dealer = connected_pair()
+    try:
+        assert dealer.send(message("heartbeat", rank=0, time=0.0))
+        assert router.recv(timeout_s=10)[0] == "replica-0"
+        weights = message("weights", version=3)
+        assert router.broadcast(weights, ["replica-0", "nobody"], timeout_s=0.05) == ["nobody"]
+        assert same(weights, dealer.recv(timeout_s=10)) and dealer.recv(timeout_s=0.05) is None
+        assert router.stats()["sent"] == 1 and router.stats()["send_failed"] == 1
+    finally:
+        router.close()
+        dealer.close()
+
+
 def test_router_rejects_bad_input_and_keeps_receiving():
     router, dealer = connected_pair()
     raw = zmq.Context.instance().socket(zmq.DEALER)

@@ -2,22 +2,21 @@
 import io
 import json
 import math
+import random
 from collections import Counter, deque
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 from hexrl.control.buffer import ReplayBuffer
+from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
-from hexrl.control.metrics import (
-    REQUIRED_KEYS,
-    MetricsWriter,
-    read_metrics,
-    staleness_histogram,
-)
+from hexrl.control.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics, staleness_histogram
+from hexrl.data.problems import Problem
 from hexrl.trajectory import Trajectory
 
 
@@ -244,6 +243,89 @@ def test_dispatch_fills_the_least_loaded_and_skips_the_dead():
         Dispatcher({0: 1.0, 1: 0.0})
 
 
+def scan_pick(d: Dispatcher) -> int | None:
+    """The dispatch rule read straight: the live replica with the smallest (in flight / share, id)."""
+    alive = [r for r in d.shares if r not in d.dead]
+    return min(alive, key=lambda r: (len(d.in_flight[r]) / d.shares[r], r)) if alive else None
+
+
+def test_dispatch_picks_what_a_scan_of_every_replica_picks():
+    rng = random.Random(0)
+    for _ in range(200):
+        ids = rng.sample(range(100), rng.randint(1, 12))  # not in order: ties must go to the smallest id
+        shares = {r: rng.choice([0.5, 1.0, 1.0, 2.0, 3.0, 1 / 3]) for r in ids}  # equal loads are common
+        d, gid = Dispatcher(shares), 0
+        for _ in range(rng.choice([20, 1000])):  # 1000: outdated heap entries pile up and are cleared
+            op = rng.random()
+            if op < 0.55:
+                expected = scan_pick(d)
+                assert d.assign(gid) == expected
+                gid += 1
+            elif op < 0.98 and d.owner:
+                d.done(rng.choice(list(d.owner)))
+            elif op >= 0.98:
+                d.mark_dead(rng.choice(ids))
+            assert d.pick() == scan_pick(d)
+
+
+def test_dispatch_looks_at_a_few_replicas_per_group_not_all():
+    class Counting(Dispatcher):
+        looked = 0
+
+        def load(self, replica):
+            self.looked += 1
+            return super().load(replica)
+
+    d = Counting({r: 1.0 + r % 3 for r in range(4096)})
+    d.looked = 0
+    for gid in range(2000):
+        d.assign(gid)
+        if gid >= 500:
+            d.done(gid - 500)  # groups come back: loads go down as well as up
+    assert d.looked < 10 * 2000  # a scan would look at all 4,096 replicas for each group
+
+
+class ConnectedRouter:
+    """A RouterChannel stand-in on which the named replicas have connected: it records what is sent
+    and counts how often the controller reads its peer table."""
+
+    def __init__(self, names: list[str]):
+        self.routes, self.rejected, self.sent, self.peer_reads = dict.fromkeys(names, b""), Counter(), [], 0
+
+    @property
+    def peers(self):
+        self.peer_reads += 1
+        return self.routes.keys()
+
+    def send(self, msg: dict, to: str, timeout_s: float = 5.0) -> bool:
+        self.sent.append((msg["type"], to))
+        return to in self.routes
+
+    def broadcast(self, msg: dict, to: list[str], timeout_s: float = 5.0) -> list[str]:
+        return [name for name in to if not self.send(msg, name)]
+
+
+def test_a_version_reaches_every_live_replica_once_and_idle_passes_look_at_none():
+    rl = SimpleNamespace(batch_size=1, group_size=2, eta=0, max_concurrent_rollouts=None, filter_equal_groups=False,
+                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=4, seed=0, reward_bound=1e6)
+    replicas = [ReplicaInfo(i, 1.0) for i in range(64)]
+    router = ConnectedRouter([r.name for r in replicas if r.id != 5])  # replica 5 has not connected yet
+    problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(4)]
+    ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: [3, 4], replicas, router, vocab_size=16)
+    for _ in range(10):
+        ctl._flush_outbox()  # every loop pass: nothing to send, so no replica is looked at
+    assert router.peer_reads == 0 and router.sent == []
+    ctl.publish_version(1)
+    ctl._flush_outbox()
+    assert router.sent == [] and ctl.delivered == 0  # every replica must hear it: wait for replica 5
+    router.routes["replica-5"] = b""
+    ctl.dispatcher.mark_dead(7)  # ... but not for a dead one
+    ctl._flush_outbox()
+    assert router.sent == [("weights", r.name) for r in replicas if r.id != 7] and ctl.delivered == 1
+    ctl._flush_outbox()
+    assert len(router.sent) == 63 and router.peer_reads == 2  # one look at the peer table per pass that sends
+
+
 # ---------------------------------------------------------------- dataset cursor
 
 
@@ -348,6 +430,31 @@ def test_heartbeats_deadlines():
     assert hb.dead(now=30.0) == [1]
     with pytest.raises(ValueError):
         Heartbeats(timeout_s=0)
+
+
+def test_heartbeats_look_at_every_rank_only_when_one_may_be_overdue():
+    class Looked(dict):  # counts the reads of every rank's time
+        scans = 0
+
+        def items(self):
+            self.scans += 1
+            return super().items()
+
+        def values(self):
+            self.scans += 1
+            return super().values()
+
+    hb = Heartbeats(timeout_s=10)
+    for rank in range(1024):
+        hb.expect(rank, now=0.0)
+    hb.last = Looked(hb.last)
+    for t in range(1, 11):  # a controller loop pass after each beat: no rank can be overdue yet
+        hb.beat(t, now=float(t))
+        assert hb.dead(now=float(t)) == []
+    assert hb.last.scans == 0
+    assert hb.dead(now=10.5) == [0, *range(11, 1024)]  # ranks 1-10 beat within the last 10 s
+    hb.forget(0)
+    assert hb.dead(now=10.5) == list(range(11, 1024))
 
 
 def test_metrics_tensorboard_gets_numeric_scalars(tmp_path):

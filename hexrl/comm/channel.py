@@ -25,6 +25,7 @@ import secrets
 import socket
 import time
 from collections import Counter
+from collections.abc import KeysView
 
 import zmq
 
@@ -132,7 +133,10 @@ class _Channel:
     def _send_frames(self, route: list, msg: dict, timeout_s: float) -> bool:
         """Encode, seal and send without ever blocking past `timeout_s`; False when the peer is
         unknown or full. `route`: the frames before the auth frame (a router's peer id)."""
-        payload = encode(msg, self.max_bytes)
+        return self._send_payload(route, encode(msg, self.max_bytes), timeout_s)
+
+    def _send_payload(self, route: list, payload: bytes, timeout_s: float) -> bool:
+        """Seal and send an encoded message (see _send_frames)."""
         frames = [*route, self.auth.seal(payload), payload]
         deadline = time.monotonic() + timeout_s
         while True:
@@ -197,9 +201,10 @@ class RouterChannel(_Channel):
         self.routes: dict[str, bytes] = {}  # authenticated name -> ZeroMQ routing id
 
     @property
-    def peers(self) -> set[str]:
-        """Names heard from (authenticated) so far."""
-        return set(self.routes)
+    def peers(self) -> KeysView[str]:
+        """Names heard from (authenticated) so far: a live read-only view (O(1), nothing copied);
+        compares equal to a set of the same names."""
+        return self.routes.keys()
 
     def send(self, msg: dict, to: str, timeout_s: float = 5.0) -> bool:
         """Send `msg` to peer `to`; False if it is unknown or its queue stays full for `timeout_s`."""
@@ -208,6 +213,18 @@ class RouterChannel(_Channel):
             self.send_failed += 1
             return False
         return self._send_frames([route], msg, timeout_s)
+
+    def broadcast(self, msg: dict, to: list[str], timeout_s: float = 5.0) -> list[str]:
+        """Send `msg` to each peer in `to` (encoded once, sealed per peer); the names it could not
+        reach (unknown, or full for `timeout_s` each)."""
+        payload = encode(msg, self.max_bytes)
+        failed = []
+        for name in to:
+            route = self.routes.get(name)
+            if route is None or not self._send_payload([route], payload, timeout_s):
+                self.send_failed += route is None
+                failed.append(name)
+        return failed
 
     def recv(self, timeout_s: float) -> tuple[str, dict] | None:
         """(peer name, message) of the next valid message within `timeout_s`, else None."""

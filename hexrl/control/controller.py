@@ -206,14 +206,16 @@ class Controller:
                 return
 
     def _flush_outbox(self) -> None:
-        live = [r for r in self.replicas.values() if r.id not in self.dispatcher.dead]
-        if any(r.name not in self.router.peers for r in live):
+        if self.outbox.empty():  # the common pass: nothing to broadcast, nothing per replica to check
+            return
+        live = [r.name for r in self.replicas.values() if r.id not in self.dispatcher.dead]
+        peers = self.router.peers
+        if any(name not in peers for name in live):
             return  # every replica must hear a version change: wait until all have connected
         while not self.outbox.empty():
             msg = self.outbox.get()
-            for r in live:
-                if not self.router.send(msg, to=r.name, timeout_s=30):
-                    self._fail(f"could not deliver {msg['type']} to {r.name}")
+            for name in self.router.broadcast(msg, live, timeout_s=30):
+                self._fail(f"could not deliver {msg['type']} to {name}")
             if msg["type"] == "weights":
                 with self.lock:
                     self.delivered = max(self.delivered, msg["version"])
