@@ -190,7 +190,7 @@ def test_bench_fused_prints_split_and_fused_side_by_side(monkeypatch, capsys):
 
 
 def test_bench_controller_scale_measures_every_item_on_this_code(monkeypatch, capsys):
-    import bench_controller_scale as bench
+    from tools.bench import bench_controller_scale as bench
 
     monkeypatch.setattr(bench, "CPU_PER_ITEM_S", 0.01)  # a few calls each: this checks it runs, not the figures
     results = bench.scale_run([8], repeats=1, groups=16)

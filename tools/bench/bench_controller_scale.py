@@ -336,8 +336,7 @@ def main() -> None:
         return sender(endpoint, secret_hex, int(replicas), int(tokens))
     if args.worker:  # the hexrl imported is whichever PYTHONPATH names
         return print(json.dumps(scale_run(args.replicas, args.repeats, args.groups)))
-    if args.ingest:
-        sys.path.insert(0, str(ROOT))
+    if args.ingest:  # this process's hexrl: run from the repository's root (python -m tools.bench...)
         rows = [ingest_run(t, mode, args.seconds) for t in args.tokens for _ in range(args.repeats)
                 for mode in INGEST_MODES]  # the modes back to back, so the machine's load hits each alike
         ingest_report(rows)
