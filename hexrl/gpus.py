@@ -6,7 +6,7 @@ follow the AReaL-Hex paper (§3, §4.4): H800 756 TFLOP/s, 2 TB/s HBM (the paper
 the SXM datasheet says 3.35 TB/s), 200 GB/s NVLink, $5.28/h; H20 148 TFLOP/s, 4 TB/s,
 450 GB/s NVLink, $1.85/h. The efficiency factors are what a good stack reaches in
 practice; `tools/bench/bench_kernels.py` measures them and writes `profiles/<gpu>.json`; the
-project's measured profiles ship in hexrl/profiles/ (H100: 2026-11-26, torch 2.11, see its versions).
+project's measured profiles ship in hexrl/profiles/ (each records the date and versions it was measured with).
 """
 
 import json

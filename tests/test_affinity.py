@@ -112,7 +112,7 @@ if __name__ == "__main__":
 
 
 def test_threads_are_the_free_cores_shared_out():
-    """2 cores that other CPU-bound jobs keep busy: 1 thread, not 2 (a 13x slower warm start, issue 45)."""
+    """2 cores that other CPU-bound jobs keep busy: 1 thread, not 2 (2 make each op wait for a descheduled thread)."""
     assert fair_threads(cores=2, busy=0.0) == 2  # a quiet 2-core machine
     assert fair_threads(cores=2, busy=2.0) == 1 and fair_threads(cores=2, busy=7.5) == 1  # never 0
     assert fair_threads(share=3, cores=2, busy=0.0) == 1  # the CPU demo's 3 ranks

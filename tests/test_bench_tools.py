@@ -201,7 +201,7 @@ def test_bench_controller_scale_measures_every_item_on_this_code(monkeypatch, ca
 
 
 def test_the_planner_reads_the_shipped_h100_profile_from_any_directory(monkeypatch, tmp_path):
-    """hexrl/profiles/H100.json (measured 2026-11-26) sets the planner's H100 decode times: median error
+    """The shipped hexrl/profiles/H100.json sets the planner's H100 decode times: median error
     5% against its own measurements, where the paper-calibrated catalogue is 40-140% slow."""
     monkeypatch.delenv("HEXRL_PROFILES", raising=False)
     monkeypatch.chdir(tmp_path)  # no ./profiles here: the shipped profile is found anyway

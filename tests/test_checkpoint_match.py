@@ -1,5 +1,5 @@
-"""Checkpoints that do not match their config or the run (issue 44, item 5), and hexrl.generate's
-arguments (item 8): refused before launch and at load, each naming what differs."""
+"""Checkpoints that do not match their config or the run, and hexrl.generate's
+arguments: refused before launch and at load, each naming what differs."""
 import json
 import shutil
 import struct

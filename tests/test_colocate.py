@@ -170,7 +170,7 @@ def test_cuda_ipc_handle_is_checked_msgpack_never_pickle():
 
 
 def test_cuda_ipc_handle_of_wrong_types_or_past_its_storage_is_refused_before_mapping():
-    """Issue 44 item 3: unhashable dtypes gave a raw TypeError; a view past the storage was mapped."""
+    """A handle with unhashable dtypes is named (not a raw TypeError); a view past the storage is never mapped."""
     good = {"size": [4, 2], "stride": [2, 1], "offset": 0, "dtype": "bfloat16", "device": 0, "handle": b"h" * 64,
             "storage_size": 16, "storage_offset": 0, "ref_handle": b"r" * 8, "ref_offset": 0,
             "event_handle": None, "event_sync": False}
@@ -233,7 +233,7 @@ def test_colocated_run_on_cpu(tmp_path):
     assert f"cost model 0.500 s, simulator 0.600 s, measured {step:.3f} s" in text, text
     assert "balanced" in text and "trajectory accounting balances: MET" in text, text
     assert "wall time <= 240 s: NOT MET" in text and not met
-    lag0 = sum(r["logprob_mismatch_tokens"] for r in rows)  # issue 42: reported; ~0 on CPU (fp32 both sides)
+    lag0 = sum(r["logprob_mismatch_tokens"] for r in rows)  # the lag-0 mismatch: reported; ~0 on CPU (fp32 both sides)
     assert (f"log-prob mismatch |behaviour - proximal| over {lag0} lag-0 tokens" in text if lag0
             else "no lag-0 tokens measured" in text), text
 

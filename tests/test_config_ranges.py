@@ -1,4 +1,4 @@
-"""Configs that lie (issue 44, items 4 and 6): one typed reader of config.json for the planner,
+"""Configs that lie: one typed reader of config.json for the planner,
 hexrl.main and hexrl.generate, and one numeric-range rule (hexrl.ranges) for every number read."""
 import dataclasses
 import json

@@ -1,4 +1,4 @@
-"""Prebuilt FlashInfer modules (issue 42 item 2): FlashInfer's own lookup (`JitSpec.build_and_load` with JIT
+"""Prebuilt FlashInfer modules: FlashInfer's own lookup (`JitSpec.build_and_load` with JIT
 disabled) finds every module the GPU runs need in the carried AOT directory, by FlashInfer's own names and
 paths, so nothing compiles on the device. Needs flashinfer-python 0.5.3 (it imports on CPU torch; the
 `gpu` extra, or `pip install --no-deps flashinfer-python==0.5.3 apache-tvm-ffi==0.1.15.post2`)."""

@@ -1,6 +1,6 @@
 """The rollout's fused kernels (hexrl/model/ops.py): the torch path against float64 references on CPU,
 FlashInfer against the torch path on a GPU (`-m gpu`), and the CPU proxy for the decode step's cost:
-weight GEMMs per layer (issue 34: at most 4; the split layout takes 7)."""
+weight GEMMs per layer (at most 4; the split layout takes 7)."""
 import pytest
 import torch
 import torch.nn.functional as F

@@ -1,6 +1,6 @@
-"""tools/device/gpu_check.sh without a GPU (issue 42 item 4, issue 45 item 5): the rehearsal walks both device calls'
+"""tools/device/gpu_check.sh without a GPU: the rehearsal walks both device calls'
 stages in their smallest CPU forms and leaves gpu_results.json; without CUDA the real run refuses in one
-line; the results parsers read the lines the GPU tools print (the 2026-11-26 H100 log's formats)."""
+line; the results parsers read the lines the GPU tools print (the formats of a real H100 log)."""
 from __future__ import annotations
 
 import json

@@ -1,4 +1,4 @@
-"""Files that are not what they claim (issue 44, item 7): one guard, hexrl.input_files, for every
+"""Files that are not what they claim: one guard, hexrl.input_files, for every
 input file: FIFOs and other non-regular files, truncated gzip, deep nesting, NaN."""
 import gzip
 import json

@@ -4,8 +4,11 @@ top level, one meaning of `ctx`, the torch.distributed store helpers usable with
 depending on the package, never the reverse, with no edits of sys.path anywhere."""
 import ast
 import configparser
+import io
+import re
 import subprocess
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -316,3 +319,41 @@ def test_pytest_ini_puts_no_folder_on_the_path():
     """Tests reach tools' scripts as `tools.bench.bench_rollout`, not by file name through pytest's pythonpath."""
     assert pythonpath("[pytest]\ntestpaths = tests\npythonpath = tools tools/bench\n") == ["tools", "tools/bench"]
     assert pythonpath((ROOT / "pytest.ini").read_text()) == []
+
+
+ISSUE_NUMBER = re.compile(r"\bissues?\s*#?\s*\d+", re.IGNORECASE)
+STATEMENT_START = {tokenize.NEWLINE, tokenize.NL, tokenize.INDENT, tokenize.DEDENT, tokenize.ENCODING}
+
+
+def issue_references(source: str) -> list[int]:
+    """Lines of the comments and docstrings (strings standing alone as a statement) that name an issue
+    number. A reader needs what the code does and why; the history belongs in docs/."""
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    lines = [t.start[0] for t in tokens if t.type == tokenize.COMMENT and ISSUE_NUMBER.search(t.string)]
+    code = [t for t in tokens if t.type != tokenize.COMMENT]
+    for before, tok, after in zip([None, *code], code, [*code[1:], None]):
+        alone = (before is None or before.type in STATEMENT_START) and (
+            after is None or after.type in (tokenize.NEWLINE, tokenize.ENDMARKER))
+        if tok.type == tokenize.STRING and alone:
+            lines += [tok.start[0] + tok.string[:m.start()].count("\n") for m in ISSUE_NUMBER.finditer(tok.string)]
+    return sorted(set(lines))
+
+
+def test_issue_references_are_found_in_comments_and_docstrings_only():
+    source = ('"""Module (issue 47)."""\n'
+              'x = 1  # see Issue #12\n'
+              'def f():\n'
+              '    """What f does.\n\n    Item 3 of issues 35."""  # a comment after it\n'
+              '    return "issue 44"  # a string the code uses is not documentation\n'
+              'class C:\n'
+              '    # the issue tracker says what happened; no number here\n'
+              '    y = "issue 9"\n')
+    assert issue_references(source) == [1, 2, 6]
+
+
+def test_no_comment_or_docstring_names_an_issue_number():
+    """Comments and docstrings in the package, kernels, tools and tests say what the code does and why;
+    study history and the issues behind a change go to docs/ (docs/README.md indexes it)."""
+    found = [f"{path.relative_to(ROOT)}:{line}" for folder in [*CODE_DIRS, ROOT / "tests"]
+             for path in sorted(folder.rglob("*.py")) for line in issue_references(path.read_text())]
+    assert found == [], "comments and docstrings name issue numbers:\n" + "\n".join(found)

@@ -48,7 +48,7 @@ MATH_CASES = [
     ("$\\boxed{3.0}$", "3", 1.0),
     (f"{B}{{\\left(1, 2\\right)}}", "(1,2)", 1.0),
     (f"{B}{{(0.5, 2)}}", "(\\frac{1}{2}, 2)", 1.0),  # tuples compare element-wise
-    (f"first {B}{{3}} then {B}{{4}}", "4", 0.0),  # two different boxes are a hedge (issue 35)
+    (f"first {B}{{3}} then {B}{{4}}", "4", 0.0),  # two different boxes are a hedge
     (f"first {B}{{4}} then {B}{{4}}", "4", 1.0),  # the same box twice is one answer
     (f"{B}{{\\frac{{\\sqrt{{3}}}}{{2}}}}", "\\frac{\\sqrt3}{2}", 1.0),  # nested braces
     (f"{B}{{\\sqrt{{3}}/2}}", "\\frac{\\sqrt{3}}{2}", 1.0),
@@ -124,7 +124,7 @@ def test_answers_match_is_symmetric_and_reflexive_on_random_latex():
 
 
 @pytest.mark.parametrize("completion,answer,expected", [
-    (f"{B}{{1}} or {B}{{2}}", "2", 0.0),  # issue 35, item 3: a hedge earns nothing
+    (f"{B}{{1}} or {B}{{2}}", "2", 0.0),  # a hedge earns nothing
     (f"It is {B}{{3}}, {B}{{5}}, {B}{{7}}, or {B}{{2}}", "2", 0.0),
     (f"{B}{{2}} or maybe {B}{{1}}", "2", 0.0),
     (f"first {B}{{2}}, so again {B}{{2}}", "2", 1.0),  # one answer repeated still scores
@@ -307,7 +307,7 @@ def test_reward_fn_by_name():
         reward_fn_by_name("poetry")
 
 
-HEDGES_IN_ONE_BOX = [  # issue 44, item 9: (completion, reference) pairs that scored 1.0 before
+HEDGES_IN_ONE_BOX = [  # (completion, reference) pairs: a hedge inside one box scores 0
     (r"\boxed{2\text{ (or 3)}}", "2"), (r"\boxed{2\mbox{ or 3}}", "2"), (r"\boxed{2 \ \text{(maybe 3)}}", "2"),
     (r"\boxed{2 \text{ (3 also works)}}", "2"), (r"\boxed{2 \operatorname{or} 3}", "3"),  # text and mbox tails
     (r"\boxed{2 \lor 3}", "3"), (r"\boxed{2 \vee 3}", "3"), (r"\boxed{2 ∨ 3}", "3"),  # logical or
@@ -335,7 +335,7 @@ def test_a_list_against_a_list_still_scores(completion, answer):
     assert math_reward(completion, answer) == 1.0
 
 
-@pytest.mark.parametrize("completion,answer", [  # issue 44, item 10: correct answers that scored 0
+@pytest.mark.parametrize("completion,answer", [  # correct answers as repeating decimals or wrapped in text with a unit
     (r"\boxed{0.\overline{3}}", r"\frac{1}{3}"), (r"\boxed{\frac{1}{3}}", r"0.\overline{3}"),
     (r"\boxed{0.1\overline{6}}", r"\frac16"), (r"\boxed{1.\overline{142857}}", r"\frac{8}{7}"),
     (r"\boxed{-0.\bar{3}}", "-1/3"), (r"\boxed{\text{5 dollars}}", "5"), (r"\boxed{\textbf{12 inches}}", "12"),

@@ -92,7 +92,7 @@ def whole_function(record: dict) -> str:
 
 @pytest.mark.parametrize("task", ["HumanEval/0", "HumanEval/10", "HumanEval/32", "HumanEval/38"])
 def test_a_whole_function_has_the_prompts_imports_and_helpers_in_scope(task):
-    """Issue 44, item 12: /0 needs the prompt's `from typing import List`, /10 calls the prompt's
+    """/0 needs the prompt's `from typing import List`, /10 calls the prompt's
     is_palindrome, /32 (judged) needs `import math` and the helper poly, /38 the helper encode_cyclic."""
     import gzip
     with gzip.open(humaneval_path(), "rt") as f:
@@ -106,9 +106,8 @@ def test_a_whole_function_has_the_prompts_imports_and_helpers_in_scope(task):
 
 
 def test_every_documented_conversion_loads_back(tmp_path):
-    """Issue 44, item 13: `python -m hexrl.data.code_data humaneval OUT` wrote records that
-    data.path with kind code refused ("neither HumanEval nor MBPP"); now every conversion round-trips
-    through what the trainer calls."""
+    """Every conversion `python -m hexrl.data.code_data` writes (e.g. `humaneval OUT`) loads back
+    through what the trainer calls as data.path with kind code."""
     import subprocess
     import sys
     out = tmp_path / "humaneval.jsonl"

@@ -260,11 +260,11 @@ def test_the_secrets_attack_is_real_without_the_sandbox(host):
     assert code_reward(program, TESTS["plain"]) == 0.0
 
 
-# ----------------------------------------------------------------------------- issue 35 (reliability, round 3)
+# ----------------------------------------------------------------------------- hostile solutions and tests (docs/reliability.md)
 
 
 def test_a_solution_named_like_a_builtin_is_the_one_tested():
-    """The judge calls the solution's `round`, not the builtin it shadows (issue 35, item 1)."""
+    """The judge calls the solution's `round`, not the builtin it shadows."""
     test = "assert round(2.675, 2) == 2.67 or round(2.675, 2) == 2.68"
     assert code_reward("def round(x, n=0):\n    return 'garbage'", [test]) == 0.0
     assert code_reward("def round(x, n=0):\n    return 2.68", [test]) == 1.0
@@ -281,7 +281,7 @@ def test_a_solution_named_like_a_builtin_is_the_one_tested():
                                           ("{(1, True)}", "{(1, 1)}"),
                                           ("{1: {False}}", "{1: {0}}"), ("[{0.0: 1}]", "[{0: 1}]")])
 def test_type_strict_inside_set_elements_and_dict_keys(got, expected):
-    """Item 2: "type-strict all the way down" includes set elements and dict keys."""
+    """Type-strict all the way down: that includes set elements and dict keys."""
     assert code_reward(f"def f():\n    return {got}", [f"assert f() == {expected}"]) == 0.0
     assert code_reward(f"def f():\n    return {expected}", [f"assert f() == {expected}"]) == 1.0
 
@@ -302,7 +302,7 @@ def test_strict_equal_matches_sets_and_dicts_by_type_and_value():
     "assert inc(1) == (2",  # does not parse
 ])
 def test_a_test_string_that_is_not_one_assert_is_refused(test):
-    """Item 4: never a silent 0 for a malformed test; the error points to the converter."""
+    """Never a silent 0 for a malformed test; the error points to the converter."""
     with pytest.raises(ValueError, match=r"hexrl\.data\.code_data\.humaneval_tests"):
         code_reward("def inc(x):\n    return x + 1", [test])
 
@@ -322,9 +322,8 @@ def f(*a):
 
 
 def test_protocol_flood_is_bounded_by_the_timeout():
-    """Item 5: hash-colliding integers written straight onto the protocol pipe cost the parent a
-    bounded decode, and the call ends within timeout_s plus a few seconds (before the fix, one
-    flooded 1 MB reply took 6 to 12 s to decode on the 2-core CI machine)."""
+    """Hash-colliding integers written straight onto the protocol pipe cost the parent a bounded
+    decode, and the call ends within timeout_s plus a few seconds."""
     flood = {}
     exec(FLOOD, flood)
     assert 1_000_000 < len(flood["LINE"]) < Limits().output_bytes  # one line as long as a reply may be
@@ -344,7 +343,7 @@ def test_reply_decoding_bounds_sizes():
 
 
 def test_the_leak_scan_ignores_other_jobs_sandboxes():
-    """Item 11: a sandbox of another job on the machine (not started by this test run) is not a leak."""
+    """A sandbox of another job on the machine (not started by this test run) is not a leak."""
     script = "import time; time.sleep(60)"
     # double fork through a shell that exits: the stand-in is reparented away from this process
     _adopt_orphans(False)
@@ -368,7 +367,7 @@ def test_the_leak_scan_ignores_other_jobs_sandboxes():
 
 
 CHECK = "def check(candidate):\n    assert candidate(1) == 2\n"
-CANNOT_JUDGE = {  # issue 44, item 11: tests that scored every completion 1.0 (or every solution 0)
+CANNOT_JUDGE = {  # tests that would score every completion 1.0 (or every solution 0)
     "empty entry point": {"check": CHECK, "entry_point": "", "setup": ""},
     "blank entry point": {"check": CHECK, "entry_point": " ", "setup": ""},
     "entry point not a name": {"check": CHECK, "entry_point": "inc(", "setup": ""},

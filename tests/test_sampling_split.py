@@ -168,9 +168,9 @@ def test_every_split_kernel_compiles_for_sm90_without_a_gpu():
 
 
 def test_one_engine_start_compiles_each_split_kernel_variant_once_not_per_batch_size():
-    """Issue 42: with B and `it` unspecialised, the 286 sampler launches of one engine start's graph
-    capture (13 sizes x plain and filtered heads) are 10 Triton variants, by Triton's own specialisation
-    rule (33 before: one per value class of B and it). The real sm_90 build of those is
+    """With B and `it` unspecialised, the 286 sampler launches of one engine start's graph capture
+    (13 sizes x plain and filtered heads) are 10 Triton variants, by Triton's own specialisation rule
+    (specialised, there would be one per value class of B and it). The real sm_90 build of those is
     `TRITON_INTERPRET=0 python tools/device/compile_sm90.py --engine-start --compile`."""
     pytest.importorskip("triton.backends.compiler")
     from tools.device import compile_sm90

@@ -1,4 +1,4 @@
-"""The job's channel secret never crosses the torchrun store (issue 44, item 1)."""
+"""The job's channel secret never crosses the torchrun store."""
 import os
 import stat
 import subprocess

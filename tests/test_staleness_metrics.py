@@ -1,4 +1,4 @@
-"""The staleness study's per-step metrics (issue 36), each against an independent reference:
+"""The staleness study's per-step metrics, each against an independent reference:
 the trained tokens' staleness histogram (by hand; it adds up to the trained token count), the
 importance weights' spread and the cap's share (a float64 forward per sequence), the policy
 change between versions (float64 KL of two separately loaded models; 0 for the same weights),
@@ -107,7 +107,7 @@ def test_importance_weight_spread_and_cap_share_match_a_float64_forward(tmp_path
 
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_logprob_mismatch_is_measured_over_lag0_tokens_only(tmp_path, decoupled):
-    """Issue 42: |behaviour - proximal| over the tokens the step's own starting weights generated. Lag-0
+    """The log-prob mismatch is |behaviour - proximal| over the tokens the step's own starting weights generated. Lag-0
     behaviour log-probs are the model's (float64) plus a known offset; stale tokens get a large one that
     must not count. Without a proximal pass (naive PPO) the first mini-batch's θ log-probs stand in."""
     path = make_tiny_model(tmp_path / "m", layers=2, tie=False)
@@ -334,8 +334,7 @@ class Zeros(dict):
 def test_untimed_work_runs_before_the_rollout_hears_of_the_new_version(monkeypatch, tmp_path):
     """The KL probe and the held-out evaluation are kept out of wall_s. Were they run after the new
     version is published, a synchronous run's rollout would generate its next batch in that uncounted
-    time (the study measured eta=0 waiting 0.06 s after an evaluation step against 0.30 s otherwise),
-    which flatters eta=0's wall time against any eta > 0. So they run first."""
+    time, which flatters eta=0's wall time against any eta > 0. So they run first."""
     from types import SimpleNamespace as NS
 
     import hexrl.train.trainer_rank as worker
@@ -368,7 +367,7 @@ def test_gpu_log_w_counts_match_the_cpu_counts():
 
 
 def test_paired_gaps_match_seeds_and_carry_a_t_interval(tmp_path):
-    """Issue 47: the study's claims rest on per-seed differences, so the interval is a t-interval over those
+    """The study's claims rest on per-seed differences, so the interval is a t-interval over those
     differences (seeds matched by number, not by position), and a seed without its pair counts for nothing."""
     from tools.experiments import staleness_study as st
 
@@ -431,7 +430,7 @@ def test_the_study_detaches_with_one_flag_and_logs_to_its_directory(tmp_path, ca
 
 def test_a_lag_scaled_configuration_is_parsed_named_and_paired_with_its_plain_one(tmp_path, capsys):
     """LR:ETA:OBJ:LAG runs rl.lr_lag_scale = LAG; the report sets it against eta=0 and against the same
-    configuration without the scale (item 3 of issue 47)."""
+    configuration without the scale."""
     import argparse
 
     from tools.experiments import staleness_study as st

@@ -1,4 +1,4 @@
-"""The helpers of tools/gpu_e2e.sh (one GPU runs the whole loop, issue 33).
+"""The helpers of tools/gpu_e2e.sh (one GPU runs the whole loop: rollout, training, weight sync).
 
     python tools/one_gpu.py gpu                                # this machine's catalogue GPU type
     python tools/one_gpu.py job CONFIG RUN_DIR GPU_TYPE        # RUN_DIR/job.json: the config on this GPU
@@ -8,7 +8,7 @@
 accounting), the measured step time (wall time after WARMUP steps, evaluation excluded, the last
 step and its final checkpoint left out), decode tokens/s, trainer MFU, weight-sync seconds, and
 the step time `python -m hexrl.plan simulate` predicted (RUN_DIR/simulate.json) beside the
-measured one, then each of the issue's targets with its verdict.
+measured one, then each target of the one-GPU run (`checks`) with its verdict.
 """
 from __future__ import annotations
 
@@ -144,7 +144,7 @@ def mismatch_line(rows: list[dict]) -> str:
 
 
 def checks(run: Path, rows: list[dict], step: float | None, total_s: float | None) -> list[tuple[str, bool, str]]:
-    """(target, met, detail) for each of the issue's targets."""
+    """(target, met, detail) for each target of the one-GPU run."""
     evals, sim = read_evals(run), _read_json(run / "simulate.json")
     gain = evals[-1]["heldout_accuracy"] - evals[0]["heldout_accuracy"] if len(evals) > 1 else None
     last, parts = rows[-1], ("trained", "filtered", "dropped", "pending")

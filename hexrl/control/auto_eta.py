@@ -1,4 +1,4 @@
-"""rl.eta = "auto": the staleness bound, chosen again after every trainer step (issue 47).
+"""rl.eta = "auto": the staleness bound, chosen again after every trainer step (docs/staleness.md).
 
 More lag buys throughput only while the trainer waits for generation, and it costs accuracy as the
 stale tokens' importance weights w = exp(prox - behav) spread (their std, `w_std`; docs/staleness.md).
@@ -11,15 +11,14 @@ keeps the spread under the target, `afford` = floor(target / s), then:
 
 "Keeps waiting": this step's share of wait in wait + training, and the median share over the last
 WINDOW steps, are both over WAIT_FRAC. A lone slow batch must not buy lag, since nothing takes lag back
-unless the spread is over its target (the first study's auto runs at eta 1 waited 10-35% on 12-19 of
-400 steps, under 1% on the rest, and each such step moved the bound up); a generator that is really
-too slow makes most steps wait.
+unless the spread is over its target (a rule that climbed on any waiting step drifted up on a few
+noisy ones; see docs/staleness.md); a generator that is really too slow makes most steps wait.
 
 always within [1, eta_max]: at eta 0 no token is stale and nothing would measure the spread again.
 s is this step's w_std over the root mean square of its trained tokens' lags (w's std at lag k taken
 as k * s, so a mix of lags 0 and 1 is not mistaken for a larger spread at lag 1), smoothed over steps.
-The study measured w's std growing a little slower than the lag (0.086, 0.137, 0.230 at eta 1, 2, 4;
-docs/staleness.md), so predicting larger lags from smaller ones errs on the side of accuracy.
+w's std grows a little slower than the lag (measured in docs/staleness.md), so predicting larger lags
+from smaller ones errs on the side of accuracy.
 A signal that is not a finite number (a NaN w_std, a NaN or infinite wait) is no evidence: the spread
 estimate stays as it was and the step counts as one that did not wait.
 The runtime (hexrl/control/controller.py) and the simulator (hexrl/plan/simulate.py) both run it.

@@ -1,11 +1,11 @@
-"""Decode step time with and without issue 34's fused weights and FlashInfer kernels, side by side.
+"""Decode step time with and without the fused weights and FlashInfer kernels, side by side.
 
     python -m tools.bench.bench_fused                       # CUDA: 1.5B shape, bf16, batch 1/64/256, context ~1k
     python -m tools.bench.bench_fused --batch 1 --context 256
 
 Three variants of one random model, each point measured for all three in turn (same process, same
 engine settings as bench_kernels' decode grid, CUDA graphs on):
-  * split:        q/k/v and gate/up as separate weights, torch norms/RoPE/SiLU/KV write (before the issue);
+  * split:        q/k/v and gate/up as separate weights, torch norms/RoPE/SiLU/KV write (no fusion);
   * fused, torch: fused qkv and gate_up weights (4 weight GEMMs per layer), torch elementwise ops;
   * fused, FI:    fused weights and FlashInfer's fused add+RMSNorm, RoPE, SiLU-and-mul and KV append.
 The engine fuses whatever model it is given; a no-op `fuse` keeps the split layout for the first column.

@@ -1,4 +1,4 @@
-"""FlashInfer's kernels for sm_90 (H100, H200) built ahead of time on a CPU machine (issue 42).
+"""FlashInfer's kernels for sm_90 (H100, H200) built ahead of time on a CPU machine, so a GPU run compiles none.
 
     python tools/device/flashinfer_aot.py list           # the modules the GPU runs load, by FlashInfer's own names
     python tools/device/flashinfer_aot.py build AOT_DIR  # compile them (CUDA_HOME: pip's nvcc): AOT_DIR/<name>/

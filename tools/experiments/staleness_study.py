@@ -1,4 +1,4 @@
-"""The staleness study (issue 36): what does eta=4 cost against eta=0, and why? One command.
+"""The staleness study: what does eta=4 cost against eta=0, and why? One command.
 
     python -m tools.experiments.staleness_study OUT --docs docs/studies/staleness-price  # eta 0, 4 decoupled, 4 naive
     python -m tools.experiments.staleness_study OUT --configs 2.5e-4:0:decoupled 2.5e-4:4:decoupled --seeds 2
@@ -12,13 +12,13 @@ rollout rank, each pinned to its own core with one thread, held-out accuracy eve
 `--eval-every` steps. Each run also writes the per-step staleness metrics (hexrl/train/trainer_rank.py):
 the trained tokens' lag histogram, the importance weights' spread, the cap's and the clip's
 shares, the share of groups filtered for equal rewards, and (rl.policy_kl_probe) the KL between
-consecutive policy versions on fixed held-out answers. OUT/staleness.md (tables, the issue's
+consecutive policy versions on fixed held-out answers. OUT/staleness.md (tables, the study's
 targets for each learning rate with an eta=0 run) and OUT/staleness.png (curves); `--docs DIR`
 copies them to DIR/staleness-study.md and .png. Finished runs are reused, so an interrupted
 study resumes, and a re-run with more configurations only adds what is missing; a second invocation
 on the same OUT waits for the first (OUT/.study.lock), so configurations can be queued.
 
-Paired (issue 47): every configuration of a seed shares the warm start (OUT/model), the prompt order
+Paired: every configuration of a seed shares the warm start (OUT/model), the prompt order
 and the sampling noise (rl.seed: hexrl/control/dataset.py, the controller's per-group seeds); the
 report checks that each pair's job.json differ in nothing else, and gives every configuration's
 per-seed difference to eta=0 at its learning rate (OUT/paired.md, DIR/staleness-paired.md): the gap
@@ -159,7 +159,7 @@ def aggregate(name: str, stats: list[dict]) -> dict:
 
 
 def targets(rows: dict[str, dict], lrs: list[float]) -> list[str]:
-    """The issue's targets, for every learning rate that has eta=0 and eta=4 decoupled runs."""
+    """The study's targets, for every learning rate that has eta=0 and eta=4 decoupled runs."""
     lines = []
     for x in lrs:
         sync, dec, naive = (rows.get(name_of(x, "0", True)), rows.get(name_of(x, "4", True)),
@@ -241,7 +241,7 @@ def tables(rows: list[dict]) -> str:
         lines.append(f"| {r['name']} | " + " | ".join(fmt(r["acc_by_step"][s]) for s in steps) + " |")
     return "\n".join(lines)
 
-# ----------------------------------------------------------------------------- paired differences (issue 47)
+# ----------------------------------------------------------------------------- paired differences
 
 # Student's t 97.5% quantiles for 1 .. 30 degrees of freedom (a table: no scipy dependency for 30 numbers)
 T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
@@ -305,7 +305,7 @@ def ci(t: dict | None, f: str = ".1f", of: int | None = None) -> str:
 def paired_report(stats: dict[str, list[dict]], runs: dict[str, list[Path]]) -> tuple[str, dict]:
     """The paired table: every configuration against eta=0 at its learning rate (and objective), auto
     against eta=4 for throughput, a lag-scaled step against its configuration without one; then the
-    issue's targets read off the intervals."""
+    study's targets read off the intervals."""
     rows, data, bad = [], {}, []
     for name in stats:
         lr_, eta, obj = name.split("-eta")[0][2:], name.split("-eta")[1].split("-")[0], name.rsplit("-", 1)[1]
@@ -350,7 +350,7 @@ def paired_report(stats: dict[str, list[dict]], runs: dict[str, list[Path]]) -> 
 
 
 def paired_targets(data: dict) -> list[str]:
-    """Issue 36's targets for eta=4 (within 2 points, <= 0.7x the wall time) and issue 47's for auto (within 1 point
+    """The study's targets for eta=4 (within 2 points, <= 0.7x the wall time) and for auto (within 1 point
     with the interval, >= 90% of eta=4's traj/s, <= 0.7x eta=0's wall time), each judged on the interval's bound."""
     out = []
     for key, d in data.items():
