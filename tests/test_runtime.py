@@ -41,11 +41,11 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     for r in rows:
         assert all(k in r for k in REQUIRED), r
         assert r["max_staleness"] <= 1  # eta
-        # the staleness study's metrics (issue 36; each checked against a reference in test_staleness_metrics.py)
+        # the staleness metrics (each checked against a reference in test_staleness_metrics.py)
         assert sum(r["token_staleness_hist"].values()) == r["tokens_trained"] > 0
         assert set(r["token_staleness_hist"]) <= {"0", "1"} and r["policy_kl"] >= 0
         assert r["w_p05"] <= r["w_p50"] <= r["w_p95"] and r["w_std"] >= 0
-        # issue 42: the same weights on both sides in float32 on CPU: the lag-0 mismatch is ~0
+        # the same weights on both sides in float32 on CPU: the lag-0 mismatch is ~0
         assert r["logprob_mismatch_tokens"] == 0 or r["logprob_mismatch_p99"] <= 1e-4, r
         assert r["equal_reward_share"] in (0.0, None)  # None: no group completed during the step
         # every trajectory produced is trained, filtered or dropped (or still pending)

@@ -254,8 +254,8 @@ class Controller:
 
     def _receive(self, timeout_s: float) -> None:
         # drain everything waiting before dispatching again: replacements for filtered groups then go
-        # out together and the engine admits them in one batch (capping this at 64 messages made
-        # batches 30% smaller and eta=1 steps 4-7% slower, measured side by side)
+        # out together and the engine admits them in one batch (a capped drain made batches smaller and
+        # steps slower; docs/learning.md)
         got = self.router.recv(timeout_s)
         while got is not None:
             self._handle(*got)
