@@ -274,7 +274,7 @@ class RLSpec:
     # which weights give the proximal log-probs: the step's (AReaL's) or each mini-batch's own (an ablation)
     proximal: str = "step"
     behav_cap: float = 5.0
-    # a token generated k versions ago gets a step 1 / (1 + lr_lag_scale * k) times as large; 0 = off (docs/staleness.md)
+    # a token k versions old gets a step 1 / (1 + lr_lag_scale * k) times as large; 0 = off (docs/staleness.md)
     lr_lag_scale: float = 0.0
     kl_coef: float = 0.0
     filter_equal_groups: bool = True
