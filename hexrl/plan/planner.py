@@ -4,7 +4,8 @@ or fills in a user-fixed layout) and writes ranks, trainer grid, replicas and pr
 from hexrl.plan import baselines, colocate, fixed, partition
 from hexrl.plan.budget import affordable_subsets
 from hexrl.plan.candidate import Candidate, Evaluator
-from hexrl.plan.cost import BYTES_PER_PARAM_TRAIN, CostModel
+from hexrl.plan.cost import CostModel
+from hexrl.plan.cost_train import BYTES_PER_PARAM_TRAIN
 from hexrl.plan.knobs import replica_knobs, train_knobs
 from hexrl.plan.progress import quiet
 from hexrl.schema import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout

@@ -42,41 +42,42 @@ class Mutation:
         return self.function.split(":")[1]
 
 
-COST, SIM, LENGTHS = "hexrl.plan.cost:CostModel.", "hexrl.plan.simulate:", "hexrl.plan.lengths:"
+TRAIN, ROLLOUT = "hexrl.plan.cost_train:TrainCost.", "hexrl.plan.cost_rollout:RolloutCost."
+SIM, LENGTHS = "hexrl.plan.simulate:", "hexrl.plan.lengths:"
 HAND = "tests/test_simulate.py::test_synchronous_step_matches_hand_computation"
 MUTATIONS = [
-    Mutation("prefill_attention_x0.5", COST + "prefill_s", "self.attn_flops_per_pos() * context\n",
+    Mutation("prefill_attention_x0.5", ROLLOUT + "prefill_s", "self.attn_flops_per_pos() * context\n",
              "self.attn_flops_per_pos() * context * 0.5\n",
              (HAND, "tests/test_bench_tools.py::test_calibration_recovers_known_efficiencies",
               "tests/test_plan_cost.py::test_prefill_prices_linears_and_causal_attention")),
-    Mutation("kv_batch_is_1", COST + "max_decode_batch",
+    Mutation("kv_batch_is_1", ROLLOUT + "max_decode_batch",
              "return int(min(self.decode_batch_cap, room // (kv * self.w.ctx_decode)))",
              "return 1", ("tests/test_plan_cost.py::test_kv_capacity_fits_memory",)),
-    Mutation("decode_attention_x2", COST + "decode_coeffs",
+    Mutation("decode_attention_x2", ROLLOUT + "decode_coeffs",
              "c = max(self.kv_bytes_per_token(tp) / bw, self.attn_flops_per_pos() / peak)",
              "c = 2 * max(self.kv_bytes_per_token(tp) / bw, self.attn_flops_per_pos() / peak)",
              (HAND, "tests/test_plan_cost.py::test_decode_attention_reads_the_kv_cache",
               "tests/test_plan_cost.py::test_decode_attention_flops_bind_with_one_kv_head")),
     Mutation("expected_max_x1.04", LENGTHS + "LengthDist.expected_max", "return out\n", "return out * 1.04\n",
              ("tests/test_plan_lengths.py::test_expected_max_against_a_monte_carlo_and_the_tail_sum",)),
-    Mutation("slowest_of_m_sqrt_0.5_ln_m", COST + "_one_wave", "sd * math.sqrt(2 * math.log(len(active)))",
+    Mutation("slowest_of_m_sqrt_0.5_ln_m", ROLLOUT + "_one_wave", "sd * math.sqrt(2 * math.log(len(active)))",
              "sd * math.sqrt(0.5 * math.log(len(active)))",
              ("tests/test_plan_wave.py::test_the_slowest_replica_against_a_monte_carlo_of_its_draws",)),
     Mutation("controller_work_x0.01", SIM + "Simulation.arrive", "self.control_debt += work\n",
              "self.control_debt += work * 0.01\n",
              ("tests/test_simulate.py::test_controller_work_takes_the_trainers_core_only_while_it_trains",)),
     # beyond the table: the other terms the hand tests pin
-    Mutation("decode_weights_read_x0.5", COST + "decode_fixed_s", "np.maximum(2 * n / tp / bw,",
+    Mutation("decode_weights_read_x0.5", ROLLOUT + "decode_fixed_s", "np.maximum(2 * n / tp / bw,",
              "np.maximum(n / tp / bw,",
              (HAND, "tests/test_plan_cost.py::test_decode_reads_the_weights_once_and_multiplies_them_per_sequence")),
-    Mutation("kv_not_replicated_past_kv_heads", COST + "kv_bytes_per_token",
+    Mutation("kv_not_replicated_past_kv_heads", ROLLOUT + "kv_bytes_per_token",
              "self.m.kv_bytes_per_token() / min(tp, self.m.num_key_value_heads)",
              "self.m.kv_bytes_per_token() / tp",
              ("tests/test_plan_cost.py::test_decode_attention_reads_the_kv_cache",
               "tests/test_plan_cost.py::test_kv_capacity_fits_memory")),
-    Mutation("train_without_proximal_forward", COST + "_passes", "return 3 + self.w.extra_fwd + int(recompute)",
+    Mutation("train_without_proximal_forward", TRAIN + "_passes", "return 3 + self.w.extra_fwd + int(recompute)",
              "return 3 + int(recompute)", (HAND, "tests/test_plan_cost.py::test_training_flops_and_time_by_hand")),
-    Mutation("train_attention_x0.5", COST + "__init__", "4 * q_dim * self.w.ctx_attn", "2 * q_dim * self.w.ctx_attn",
+    Mutation("train_attention_x0.5", TRAIN + "__init__", "4 * q_dim * w.ctx_attn", "2 * q_dim * w.ctx_attn",
              (HAND, "tests/test_plan_cost.py::test_training_flops_and_time_by_hand",
               "tests/test_bench_tools.py::test_calibration_recovers_known_efficiencies")),
 ]
