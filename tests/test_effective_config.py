@@ -9,7 +9,8 @@ from runtime_utils import ROOT, torchrun, wait_for, write_job
 from test_plan import hetero_job
 
 from hexrl.model.tiny import make_tiny_model
-from hexrl.plan.cost import MIN_MICRO_TOKENS, CostModel
+from hexrl.plan.cost import CostModel
+from hexrl.plan.cost_inputs import MIN_MICRO_TOKENS
 from hexrl.plan.planner import plan_candidate, plan_job
 from hexrl.schema import ConfigError, load_job, load_plan
 from hexrl.train import TrainConfig
@@ -139,12 +140,12 @@ def ranks_running(plan_path: str) -> list[int]:
 
 def test_dp_all_reduce_is_costed_in_the_dtype_the_trainer_reduces_in():
     cm = CostModel(load_job(long_job(4096)))
-    assert cm.grad_reduce_bytes == 4  # plan.trainer.grad_reduce_dtype == "float32"
+    assert cm.train.grad_reduce_bytes == 4  # plan.trainer.grad_reduce_dtype == "float32"
     args = ("H800", 2, 4, 1, 0, 1, None, False)  # tp 2, dp 4, one stage, all on one node
-    fp32 = cm._stage_coeffs(*args).per_layer
+    fp32 = cm.stage_coeffs(*args).per_layer
     cm = CostModel(load_job(long_job(4096)))  # a fresh one: the model caches its stage times
-    cm.grad_reduce_bytes = 2
-    bf16 = cm._stage_coeffs(*args).per_layer
+    cm.train.grad_reduce_bytes = 2
+    bf16 = cm.stage_coeffs(*args).per_layer
     nvlink = cm.cluster.intra_GBps("H800") * 1e9  # ring all-reduce: 2 (dp - 1) / dp of the bytes, per minibatch
     extra = cm.w.minibatches * 2 * 3 / 4 * (4 - 2) / 2 / nvlink * cm.layer_params
     assert fp32 - bf16 == pytest.approx(extra, rel=1e-9)

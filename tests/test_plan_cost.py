@@ -4,13 +4,16 @@ hand arithmetic, brute-force enumeration, or the full cost model (for the lower 
 import itertools
 import json
 import random
+from dataclasses import replace
 
 import pytest
 
 from hexrl.gpus import PAPER_DECODE_FACTOR, SHIPPED_PROFILES, gpu, read_profile
 from hexrl.plan import train_search
 from hexrl.plan.candidate import Evaluator
-from hexrl.plan.cost import MAX_DECODE_BATCH, CostModel, StageCoeffs
+from hexrl.plan.cost import CostModel
+from hexrl.plan.cost_rollout import MAX_DECODE_BATCH
+from hexrl.plan.cost_train import StageCoeffs
 from hexrl.plan.partition import lower_bounds, split_grid
 from hexrl.plan.placement import FreeClass, free_classes, train_per_node
 from hexrl.plan.rollout_milp import _columns, _solve
@@ -231,6 +234,18 @@ def test_kv_capacity_fits_memory():
     assert short.max_decode_batch("H800", 1) == MAX_DECODE_BATCH  # the engine's cap binds first
 
 
+def test_the_rooms_share_the_memory_split_and_a_swapped_workload():
+    """A colocated split (hexrl/plan/shared_gpu.py) caps both rooms, and a probe's workload
+    (tools/bench/compare_cost_model.py swaps it before pricing) reaches every room."""
+    cm = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
+    alone = cm.stage_coeffs("H20", 1, 1, 1, 0, 1, None, False).max_layers
+    cm.share_memory({"train": 0.5 * cm.usable_bytes("H20"), "rollout": 2 * cm.m.num_params + 1e9})
+    assert cm.stage_coeffs("H20", 1, 1, 1, 0, 1, None, False).max_layers < alone
+    assert cm.max_decode_batch("H20", 1) == 1e9 // (KV_BYTES * cm.w.ctx_decode)
+    cm.w = replace(cm.w, micro_tokens=10 ** 9)
+    assert cm.train.microbatches(1) == 1 and cm.rollout.w is cm.w and cm.sync.w is cm.w
+
+
 def test_layer_assignment_matches_brute_force():
     rng = random.Random(0)
     for _ in range(40):
@@ -297,7 +312,7 @@ def test_memory_caps_hold_for_the_chosen_layout():
     assert cand is not None
     L = cm.m.num_hidden_layers
     for i, s in enumerate(cand.train.stages):  # weights + grads + Adam of the stage fit one GPU
-        edge = cm.head_params() * ((i == 0) + (i == cand.train.pp - 1))
+        edge = cm.params.head * ((i == 0) + (i == cand.train.pp - 1))
         assert (s.layers * cm.layer_params + edge) * 18 / s.tp < cm.usable_bytes("L40S")
     assert sum(s.layers for s in cand.train.stages) == L
 

@@ -49,8 +49,9 @@ def test_a_synchronous_episode_step_matches_hand_computation():
 def test_the_planner_prices_observation_prefill_and_environment_latency():
     single = CostModel(load_job(two_gpu_job(eta=0)), use_profiles=False)
     tools = CostModel(load_job(episode_job(eta=0)), use_profiles=False)
-    assert tools.observation_prefill_s("H800", 1) == pytest.approx(tools.prefill_s("H800", 1, 16, tools.w.ctx_decode))
-    assert single.observation_prefill_s("H800", 1) == 0.0
+    obs = tools.rollout.observation_prefill_s("H800", 1)
+    assert obs == pytest.approx(tools.prefill_s("H800", 1, 16, tools.w.ctx_decode))
+    assert single.rollout.observation_prefill_s("H800", 1) == 0.0
     assert tools.decode_point("H800", 1, 2).tokens_per_s < single.decode_point("H800", 1, 2).tokens_per_s
     assert tools.w.tokens == 2 * (2048 + 16 + 10) and single.w.tokens == 2 * (2048 + 10)
     p1 = plan_job(load_job(two_gpu_job(eta=0)), use_profiles=False).predicted["step_time_s"]

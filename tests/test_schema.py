@@ -181,7 +181,7 @@ def test_output_length_forms():
 
 def test_equal_reward_fraction():
     """The share of groups filtered for equal rewards: generation does 1 / (1 - f) of a step."""
-    from hexrl.plan.cost import workload_of
+    from hexrl.plan.cost_inputs import workload_of
     rl = {"batch_size": 4, "group_size": 2, "max_new_tokens": 100}
     job = load_job(small_job(rl=rl, workload={"equal_reward_fraction": 0.75}))
     assert job.workload.to_dict()["equal_reward_fraction"] == 0.75

@@ -24,7 +24,7 @@ from itertools import product
 import numpy as np
 
 from hexrl.plan.candidate import Candidate, Evaluator, step_times
-from hexrl.plan.cost import NCCL_EFFICIENCY
+from hexrl.plan.cost_sync import NCCL_EFFICIENCY
 from hexrl.plan.placement import train_per_node
 
 GRID_POINTS = 200_000  # splits scored per repartition (vectorised)

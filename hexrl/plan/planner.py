@@ -5,7 +5,8 @@ from hexrl.plan import baselines, fixed, partition, shared_gpu
 from hexrl.plan.budget import affordable_subsets
 from hexrl.plan.candidate import Candidate, Evaluator
 from hexrl.plan.candidate_knobs import replica_knobs, train_knobs
-from hexrl.plan.cost import BYTES_PER_PARAM_TRAIN, CostModel
+from hexrl.plan.cost import CostModel
+from hexrl.plan.cost_train import BYTES_PER_PARAM_TRAIN
 from hexrl.plan.progress import quiet
 from hexrl.schema import ConfigError, Job, Plan, RankInfo, Replica, Stage, TrainerLayout
 

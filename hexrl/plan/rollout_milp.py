@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 import highspy
 import numpy as np
 
-from hexrl.plan.cost import CostModel, DecodePoint
+from hexrl.plan.cost import CostModel
+from hexrl.plan.cost_rollout import DecodePoint
 from hexrl.plan.placement import FreeClass
 
 

@@ -23,7 +23,8 @@ from dataclasses import dataclass, replace
 
 from hexrl.plan.candidate import Candidate, step_times
 from hexrl.plan.candidate_knobs import ENGINE_BATCH_TOKENS
-from hexrl.plan.cost import NCCL_EFFICIENCY, CostModel
+from hexrl.plan.cost import CostModel
+from hexrl.plan.cost_sync import NCCL_EFFICIENCY
 from hexrl.plan.fixed import _rollout_plan, _train_plan
 from hexrl.schema import ConfigError, Job
 from hexrl.schema.colocate import Colocate
@@ -67,7 +68,7 @@ def rollout_scratch_bytes(cm: CostModel, gpu_type: str) -> float:
     ENGINE_WORKSPACE_BYTES (attention kernels' workspaces, CUDA graph pools), 5% of the CPU stand-in."""
     m, g = cm.m, cm.gpus[gpu_type]
     floor = min(ENGINE_WORKSPACE_BYTES, 0.05 * g.hbm_bytes)
-    return max(floor, ENGINE_BATCH_TOKENS * m.hidden_size * 2 * 16 + cm.decode_batch_cap * m.vocab_size * 4)
+    return max(floor, ENGINE_BATCH_TOKENS * m.hidden_size * 2 * 16 + cm.rollout.decode_batch_cap * m.vocab_size * 4)
 
 
 def split_memory(cm: CostModel, gpu_type: str, kv: float, col: Colocate) -> Split | None:
@@ -86,10 +87,7 @@ def split_memory(cm: CostModel, gpu_type: str, kv: float, col: Colocate) -> Spli
 def apply_split(cm: CostModel, split: Split) -> None:
     """Give the cost model each role's bytes (before it caches anything memory-bound)."""
     hbm = cm.gpus[cm.cluster.nodes[0].gpu_type].hbm_bytes
-    cm.role_bytes = {"train": split.train_fraction * hbm, "rollout": split.kv_fraction * hbm + 2 * cm.m.num_params}
-    cm._stage_cache.clear()
-    cm._decode_cache.clear()
-    cm._wave_cache.clear()
+    cm.share_memory({"train": split.train_fraction * hbm, "rollout": split.kv_fraction * hbm + 2 * cm.m.num_params})
 
 
 def weight_bytes(cm: CostModel) -> float:

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 from itertools import product
 
-from hexrl.plan.cost import CostModel, StageCoeffs
+from hexrl.plan.cost import CostModel
+from hexrl.plan.cost_train import StageCoeffs
 from hexrl.plan.placement import counts_of, train_slots
 
 

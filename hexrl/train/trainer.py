@@ -83,7 +83,7 @@ class TrainConfig:
     adv_eps: float = 1e-6
     filter_equal_groups: bool = True
     ppo_minibatches: int = 1
-    micro_batch_tokens: int = 4096  # the planner's floor too (hexrl.plan.cost.MIN_MICRO_TOKENS)
+    micro_batch_tokens: int = 4096  # the planner's floor too (hexrl.plan.cost_inputs.MIN_MICRO_TOKENS)
     temperature: float = 1.0  # the sampling temperature the behaviour log-probs were taken at
     dtype: str = "auto"  # compute dtype: auto (bf16 on GPU, fp32 on CPU) | bfloat16 | float32
     activation_checkpointing: bool = False

@@ -331,7 +331,7 @@ def host_point(groups: int = 64, group: int = 8, prompt_len: int = 12, out_len: 
     its own functions: completions to the reward workers ("exact") and back, then each trajectory
     encoded, sealed and sent over ZeroMQ to a local controller socket (drained after the clock stops)."""
     from hexrl.comm.channel import DealerChannel, RouterChannel, new_secret
-    from hexrl.plan.cost import REWARD_WORKERS
+    from hexrl.plan.cost_sync import REWARD_WORKERS
     from hexrl.rewards import RewardPool
     from hexrl.rollout.rollout_rank import PendingGroup, reward_inputs, trajectory_messages
 
