@@ -74,7 +74,7 @@ def test_a_run_with_a_bad_prompt_trains_on_the_others(tmp_path):
     assert "skipped 1 training prompts" in out
     rows = metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1, 2] and 5 not in {i for r in rows for i in r["problem_ids"]}
-    # issue 35, item 10: the run directory is private (0700, its files 0600) unless the job shares it
+    # the run directory is private (0700, its files 0600) unless the job shares it
     run = [tmp_path / "run", *(tmp_path / "run").rglob("*")]
     modes = {str(p.relative_to(tmp_path)): p.stat().st_mode & 0o777 for p in run}
     assert modes["run"] == 0o700 and modes["run/metrics.jsonl"] == 0o600, modes
@@ -141,7 +141,7 @@ def test_torn_shard_is_named_at_load_too(tmp_path):
         ckpt._torch_load(d / "model-s0-tp0.pt")
 
 
-# ----------------------------------------------------------------------------- issue 35 (reliability, round 3)
+# ----------------------------------------------------------------------------- hostile inputs (docs/reliability.md)
 
 
 def layout_files(layout: dict) -> list[str]:

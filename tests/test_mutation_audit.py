@@ -1,4 +1,4 @@
-"""The mutation audit (tools/experiments/mutations.py, issue 37) must stay runnable: every mutation's
+"""The mutation audit (tools/experiments/mutations.py) must stay runnable: every mutation's
 function still exists, holds its text exactly once, and every test it names still exists. Running the
 mutations themselves takes minutes; this only keeps the audit from rotting as the code moves."""
 

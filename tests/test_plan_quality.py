@@ -1,8 +1,8 @@
 """Plan quality: the two-phase planner's predicted step time is within 2% of exhaustive search
-over every split, on random heterogeneous clusters drawn across the whole space of issue 16
+over every split, on random heterogeneous clusters drawn across the planner's whole space
 (tools/experiments/plan_quality.py: 2-4 GPU types, 16-40 GPUs, 1.5B/7B/14B, eta in {0,1,2,4,8,inf}, links
 0.2-50 GB/s). CI runs the clusters whose exhaustive search is quick; the slow tests add the
-case the issue found 28% off and more clusters; `python tools/experiments/plan_quality.py` runs 200."""
+case once found 28% off (KNOWN_BAD) and more clusters; `python tools/experiments/plan_quality.py` runs 200."""
 
 
 import pytest
@@ -52,7 +52,7 @@ def test_two_phase_within_two_percent_of_exhaustive_larger(seed):
 
 
 @pytest.mark.slow
-def test_the_case_issue_16_found_28_percent_off():
+def test_h100_a100_rtx4090_cluster_plans_within_2_percent_of_exhaustive():
     check(KNOWN_BAD)
 
 

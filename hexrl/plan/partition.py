@@ -11,9 +11,8 @@ Last, a sweep over the other splits. Costing a split exactly takes a rollout MIL
 free GPUs; an estimate (Evaluator.estimate) takes the exact training plan and one small MILP per
 GPU type, shared by every split with the same count of that type. Splits are costed exactly in
 order of their estimates while those stay within MARGIN of the best; splits whose lower bound
-cannot beat the best are skipped. This replaced a local search of one-type moves and
-trades, and a sweep in lower-bound order, which missed the optimum by more than 2% on 7 of
-200 random clusters (tools/experiments/plan_quality.py): the bounds ranked the optimum 109th to 2,332nd.
+cannot beat the best are skipped. Lower bounds alone rank the optimum poorly (docs/planner.md),
+so the sweep goes by the estimates.
 """
 
 import heapq

@@ -14,7 +14,7 @@ printed before and after. --profile prints, for each cell, where the CPU time go
 on process_time, the planner's own functions by cumulative time; profiling slows it ~2x).
 --wide also runs the slower, wider search (partition.wide_search) and prints how far the
 planner's plan is from its best.
-Targets (issue 46, CPU time): 56 GPUs of two types <= 1 s, 512 of four <= 5 s, 4,096 of four <= 60 s.
+Targets (CPU time): 56 GPUs of two types <= 1 s, 512 of four <= 5 s, 4,096 of four <= 60 s.
 """
 
 import argparse

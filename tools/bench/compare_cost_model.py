@@ -36,7 +36,7 @@ from hexrl.plan.profile import (
     profile_gpu,
 )
 
-TARGET = 0.15  # issue 8: the median relative error should be within 15%
+TARGET = 0.15  # the median relative error should be within 15%
 
 
 # ----------------------------------------------------------------------------- comparison

@@ -1,4 +1,4 @@
-"""Mutation check of the planner's and simulator's tests (issue 37): each mutation, applied alone,
+"""Mutation check of the planner's and simulator's tests: each mutation, applied alone,
 must make the test that claims it fail.
 
     python tools/experiments/mutations.py              # the unmutated tests pass, then every mutation
@@ -9,7 +9,7 @@ function's source, found with ast wherever the function sits in its file: moving
 (or the same text elsewhere in the file) does not stale the audit, renaming or moving the
 function to another module does, and says so. The file is written in place and restored
 afterwards (also on an error or Ctrl-C): run it on a clean tree and never commit what it leaves.
-The first six are issue 37's table; the rest pin the other cost terms the hand tests check.
+The first six pin the main cost terms; the rest pin the other cost terms the hand tests check.
 Exit status 0 when every test passes unmutated and every mutation fails its test.
 """
 

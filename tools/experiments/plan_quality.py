@@ -2,7 +2,7 @@
 
     python tools/experiments/plan_quality.py [--clusters 200] [--seed 0] [--max-splits 3000] [--exhaustive-cache F]
 
-Clusters are drawn across the space of issue 16: 2-4 GPU types, 16-40 GPUs in nodes of 4 or 8,
+Clusters are drawn across the planner's whole space: 2-4 GPU types, 16-40 GPUs in nodes of 4 or 8,
 1.5B / 7B / 14B models, eta in {0, 1, 2, 4, 8, unbounded}, links 0.2-50 GB/s (log-uniform),
 batch x group from 8x8 to 64x16, long-tailed outputs. For each, both searches cost the same
 model; the table lists the step-time ratio (two-phase / exhaustive; 1.0 is optimal) and the
@@ -29,7 +29,7 @@ from hexrl.schema import load_job
 TYPES = ["H100", "H200", "H800", "H20", "A100-80G", "L40S", "RTX4090"]
 MODELS = ["r1-distill-qwen-1.5b", "r1-distill-qwen-7b", "r1-distill-qwen-14b"]
 
-# The case issue 16 found 28% off: 16 H100 + 8 A100-80G + 8 RTX4090, 7B, 16 x 16, eta = 1
+# A cluster once planned 28% off (docs/planner.md): 16 H100 + 8 A100-80G + 8 RTX4090, 7B, 16 x 16, eta = 1
 KNOWN_BAD = {
     "model": {"preset": "r1-distill-qwen-7b"}, "data": {"synthetic": {}},
     "rl": {"batch_size": 16, "group_size": 16, "max_new_tokens": 2048, "eta": 1, "ppo_minibatches": 1},
