@@ -44,9 +44,10 @@ from hexrl.model.parallel import TPGroup, shard_dim_of
 from hexrl.runtime.dist_rules import host_collective
 
 BUCKET_BYTES = 64 << 20  # big enough to amortise per-call latency, small enough to hold one extra
-# "auto" sends a bucket dense above this share of changed elements: a bf16 delta is then over 56% of
-# the dense bytes, and its encode and decode (a few ns per element on a CPU core,
-# tools/bench/bench_weight_sync.py) eat what is left of the gain
+# "auto" sends a bucket dense above this share of changed elements, where a bf16 delta is over 56% of
+# the dense bytes. A judgment for devices whose encode and decode are cheap against the link (not yet
+# measured on a GPU); on a CPU core they cost more than the bytes saved on any link above ~0.5 GB/s
+# (tools/bench/bench_weight_sync.py), so there the job's sync.delta stays off
 AUTO_MAX_CHANGED = 0.5
 
 

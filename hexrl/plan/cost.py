@@ -14,6 +14,7 @@ import numpy as np
 
 from hexrl.gpus import GPU, gpu
 from hexrl.plan.lengths import expected_max_wait, output_lengths
+from hexrl.plan.sync_cost import NCCL_EFFICIENCY, StageSync, stage_links, sync_stage_s  # noqa: F401 (re-exported)
 from hexrl.plan.wave import Lengths, WaveSteps, bin_width, wave_steps
 from hexrl.schema import Job
 
@@ -29,10 +30,6 @@ REWARD_S_PER_SAMPLE = {"math": 5e-3, "exact": 2e-4, "code": 0.5, "gym": 2e-4}
 # reward_workers=2) and decodes on: scoring overlaps decoding; only the step's last group, and any
 # backlog when scoring is slower than decoding, comes after it.
 REWARD_WORKERS = 2
-# Share of a link's rate a large (64 MB bucket) NCCL broadcast reaches; an assumption (nccl-tests
-# bus bandwidth on TCP/RoCE NICs), not a measurement of this cluster: a profile of the weight
-# sync would replace it.
-NCCL_EFFICIENCY = 0.8
 WAVE_BATCHES = 16  # a wave's course is followed for its last 16 batches; the rest of its queue runs at full rate
 
 
@@ -583,25 +580,18 @@ class CostModel:
         return max(theta_s, (train_s + sync_s + wave_s) / (eta + 1) - sync_s)
 
     # ------------------------------------------------------------------ sync, reward
-    def sync_s(self, stage_bytes: list[tuple[int, float, int]], rollout_nodes: set[int]) -> float:
-        """Weight broadcast: each stage's leader (on node n) sends its bytes to all rollout ranks.
+    def sync_s(self, stage_bytes: list[tuple[int, float, int]], rollout_nodes: set[int], dp: int = 1,
+               split: int = 1) -> float:
+        """Weight sync (hexrl/plan/sync_cost.py): every trainer rank of a stage sends its part.
 
-        stage_bytes: (leader node, bytes, tp) per stage. A rollout rank joins the stages' broadcasts
-        one after the other (hexrl/rollout/rollout_rank.py), so the stages add up. NCCL's broadcast is a
-        pipelined ring: each byte crosses the slowest link once, at NCCL_EFFICIENCY of its rate.
+        stage_bytes: (leader node, bytes, tp) per stage; dp: the trainer's DP degree; split: the
+        smallest rollout replica TP. A rollout rank takes the stages one after the other, so they add
+        up; each ring runs at NCCL_EFFICIENCY of its slowest link and passes every rollout node.
         """
-        by_type: dict[str, list[int]] = {}  # links depend only on node types: one node of each will do
-        for r in rollout_nodes:
-            by_type.setdefault(self.cluster.nodes[r].gpu_type, []).append(r)
-        total = 0.0
-        for node, nbytes, tp in stage_bytes:
-            near = [node] if node in rollout_nodes else []
-            near += [next((r for r in rs if r != node), node) for rs in by_type.values()]
-            bw = min(self.cluster.link_GBps(node, r) for r in near) * 1e9 * NCCL_EFFICIENCY
-            t = self.cluster.nodes[node].gpu_type
-            gather = (tp - 1) / tp * nbytes / (self.cluster.intra_GBps(t) * 1e9)  # the other TP shards to the leader
-            total += nbytes / bw + gather
-        return total
+        sync = self.job.sync
+        return sum(sync_stage_s(StageSync(nbytes, tp * dp, split, *stage_links(self.cluster, node, rollout_nodes),
+                                          2, sync.delta, sync.changed_fraction))
+                   for node, nbytes, tp in stage_bytes)
 
     def group_reward_s(self) -> float:
         """Seconds a replica's reward workers take to score one finished group (G samples on
