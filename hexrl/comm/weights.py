@@ -316,8 +316,8 @@ class IpcSender:
 
     def send(self, full: Callable[[str], torch.Tensor | None], specs: list[TensorSpec], src: int, group,
              dtype: torch.dtype, device: torch.device) -> None:
-        """Fill the buffer (every TP rank calls `full`, as in send_stage), then hand the receivers
-        its handle over the gloo group and wait until they have copied it out."""
+        """Fill the buffer (every TP rank calls `full`: it may gather over the TP group), then hand the
+        receivers its handle over the gloo group and wait until they have copied it out."""
         sizes = [_numel(s.shape) for s in specs]
         if self.buffer is None and dist.get_rank() == src:
             self.buffer = torch.empty(sum(sizes), dtype=dtype, device=device)
