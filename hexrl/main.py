@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from hexrl.comm.secret import SecretError, job_secret
+from hexrl.comm.weights import source_receivers
 from hexrl.preflight import Inputs, check_inputs
 from hexrl.runtime import cpu_pinning, dist_rules, effective, errors
 from hexrl.runtime.context import RankContext
@@ -43,41 +44,50 @@ RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: this attempt's nu
 class Groups:
     """Every process group of the job, as each rank creates them (in the same order)."""
 
-    sync: list  # per pipeline stage: (src rank, weight-sync group)
+    sync: list  # per pipeline stage, per source: (src rank, weight-sync group or None where not a member)
     replica: dict  # replica id -> its TP group (TP > 1 only)
     described: list[tuple[str, list[int], object]]  # (name, ranks, group) of every group, for effective_config
     sync_ipc: bool  # the sync groups' members share a GPU: weights go by CUDA IPC (hexrl/comm/weights.py)
 
 
 def build_groups(plan: Plan, device_type: str = "cpu", grid_groups: list | None = None) -> Groups:
-    """Weight-sync groups (stage source + every rollout rank) and rollout replica TP groups.
+    """Weight-sync groups and rollout replica TP groups.
 
     Every rank calls new_group for every group in the same order (torch requires it); only
     members get a communicator. The first use of each is a collective of all its members (a
     broadcast; the engine's page-count agreement), never p2p. A group whose members share a GPU
-    is gloo (rule 5; rules: hexrl/runtime/dist_rules.py).
+    is gloo (rule 5; rules: hexrl/runtime/dist_rules.py). Weight sync: one group per trainer rank
+    of each stage (its source) with the rollout ranks that take its pieces
+    (hexrl/comm/weights.py `source_receivers`); colocated on GPUs (CUDA IPC), one group per stage
+    from its (dp 0, tp 0) rank to every rollout rank.
     """
     devices = {x.rank: (x.node, x.device_index) for x in plan.ranks}
 
     def make(ranks: list[int]):
-        return dist.new_group(ranks, backend=dist_rules.group_backend([devices[r] for r in ranks]))
+        g = dist.new_group(ranks, backend=dist_rules.group_backend([devices[r] for r in ranks]))
+        return g if dist.get_rank() in ranks else None
 
-    rollout = plan.rollout_ranks()
+    rollout, lay = plan.rollout_ranks(), plan.trainer
     described = [("world", list(range(plan.world_size)), dist.group.WORLD), *(grid_groups or [])]
-    sync, shared = [], False
-    for stage in range(plan.trainer.pp):
-        src = plan.trainer.rank(stage, 0, 0)
-        ranks = sorted([src, *rollout])
-        sync.append((src, make(ranks)))
-        described.append((f"weight_sync/stage{stage}", ranks, sync[-1][1]))
-        shared = shared or dist_rules.group_backend([devices[r] for r in ranks]) is not None
+    shared = any(dist_rules.group_backend([devices[r] for r in sorted([lay.rank(s, 0, 0), *rollout])]) is not None
+                 for s in range(lay.pp))
+    ipc = shared and device_type == "cuda" and os.environ.get(COLOCATED_SYNC_ENV, "cuda-ipc") != "gloo"
+    replicas = [list(rep.ranks) for rep in plan.replicas]
+    sync = []
+    for stage in range(lay.pp):
+        tp = lay.stages[stage].tp
+        sources = [lay.rank(stage, 0, 0)] if ipc else [lay.rank(stage, d, t) for t in range(tp) for d in range(lay.dp)]
+        sync.append([])
+        for s, src in enumerate(sources):
+            ranks = sorted([src, *(rollout if ipc else source_receivers(s, replicas))])
+            sync[-1].append((src, make(ranks)))
+            described.append((f"weight_sync/stage{stage}" + (f"/source{s}" if s else ""), ranks, sync[-1][-1][1]))
     replica_groups = {}
     for rep in plan.replicas:
         if rep.tp > 1:
             replica_groups[rep.id] = make(sorted(rep.ranks))
             described.append((f"replica{rep.id}/tp", sorted(rep.ranks), replica_groups[rep.id]))
-    ipc = os.environ.get(COLOCATED_SYNC_ENV, "cuda-ipc") != "gloo"  # gloo: to measure what it costs
-    return Groups(sync, replica_groups, described, shared and device_type == "cuda" and ipc)
+    return Groups(sync, replica_groups, described, ipc)
 
 
 def publish_groups(ctx_store, rank: int, groups: Groups) -> None:

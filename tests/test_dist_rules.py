@@ -97,20 +97,26 @@ def dp2_step_on_one_gpu(rank, world, model_path):
 
 
 def weight_buckets_stay_on_the_gpu(rank, world):
-    from hexrl.comm.weights import receive_stage, send_stage, stage_specs
+    from hexrl.comm.weights import ShardSender, SyncLink, receive_shards, shard_layout
     from hexrl.model.config import ModelConfig
     from hexrl.model.tiny import tiny_config
 
     dist_rules.declare_device("cuda:0")
     cfg = ModelConfig.from_hf(tiny_config(tie=False))
-    specs = stage_specs(cfg, (0, cfg.num_hidden_layers))
+    lay = shard_layout(cfg, (0, cfg.num_hidden_layers), 1, 1, torch.bfloat16)
+    link = SyncLink(0, dist.new_group([0, 1]))
     if rank == 0:
-        state = {s.name: torch.randn(s.shape, device="cuda:0") for s in specs}
-        send_stage(state.get, specs, 0, None, torch.bfloat16)
+        state = {s.name: torch.randn(s.shape, device="cuda:0") for s in lay.specs}
+        sender = ShardSender(lay, 0, 0, delta=True)
+        for _ in range(2):  # dense, then a delta encoded on the device
+            sender.send(state.get, link, torch.bfloat16)
+            state["model.norm.weight"] += 1
         return None
     devices = set()
-    receive_stage(specs, 0, None, torch.bfloat16, torch.device("cuda:0"),
-                  lambda part: devices.update(str(v.device) for v in part.values()))
+    for _ in range(2):
+        receive_shards(lay, [link], None, torch.bfloat16, torch.device("cuda:0"),
+                       lambda part: devices.update(str(v.device) for v in part.values()),
+                       lambda name, full: full.zero_())
     return devices
 
 

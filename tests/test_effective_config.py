@@ -93,12 +93,14 @@ def expected(plan: dict) -> dict:
 
 
 def expected_groups(plan: dict) -> list[dict]:
-    """Every process group of a data-parallel trainer plan on CPU, in creation order: all gloo."""
+    """Every process group of a data-parallel trainer plan on CPU, in creation order: all gloo. Each
+    trainer rank (a DP replica) sends its share of the weights over its own group."""
     train = [r["rank"] for r in plan["ranks"] if r["role"] == "train"]
     roll = [r["rank"] for r in plan["ranks"] if r["role"] == "rollout"]
     gloo = [{"name": "world", "ranks": sorted(train + roll)}, {"name": f"trainer{train}", "ranks": train},
-            {"name": f"dp{train}", "ranks": train},
-            {"name": "weight_sync/stage0", "ranks": sorted([train[0], *roll]), "weights": "broadcast"}]
+            {"name": f"dp{train}", "ranks": train}]
+    gloo += [{"name": "weight_sync/stage0" + (f"/source{s}" if s else ""), "ranks": sorted([src, *roll]),
+              "weights": "broadcast"} for s, src in enumerate(train)]
     return [{**g, "backend": "gloo"} for g in gloo]
 
 

@@ -19,6 +19,7 @@ from hexrl.plan.placement import FreeClass, free_classes, train_per_node
 from hexrl.plan.rollout_milp import _columns, _solve
 from hexrl.plan.train_search import assign_layers
 from hexrl.schema import PRESETS, Job, load_job
+from hexrl.schema.job import SyncSpec
 
 
 def job(nodes, model="r1-distill-qwen-1.5b", **rl):
@@ -210,14 +211,34 @@ def test_a_tied_model_on_one_stage_holds_one_matrix_for_embedding_and_head():
     assert s.max_layers > untied.stage_coeffs("H20", 1, 1, 1, 0, 1, None, False).max_layers
 
 
-def test_weight_sync_gathers_tp_shards_only_under_tp():
-    """A stage leader sends its stage's bytes over the slowest link to a rollout node; under TP it
-    first gathers the other ranks' shards over NVLink (H20: 450 GB/s); at TP 1 there is nothing to gather."""
+def test_weight_sync_spreads_over_the_sources_a_replica_can_split():
+    """Every trainer rank of a stage sends its part (no gather); a rollout GPU's link carries the
+    stage over min(sources, rollout TP), the replica's ranks share the rest over NVLink (H20: 450 GB/s),
+    and the stage pays its ring's fill over the rollout nodes it passes once."""
     cm = CostModel(fixed_job("H20", 256, 1000), use_profiles=False)
     send = 3e9 / (450e9 * 0.8)  # same node: NVLink at NCCL's 80% efficiency
     assert cm.sync_s([(0, 3e9, 1)], {0}) == pytest.approx(send, rel=1e-12)
-    assert cm.sync_s([(0, 3e9, 2)], {0}) == pytest.approx(send + 1.5e9 / 450e9, rel=1e-12)
-    assert cm.sync_s([(0, 3e9, 1), (0, 1e9, 4)], {0}) == pytest.approx(4e9 / 360e9 + 0.75e9 / 450e9, rel=1e-12)
+    assert cm.sync_s([(0, 3e9, 2)], {0}) == pytest.approx(send, rel=1e-12)  # TP 1 replicas take it all
+    assert cm.sync_s([(0, 3e9, 2)], {0}, dp=2, split=4) == pytest.approx(send / 4 + 0.75 * 3e9 / 450e9, rel=1e-12)
+    assert cm.sync_s([(0, 3e9, 1), (0, 1e9, 4)], {0}) == pytest.approx(4e9 / 360e9, rel=1e-12)
+    job = fixed_job("H20", 256, 1000)
+    job.cluster = load_job({"model": {"preset": "r1-distill-qwen-1.5b"}, "data": {"synthetic": {}},
+                            "cluster": {"nodes": nodes("H20", "H20", "H20")}}).cluster
+    three = CostModel(job, use_profiles=False)
+    nic = 12.5e9 * 0.8  # the default inter-node link
+    fill = 2 * (512 << 10) / nic  # one chunk over each of two hops, once: the buckets queue back to back
+    assert three.sync_s([(0, 3e9, 1)], {1, 2}) == pytest.approx(3e9 / nic + fill, rel=1e-12)
+
+
+def test_a_delta_sync_sends_a_bit_per_element_and_the_changed_values():
+    def sync_s(**spec):
+        job = fixed_job("H20", 256, 1000)
+        job.sync = SyncSpec(**spec)
+        return CostModel(job, use_profiles=False).sync_s([(0, 3e9, 1)], {0})
+
+    dense = sync_s()
+    assert sync_s(delta=True, changed_fraction=0.034) == pytest.approx(dense * (1 / 16 + 0.034), rel=1e-12)
+    assert sync_s(delta="auto", changed_fraction=0.99) == pytest.approx(dense, rel=1e-12)  # dense is smaller: auto
 
 
 def test_kv_capacity_fits_memory():

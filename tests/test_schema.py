@@ -272,3 +272,14 @@ def test_reward_bound_defaults_to_a_million_and_is_validated():
         with pytest.raises(ConfigError) as e:
             load_job(d)
         assert [p.split(":")[0] for p in e.value.problems] == ["rl.reward_bound"], (bad, e.value.problems)
+
+
+def test_sync_delta_defaults_off_is_validated_and_rides_in_the_plan():
+    assert (load_job(small_job()).sync.delta, load_job(small_job()).sync.changed_fraction) == (False, 0.034)
+    job = load_job(small_job(sync={"delta": "auto", "changed_fraction": 0.1}))
+    assert (job.sync.delta, job.sync.changed_fraction) == ("auto", 0.1)
+    assert load_job(job.to_dict()).sync == job.sync  # a plan file carries it to the run
+    with pytest.raises(ConfigError) as e:
+        load_job(small_job(sync={"delta": 1, "changed_fraction": 2, "bitmap": True}))
+    assert sorted(p.split(":")[0] for p in e.value.problems) == [
+        "sync.bitmap", "sync.changed_fraction", "sync.delta"], e.value.problems

@@ -115,14 +115,17 @@ class Evaluator:
 
 def candidate(cm: CostModel, per_node: tuple[int, ...], train: TrainPlan, roll: RolloutPlan) -> Candidate:
     """Put both plans together: weight sync from the stage leaders to the rollout nodes, step time."""
-    layer_bytes = 2 * cm.layer_params
-    stage_bytes = []
-    for i, s in enumerate(train.stages):
-        edge = cm.edge_params(i, train.pp) * 2
-        stage_bytes.append((s.slots[0][0], s.layers * layer_bytes + edge, s.tp))
-    sync = cm.sync_s(stage_bytes, {r.node for r in roll.replicas})
+    split = min((r.tp for r in roll.replicas), default=1)  # the smallest replica downloads through the fewest links
+    sync = cm.sync_s(stage_sync_bytes(cm, train), {r.node for r in roll.replicas}, train.dp, split)
     gen, reward, step = step_times(cm, train.time_s, sync, roll)
     return Candidate(per_node, train, roll, train.time_s, gen, reward, sync, step)
+
+
+def stage_sync_bytes(cm: CostModel, train: TrainPlan) -> list[tuple[int, float, int]]:
+    """(leader node, bytes in bf16, tp) of each stage's weights, what CostModel.sync_s prices."""
+    layer_bytes = 2 * cm.layer_params
+    return [(s.slots[0][0], s.layers * layer_bytes + cm.edge_params(i, train.pp) * 2, s.tp)
+            for i, s in enumerate(train.stages)]
 
 
 def step_times(cm: CostModel, train_s: float, sync_s: float, roll: RolloutPlan,

@@ -10,7 +10,7 @@ counts, memory); CostModel builds them for one job and puts them behind one obje
 
     cost_train.py    TrainCost: stage coefficients, 1F1B's bubble, DP and optimizer, stage memory
     cost_rollout.py  RolloutCost: decode and prefill points, waves, the gate's generation time
-    cost_sync.py     SyncCost: the weight broadcast, the reward workers
+    cost_sync.py     SyncCost: the weight sync (every trainer rank a source; deltas), the reward workers
 """
 
 from hexrl.gpus import GPU, gpu
@@ -36,7 +36,7 @@ class CostModel:
         w = workload_of(job)
         self.train = TrainCost(job, w, self.gpus, self.memory, self.params)
         self.rollout = RolloutCost(job, w, self.gpus, self.memory, self.params)
-        self.sync = SyncCost(self.cluster, w)
+        self.sync = SyncCost(self.cluster, w, job.sync)
         self.w = w
         self.lengths = self.rollout.lengths  # the output length distribution (the simulator samples it)
         self._bound_cache: dict = {}  # train_search._type_part

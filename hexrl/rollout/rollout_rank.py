@@ -21,10 +21,11 @@ import torch
 
 from hexrl.comm.channel import DealerChannel
 from hexrl.comm.store import lookup_endpoint
-from hexrl.comm.weights import TensorSpec, load_into, receive_stage, receive_stage_ipc
+from hexrl.comm.weights import ShardLayout, SyncLink, current_values, load_into, receive_shards, receive_stage_ipc
 from hexrl.comm.wire import message, trajectory_to_msg
 from hexrl.envs.base import Problem
 from hexrl.envs.pool import EnvPool
+from hexrl.model.parallel import TPGroup
 from hexrl.rewards import RewardPool
 from hexrl.runtime import effective
 from hexrl.runtime.context import RankContext
@@ -43,11 +44,11 @@ TRACE_S = 2.0  # how often the leader appends where its time went to RUN/engine/
 
 @dataclass
 class SyncGroup:
-    """One pipeline stage's weight broadcast: its source trainer rank and group."""
+    """One pipeline stage's weight sync as this rollout rank takes part in it: its sources (CUDA IPC:
+    the one source and its group) and how the trainer splits the stage among them."""
 
-    src: int
-    group: object
-    specs: list[TensorSpec]
+    links: list[SyncLink]
+    layout: ShardLayout
 
 
 @dataclass
@@ -70,19 +71,23 @@ class PendingGroup:
     start_version: int = 0  # the engine's weights when the group started: the version of a sample with no tokens
 
 
-def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device, ipc: bool = False):
-    """`on_update(version)` for the engine: join each stage's broadcast and load what arrives (or,
-    on a GPU shared with the trainer, copy out of its export buffer through CUDA IPC)."""
+def weight_receiver(sync: list[SyncGroup], dtype: torch.dtype, device, ipc: bool = False,
+                    replica: TPGroup | None = None, delta: bool | str = False):
+    """`on_update(version)` for the engine: take each stage's pieces from its sources (shared with the
+    replica's other TP ranks) and load them (or, on a GPU shared with the trainer, copy out of its
+    export buffer through CUDA IPC). With `delta`, a piece may patch the weights this rank holds."""
     mapped: dict[bytes, torch.Tensor] = {}  # the trainer's buffers, mapped once
 
     def receive(version: int):
         def load(model):
             for s in sync:
                 if ipc:
-                    receive_stage_ipc(s.specs, s.src, s.group, dtype, device, lambda part: load_into(model, part),
-                                      mapped)
+                    receive_stage_ipc(s.layout.specs, s.links[0].src, s.links[0].group, dtype, device,
+                                      lambda part: load_into(model, part), mapped)
                 else:
-                    receive_stage(s.specs, s.src, s.group, dtype, device, lambda part: load_into(model, part))
+                    previous = current_values(model) if delta else None
+                    receive_shards(s.layout, s.links, replica, dtype, device, lambda part: load_into(model, part),
+                                   previous)
         return load
     return receive
 
@@ -284,10 +289,9 @@ def check_kv_room(model, knobs, replica_id: int, device: torch.device) -> None:
 
 def run_rollout(ctx: RankContext) -> None:
     """A rollout rank: load the model (this rank's TP shard), then lead or follow the replica."""
-    from hexrl.comm.weights import stage_specs
+    from hexrl.comm.weights import shard_layout
     from hexrl.data.tokenizer import load_tokenizer
     from hexrl.model.hf_checkpoint import load_pretrained
-    from hexrl.model.parallel import TPGroup
 
     from .engine import EngineConfig
 
@@ -307,9 +311,10 @@ def run_rollout(ctx: RankContext) -> None:
         effective.publish(ctx, f"replica/{replica.id}", effective.rollout_values(engine))
     elif ctx.rank == 0:
         effective.write_for(ctx)
-    sync = [SyncGroup(src, group, stage_specs(model.cfg, tuple(st.layers)))
-            for (src, group), st in zip(ctx.sync_groups, plan.trainer.stages)]
-    receive = weight_receiver(sync, dtype, ctx.device, ctx.sync_ipc)
+    sync = [SyncGroup([SyncLink(*x) for x in links], shard_layout(model.cfg, tuple(st.layers), st.tp, plan.trainer.dp,
+                                                                  dtype))
+            for links, st in zip(ctx.sync_groups, plan.trainer.stages)]
+    receive = weight_receiver(sync, dtype, ctx.device, ctx.sync_ipc, tp, job.sync.delta)
     if tp_rank != 0:
         engine.follow(on_update=receive)
         return

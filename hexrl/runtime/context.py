@@ -29,7 +29,7 @@ class RankContext:
     resume: Path | None
     store: dist.Store  # the job-wide torchrun store
     layout: TrainerLayout  # the plan's trainer grid, every slot's global rank filled in
-    sync_groups: list[tuple[int, dist.ProcessGroup]]  # per pipeline stage: (src rank, group) of the weight broadcast
+    sync_groups: list[list[tuple]]  # per pipeline stage, per source: (src rank, group or None) of the weight sync
     replica_group: dist.ProcessGroup | None  # this rollout rank's TP group (None for TP 1 or trainer ranks)
     watchdog: Watchdog
     train_prompts: Prompts | None  # the checked, tokenized prompts (tokenized once, by hexrl.preflight)

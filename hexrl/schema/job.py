@@ -673,11 +673,32 @@ def _read_layout(r: Reader, d) -> dict | None:
     return dict(d)
 
 
+@dataclass
+class SyncSpec:
+    """How the trainer sends new weights to the rollout (hexrl/comm/weights.py)."""
+
+    delta: bool | str = False  # True: only changed elements; "auto": per bucket, when fewer changed; False: dense
+    changed_fraction: float = 0.034  # share of elements expected to change per version (the planner's estimate)
+
+    def to_dict(self) -> dict:
+        return {"delta": self.delta, "changed_fraction": self.changed_fraction}
+
+
+def _read_sync(r: Reader, d) -> SyncSpec:
+    d = r.section(d, "sync", {"delta", "changed_fraction"})
+    delta = d.get("delta", False)
+    if not (isinstance(delta, bool) or delta == "auto"):
+        r.bad("sync.delta", f"must be true, false or \"auto\", got {delta!r}")
+        delta = False
+    frac = r.num(d, "changed_fraction", "sync", 0.034, lo=0, hi=1)
+    return SyncSpec(delta, float(frac))
+
+
 # ----------------------------------------------------------------------------- job
 
 _JOB_KEYS = {"name", "model", "data", "reward", "env", "rl", "workload", "cluster", "prices", "budget",
              "layout", "runtime", "out_dir", "extra", "cpu_affinity", "share_run_dir",
-             "colocate"}
+             "colocate", "sync"}
 
 
 @dataclass
@@ -699,6 +720,7 @@ class Job:
     share_run_dir: bool = False  # False: the run directory is 0700 and its files 0600 (umask 077)
     colocate: Colocate | None = None  # trainer and rollout share the one GPU (hexrl/schema/colocate.py)
     env: EnvSpec | None = None  # multi-turn episodes in this environment; None: single-turn
+    sync: SyncSpec = field(default_factory=SyncSpec)  # how weights go to the rollout
 
     @property
     def ranks_per_node(self) -> int:
@@ -730,6 +752,8 @@ class Job:
             d["colocate"] = self.colocate.to_dict()
         if self.env is not None:
             d["env"] = self.env.to_dict()
+        if self.sync != SyncSpec():
+            d["sync"] = self.sync.to_dict()
         return d
 
 
@@ -775,10 +799,11 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
         r.problems += cluster_problems(colocate, cluster.nodes)
     affinity = read_affinity(r, d.get("cpu_affinity"), cluster.gpus_per_node * (2 if colocate is not None else 1))
     share = r.boolean(d, "share_run_dir", "job", False)
+    sync = _read_sync(r, d.get("sync"))
     if r.problems:
         return None
     return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra,
-               affinity, share, colocate, env)
+               affinity, share, colocate, env, sync)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:

@@ -16,7 +16,7 @@ import torch
 
 from hexrl.comm.channel import RouterChannel
 from hexrl.comm.store import publish_endpoint
-from hexrl.comm.weights import IpcSender, send_stage, stage_specs
+from hexrl.comm.weights import IpcSender, ShardSender, SyncLink, shard_layout, stage_specs
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
@@ -103,26 +103,34 @@ class HeldoutEval:
 
 
 def sync_weights(ctx: RankContext, trainer: Trainer, dtype: torch.dtype) -> float:
-    """Send this stage's new weights to every rollout rank; returns the seconds it took."""
+    """Send this rank's part of its stage's new weights to the rollout ranks; returns the seconds it took.
+    Every trainer rank sends its own TP shard's pieces of its DP replica's buckets (hexrl/comm/weights.py);
+    colocated on a GPU, the stage's (dp 0, tp 0) rank fills the CUDA IPC export buffer instead."""
     t0, g = time.perf_counter(), trainer.grid
-    if g.dp_rank != 0:  # DP replica 0 holds the same weights
-        return 0.0
-    src, group = ctx.sync_groups[g.stage]
-    params, dims = dict(trainer.model.named_parameters()), shard_dims(trainer.model)
+    params = dict(trainer.model.named_parameters())
+    if ctx.sync_ipc:  # the rollout shares this GPU: it maps our export buffer
+        if g.dp_rank != 0:  # DP replica 0 holds the same weights
+            return 0.0
+        src, group = ctx.sync_groups[g.stage][0]
+        dims = shard_dims(trainer.model)
 
-    def full(name):  # gathered on the device, collective over the stage's TP group
-        t = full_param(params[name], dims[name], g, dtype)
-        return t if ctx.rank == src else None
+        def full(name):  # gathered on the device, collective over the stage's TP group
+            t = full_param(params[name], dims[name], g, dtype)
+            return t if ctx.rank == src else None
 
-    specs = stage_specs(trainer.model_cfg, g.layers)
-    if ctx.sync_ipc:  # the rollout shares this GPU: it maps our export buffer (hexrl/comm/weights.py)
+        specs = stage_specs(trainer.model_cfg, g.layers)
         _IPC.setdefault(g.stage, IpcSender()).send(full, specs, src, group, dtype, ctx.device)
-    else:
-        send_stage(full, specs, src, group, dtype)
+        return time.perf_counter() - t0
+    if g.stage not in _SENDERS:
+        layout = shard_layout(trainer.model_cfg, g.layers, g.layout.stages[g.stage].tp, g.layout.dp, dtype)
+        _SENDERS[g.stage] = ShardSender(layout, g.tp_rank, g.dp_rank, ctx.plan.job.sync.delta)
+    sender = _SENDERS[g.stage]
+    sender.send(params.__getitem__, SyncLink(*ctx.sync_groups[g.stage][sender.t * g.layout.dp + sender.d]), dtype)
     return time.perf_counter() - t0
 
 
 _IPC: dict[int, IpcSender] = {}  # per pipeline stage, kept for the run: the rollout maps it once
+_SENDERS: dict[int, ShardSender] = {}  # per pipeline stage, kept for the run: a delta needs what was sent last
 
 
 def run_trainer(ctx: RankContext, grid) -> None:
