@@ -200,11 +200,30 @@ def _prune(root: Path, final: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def latest(root: Path) -> Path:
+    """The step directory `root/latest` names (it may be gone); CheckpointError naming the file when
+    it does not hold a step's name (not UTF-8, empty, a path)."""
+    f = root / LATEST
+    try:
+        name = f.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{f}: not UTF-8; it holds the newest checkpoint's directory name, like step00000012"
+                              ) from None
+    if "/" in name or _version_key(Path(name))[0] < 0:
+        raise CheckpointError(f"{f}: holds {name[:80]!r}, not a checkpoint's directory name like step00000012")
+    return root / name
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint root (follows `latest`) or one checkpoint directory -> that directory."""
     path = Path(path)
     if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+        named = latest(path)
+        if not (named / "meta.json").is_file():
+            raise FileNotFoundError(f"{path / LATEST}: names {named.name}, which is "
+                                    + ("not a complete checkpoint (no meta.json)" if named.is_dir() else "missing")
+                                    + ", and no other step here is complete")
+        return named
     if not (path / "meta.json").is_file():
         raise FileNotFoundError(f"{path}: no complete checkpoint here (no meta.json, no '{LATEST}' pointer)")
     return path
@@ -278,7 +297,7 @@ def resolve_complete(path: str | os.PathLike) -> tuple[Path, list[str]]:
     path = Path(path)
     if not (path / LATEST).is_file():
         return resolve(path), []
-    named = path / (path / LATEST).read_text().strip()
+    named = latest(path)
     steps = sorted((p for p in path.glob("step*") if p.is_dir() and _version_key(p)[0] >= 0),
                    key=_version_key, reverse=True)
     notes = []
@@ -297,7 +316,7 @@ def problems(path: str | os.PathLike, layout: dict | None = None, config: ModelC
     each .pt file's zip directory, not the tensors), so it runs before launch on every rank."""
     try:
         path, _ = resolve_complete(path)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointError) as e:
         return [str(e)]
     out = incomplete(path) or (_model_problems(path.parent, config) if config is not None else [])
     if not out and layout is not None:
