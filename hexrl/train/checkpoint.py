@@ -31,7 +31,9 @@ from hexrl import ranges
 from hexrl.input_files import InputFileError, read_json
 from hexrl.model.checkpoint import CheckpointError
 from hexrl.model.config import ModelConfig
-from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from hexrl.model.decoder import Decoder
+from hexrl.model.parallel import ColumnParallelLinear, RowParallelLinear, TPGroup, VocabParallelEmbedding
+from hexrl.schema.layout import TrainerLayout
 from hexrl.weights import stage_specs
 
 from .grid import Grid
@@ -319,12 +321,40 @@ def problems(path: str | os.PathLike, layout: dict | None = None, config: ModelC
     except (FileNotFoundError, CheckpointError) as e:
         return [str(e)]
     out = incomplete(path) or (_model_problems(path.parent, config) if config is not None else [])
-    if not out and layout is not None:
-        have = _read_json_file(path / "meta.json")["layout"]
-        if have.get("stages") != layout["stages"]:
-            out.append(f"{path}: saved with stages {have.get('stages')}, this plan's trainer has {layout['stages']}; "
-                       "resume needs the same stages (the DP degree may differ)")
+    have = _read_json_file(path / "meta.json")["layout"] if not out else {}
+    if not out and layout is not None and have.get("stages") != layout["stages"]:
+        out.append(f"{path}: saved with stages {have.get('stages')}, this plan's trainer has {layout['stages']}; "
+                   "resume needs the same stages (the DP degree may differ)")
+    if not out and config is not None:
+        out += shard_problems(path, have, config)
     return out
+
+
+def stage_model(cfg: ModelConfig, layers: tuple[int, int], tp: int, tp_rank: int = 0) -> torch.nn.Module:
+    """The modules of one pipeline stage at one TP rank, on the meta device (shapes, no memory)."""
+    with torch.device("meta"):
+        return Decoder(cfg, layers=layers, tp=TPGroup(None, tp_rank, tp) if tp > 1 else None)
+
+
+def shard_problems(step: Path, layout: dict, config: ModelConfig) -> list[str]:
+    """Why the weights in checkpoint `step` (saved with `layout`) are not the model `config`: each stage's
+    first shard against the shapes that stage of this model has, read through mmap (no tensor data),
+    so another model's checkpoint is named before launch even where no config.json sits beside it."""
+    try:
+        stages = TrainerLayout.from_dict(layout, config.num_hidden_layers).stages
+    except ValueError as e:
+        return [f"{step / 'meta.json'}: its layout does not fit this job's model ({str(e)[:200]})"]
+    for s, stage in enumerate(stages):
+        f = step / f"model-s{s}-tp0.pt"
+        try:
+            shard = _torch_load(f, map_location="cpu", mmap=True)
+            model = shard.get("model") if isinstance(shard, dict) else None
+            if not isinstance(model, dict):
+                raise CheckpointError(f"{f}: holds no model weights")
+            check_shapes(model, stage_model(config, stage.layers, stage.tp).state_dict(), str(f))
+        except CheckpointError as e:
+            return [str(e)]
+    return []
 
 
 SHAPE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",

@@ -19,11 +19,9 @@ import torch
 from hexrl.data.tokenizer import tokenizer_files
 from hexrl.model.checkpoint import CheckpointError, save_state_dict
 from hexrl.model.config import ModelConfig
-from hexrl.model.decoder import Decoder
-from hexrl.model.parallel import TPGroup
 from hexrl.schema.layout import TrainerLayout
 
-from .checkpoint import _read_json_file, resolve, shard_dims
+from .checkpoint import _read_json_file, resolve, shard_dims, stage_model
 
 
 def write_model_files(root: str | os.PathLike, model_dir: str | os.PathLike) -> None:
@@ -40,9 +38,7 @@ def write_model_files(root: str | os.PathLike, model_dir: str | os.PathLike) -> 
 def stage_shard_dims(cfg: ModelConfig, layers: tuple[int, int], tp: int) -> dict[str, int | None]:
     """The dimension each parameter of a stage is TP-sharded along (None: replicated), read from the
     stage's own modules built on the meta device."""
-    with torch.device("meta"):
-        model = Decoder(cfg, layers=layers, tp=TPGroup(None, 0, tp) if tp > 1 else None)
-    return shard_dims(model)
+    return shard_dims(stage_model(cfg, layers, tp))
 
 
 def _load_weights(path: Path) -> dict[str, torch.Tensor]:
