@@ -32,6 +32,11 @@ class InputFileError(ValueError):
     """An input file that cannot be read as what it claims to be; the message names it."""
 
 
+class TooDeepError(InputFileError):
+    """JSON nested deeper than MAX_DEPTH: built to break parsers, not a slip, so a reader that skips a
+    bad record refuses the whole file for this one."""
+
+
 def open_input(path: str | os.PathLike, what: str = "file"):
     """`path` opened for binary reading, only if it is a regular file (never blocks on a FIFO)."""
     path = Path(path)
@@ -82,7 +87,7 @@ def loads_json(text: str | bytes, where: str, what: str = "JSON"):
             raise InputFileError(f"{where}: not UTF-8 text (a binary file?): byte {e.start} is "
                                  f"{e.object[e.start:e.start + 1]!r}") from None
     if _depth(text) > MAX_DEPTH:
-        raise InputFileError(f"{where}: nested too deeply to be a {what} (more than {MAX_DEPTH} levels)")
+        raise TooDeepError(f"{where}: nested too deeply to be a {what} (more than {MAX_DEPTH} levels)")
     try:
         return json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
@@ -90,7 +95,7 @@ def loads_json(text: str | bytes, where: str, what: str = "JSON"):
     except ValueError as e:  # NaN, Infinity
         raise InputFileError(f"{where}: {e}") from None
     except RecursionError:
-        raise InputFileError(f"{where}: nested too deeply to be a {what}") from None
+        raise TooDeepError(f"{where}: nested too deeply to be a {what}") from None
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file"):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import traceback
 from dataclasses import dataclass
@@ -146,8 +147,13 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
 
 
 def restart_count() -> int:
-    """How many times torchrun has restarted this job's workers (`--max-restarts K`; 0: first attempt)."""
-    return int(os.environ.get(RESTART_ENV) or 0)
+    """How many times torchrun has restarted this job's workers (`--max-restarts K`; 0: first attempt).
+    ValueError naming the variable unless it is a whole number >= 0: a restart renames the run's
+    metrics and resumes, so a count that only looks like one must not start either."""
+    raw = os.environ.get(RESTART_ENV) or "0"
+    if not re.fullmatch(r"[0-9]{1,9}", raw):
+        raise ValueError(f"{RESTART_ENV}={raw[:40]!r}: not a restart count (a whole number >= 0, set by torchrun)")
+    return int(raw)
 
 
 def restart_resume(args, rank: int) -> str | None:
@@ -262,7 +268,10 @@ def is_peer_loss(e: BaseException) -> bool:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
-    args.resume = restart_resume(args, rank)
+    try:
+        args.resume = restart_resume(args, rank)
+    except (ValueError, FileNotFoundError) as e:  # the restart count, or the run's checkpoints/latest
+        refuse(rank, str(e))
     plan, inputs = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
     set_run_umask(plan.job.share_run_dir)  # before this rank writes anything
     pinning = cpu_pinning.pin(plan.job.cpu_affinity, local_rank, local_world)  # before any thread or child starts

@@ -14,9 +14,10 @@ from runtime_utils import ROOT, metrics, torchrun, write_job
 from hexrl.data.prompts import run_prompts
 from hexrl.data.tokenizer import TokenizerError, load_tokenizer
 from hexrl.main import load_checked_plan
+from hexrl.model.config import ModelConfig
 from hexrl.model.tiny import make_tiny_model
 from hexrl.preflight import check_inputs
-from hexrl.schema import load_job
+from hexrl.schema import TrainerLayout, load_job
 from hexrl.train import checkpoint as ckpt
 
 GOOD = [{"prompt": f"{a}+{a}=", "answer": str(2 * a)} for a in range(1, 5)]
@@ -150,13 +151,23 @@ def layout_files(layout: dict) -> list[str]:
             for f in [f"model-s{s}-tp{t}.pt"] + [f"rng-s{s}-dp{d}-tp{t}.pt" for d in range(layout["dp"])]]
 
 
-def layout_checkpoint(root: Path, version: int, plan_trainer: dict, skip: tuple[str, ...] = ()) -> Path:
-    """A checkpoint step saved with the plan's trainer layout, every file present but `skip`."""
+def layout_checkpoint(root: Path, version: int, plan_trainer: dict, skip: tuple[str, ...] = (),
+                      model: Path | None = None) -> Path:
+    """A checkpoint step saved with the plan's trainer layout, every file present but `skip`; its
+    model shards hold zeros of the shapes of `model` (a model directory), or a stand-in without one."""
     d = root / f"step{version:08d}"
     d.mkdir(parents=True)
     for name in layout_files(plan_trainer):
         if name not in skip:
             torch.save({"w": torch.zeros(3)}, d / name)
+    if model is not None:  # model shards of the shapes `model`'s stages have
+        cfg = ModelConfig.from_dir(model)
+        for s, stage in enumerate(TrainerLayout.from_dict(plan_trainer).stages):
+            for t in range(stage.tp):
+                if f"model-s{s}-tp{t}.pt" not in skip:
+                    state = ckpt.meta_stage(cfg, stage.layers, stage.tp).state_dict()
+                    torch.save({"model": {k: torch.zeros(v.shape) for k, v in state.items()}, "optim": {}},
+                               d / f"model-s{s}-tp{t}.pt")
     (d / "meta.json").write_text(json.dumps({"version": version, "layout": plan_trainer}))
     (d / "extra.json").write_text(json.dumps({"step": version}))
     (root / "latest").write_text(d.name)
@@ -172,8 +183,8 @@ def test_an_incomplete_step_is_named_and_resume_falls_back(tmp_path, capsys, mis
     assert layout_files(trainer) == ckpt.expected_files(trainer) == [
         "model-s0-tp0.pt", "rng-s0-dp0-tp0.pt", "rng-s0-dp1-tp0.pt"]
     root = tmp_path / "ck"
-    layout_checkpoint(root, 1, trainer)
-    step2 = layout_checkpoint(root, 2, trainer, skip=(missing,))
+    layout_checkpoint(root, 1, trainer, model=tmp_path / "model")
+    step2 = layout_checkpoint(root, 2, trainer, skip=(missing,), model=tmp_path / "model")
     found = ckpt.problems(step2)  # the step named directly: refused, naming the file
     assert len(found) == 1 and str(step2) in found[0] and missing in found[0], found
     with pytest.raises(SystemExit) as e:

@@ -27,7 +27,7 @@ def test_resume_with_another_models_checkpoints_is_refused_before_launch(tmp_pat
     plan = write_job(tmp_path, steps=1)  # the tiny model: hidden 64, vocab 64, tied
     trainer = json.loads(plan.read_text())["trainer"]
     root = tmp_path / "ck"
-    layout_checkpoint(root, 1, trainer)
+    layout_checkpoint(root, 1, trainer, model=tmp_path / "model")
     other = make_tiny_model(tmp_path / "other", **shape)
     shutil.copy(other / "config.json", root / "config.json")  # what the run that saved them wrote
     found = ckpt.problems(root, trainer, load_job(tmp_path / "job.json").model.config)
@@ -38,6 +38,27 @@ def test_resume_with_another_models_checkpoints_is_refused_before_launch(tmp_pat
     assert e.value.code == 2 and field in err, err
     shutil.copy(tmp_path / "model" / "config.json", root / "config.json")
     assert ckpt.problems(root, trainer, load_job(tmp_path / "job.json").model.config) == []
+
+
+@pytest.mark.parametrize("shape,tensor", [
+    ({"hidden": 32, "heads": 2}, "embed_tokens.weight: shape [64, 32], the model has [64, 64]"),
+    ({"vocab": 80}, "embed_tokens.weight: shape [80, 64], the model has [64, 64]")])
+def test_another_models_weights_are_refused_before_launch_without_a_config_beside_them(tmp_path, capsys, shape,
+                                                                                      tensor):
+    """Trainer.save writes no config.json (the run writes it beside): the shards' own shapes are compared,
+    read without their data, and the refusal is one line naming the file and the tensor."""
+    plan = write_job(tmp_path, steps=1)
+    trainer = json.loads(plan.read_text())["trainer"]
+    root = tmp_path / "ck"
+    layout_checkpoint(root, 1, trainer, model=make_tiny_model(tmp_path / "other", **shape))
+    found = ckpt.problems(root, trainer, load_job(tmp_path / "job.json").model.config)
+    assert len(found) == 1 and f"{root / 'step00000001' / 'model-s0-tp0.pt'}: does not match" in found[0], found
+    assert tensor in found[0]
+    with pytest.raises(SystemExit) as e:
+        load_checked_plan(str(plan), 0, 3, 3, None, resume=str(root))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err[0] == "hexrl.main (rank 0): invalid plan: 1 problem(s)", err
+    assert len(err) == 2 and "model-s0-tp0.pt: does not match" in err[1] and tensor in err[1], err
 
 
 def test_a_shard_of_another_shape_is_named_at_load():

@@ -155,3 +155,20 @@ def test_needle_haystack_takes_the_default_prompt():
     entry = json.loads(train[0].answer)
     assert train[0].prompt == entry["question"] != entry["metadata"]["question"]
     assert train[0].prompt.endswith(entry["metadata"]["question"])
+
+
+@pytest.mark.timeout(120)  # the search used to run on for minutes: fail, do not hang the suite
+def test_more_held_out_problems_than_the_task_has_are_refused_at_once():
+    """chain_sum with two one-digit terms has 200 distinct questions: asking for a million held-out ones
+    stops once the draws bring no new question, naming the field and how many were found."""
+    small = {"tasks": {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1}},
+             "size": 100, "seed": 0}
+    train, _ = load_dataset(gym={**small, "n_heldout": 0})
+    left = 200 - len({p.prompt for p in train})  # questions the training set does not hold
+    assert 0 < left < 200
+    for n in (10 ** 6, left + 1):
+        found = dataset_problems(None, {**small, "n_heldout": n})
+        assert len(found) == 1 and found[0].startswith(
+            f"data.reasoning_gym: n_heldout {n}: chain_sum gave {left} questions apart from the training ones"), found
+    _, heldout = load_dataset(gym={**small, "n_heldout": left})  # every one the task has left
+    assert len({p.prompt for p in heldout}) == left

@@ -76,8 +76,8 @@ def test_deep_nesting_is_named_in_every_json_input(tmp_path):
     with pytest.raises(ValueError, match="config.json: nested too deeply"):
         ModelConfig.from_dir(model)
     (tmp_path / "data.jsonl").write_text(DEEP + "\n" + json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n")
-    with pytest.warns(UserWarning, match="line 1: nested too deeply"):
-        assert len(load_jsonl(tmp_path / "data.jsonl").problems) == 1
+    with pytest.raises(ValueError, match="line 1: nested too deeply"):
+        load_jsonl(tmp_path / "data.jsonl")
     (tmp_path / "he.jsonl").write_text('{"entry_point": "f", "test": ' + DEEP + "}\n")
     with pytest.raises(ValueError, match="line 1: nested too deeply"):
         load_dataset(path=str(tmp_path / "he.jsonl"), kind="code")
@@ -86,6 +86,22 @@ def test_deep_nesting_is_named_in_every_json_input(tmp_path):
         load_tokenizer(model)
     res = plan(tiny_job(model, tmp_path / "data.jsonl"), tmp_path)
     assert res.returncode == 2 and "config.json: nested too deeply" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_data_line_nested_thousands_deep_refuses_the_file(tmp_path):
+    """A line among good ones, nested 5,000 deep: the file is refused, naming it and the line (a line
+    with a mere typo is still skipped with a warning)."""
+    model = make_tiny_model(tmp_path / "model", tokenizer="char")
+    good = [json.dumps({"prompt": f"{a}+1=", "answer": str(a + 1)}) for a in range(4)]
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(good[:2] + ['{"prompt": "1+1=", "answer": "2", "x": ' + "[" * 5000 + "]" * 5000 + "}"]
+                              + good[2:]) + "\n")
+    res = plan(tiny_job(model, data), tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr, res.stderr
+    assert f"dataset file {data}: line 3: nested too deeply to be a dataset line (more than 100 levels)" in res.stderr
+    data.write_text("\n".join(good[:2] + ['{"prompt": "1+1=", "answer": '] + good[2:]) + "\n")
+    with pytest.warns(UserWarning, match="skipped 1 malformed line.*line 3: invalid JSON"):
+        assert len(load_jsonl(data).problems) == 4
 
 
 def test_nan_and_infinity_are_not_json_numbers_here():

@@ -114,3 +114,20 @@ def test_a_tool_heavy_hetero_plan_agrees_with_its_simulation():
     assert res.step_time_s == pytest.approx(plan.predicted["step_time_s"], rel=0.10)
     single = plan_job(load_job(hetero_job(0)), use_profiles=False).predicted["step_time_s"]
     assert plan.predicted["step_time_s"] > single + 5
+
+
+def test_the_longest_wait_of_many_long_episodes_is_bounded():
+    """1,000 turns x 4,096 prompts x 16 samples: 999 waits for each of 65,536 episodes (the Monte Carlo
+    wanted 97.6 GiB for its 200 trials). Past MC_DRAWS each episode's total is drawn whole: exact for a
+    fixed latency, a gamma for an exponential one."""
+    fixed, expo = {"dist": "fixed", "mean": 0.5}, {"dist": "exponential", "mean": 0.2}
+    assert expected_max_wait(fixed, 999, 65536) == pytest.approx(499.5)
+    mean, sd = 999 * 0.2, 0.2 * 999 ** 0.5  # the sum of 999 exponentials: a gamma, about normal
+    assert mean + 3.5 * sd < expected_max_wait(expo, 999, 65536) < mean + 5 * sd  # E[max of 65,536] ~ 4.3 sd
+    lognormal = expected_max_wait({"dist": "lognormal", "mean": 0.5, "sigma": 1.0}, 999, 65536)
+    assert 999 * 0.5 < lognormal < 999 * 0.5 * 1.5
+    job = episode_job({"dist": "lognormal", "mean": 0.05, "sigma": 1.0}, batch_size=4096, group_size=16)
+    job["env"]["max_turns"] = 1000
+    job["workload"].update(turns=1000, obs_len=1)
+    step = plan_job(load_job(job), use_profiles=False).predicted["step_time_s"]
+    assert 999 * 0.05 < step < float("inf")  # the environment's waits at least

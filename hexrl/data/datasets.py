@@ -21,7 +21,7 @@ from typing import Iterable
 
 from hexrl.data.code_data import load_code_tasks
 from hexrl.data.problems import KINDS, Problem
-from hexrl.input_files import loads_json, open_input
+from hexrl.input_files import TooDeepError, loads_json, open_input
 from hexrl.rewards.code import validate_tests
 from hexrl.rewards.math import find_boxed
 
@@ -95,7 +95,8 @@ def _summary(skipped: list[tuple[int, str]]) -> str:
 def load_jsonl(path: str | Path, kind: str = "math") -> LoadResult:
     """Read problems from a JSONL file, skipping (and warning about) malformed lines.
 
-    Raises FileNotFoundError for a missing file and ValueError when no line is usable.
+    Raises FileNotFoundError for a missing file, and ValueError when no line is usable or a line nests
+    deeper than the input guard allows (hexrl/input_files.py).
     """
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}, got {kind!r}")
@@ -111,7 +112,9 @@ def load_jsonl(path: str | Path, kind: str = "math") -> LoadResult:
                 problem = parse_record(loads_json(raw, "", "dataset line"), line_no, kind)
                 if problem.id in first_line_of:
                     raise ValueError(f"duplicate id {problem.id!r} (first on line {first_line_of[problem.id]})")
-            except ValueError as e:  # not UTF-8, bad JSON, too deep, NaN, a bad record
+            except TooDeepError as e:  # a file built to break parsers: refused, not skipped line by line
+                raise TooDeepError(f"dataset file {path}: line {line_no}{e}") from None
+            except ValueError as e:  # not UTF-8, bad JSON, NaN, a bad record
                 skipped.append((line_no, str(e).removeprefix(": ")))
                 continue
             first_line_of[problem.id] = line_no

@@ -26,6 +26,7 @@ from hexrl.data.problems import Problem
 from hexrl.rewards.gym import import_gym
 
 HELDOUT_SEED_OFFSET = 1_000_003  # the held-out set's seed: another stream of the same generator
+MISSES = 10_000  # held-out draws in a row with no new question: the task has none left to give
 MAX_FIELD_WIDTH = 1000  # a prompt field's width or precision: a wider one is a typo, not a prompt
 
 
@@ -41,15 +42,21 @@ def task_configs(tasks) -> dict[str, dict]:
 def entries(task: str, config: dict, size: int, seed: int) -> list[dict]:
     """`size` entries of `task` (question, answer, metadata), as reasoning-gym generates them for `seed`;
     ValueError naming the task and its options when the task refuses them."""
+    return list(draws(task, config, size, seed))
+
+
+def draws(task: str, config: dict, size: int, seed: int):
+    """The entries of `entries`, one at a time: reasoning-gym makes each on demand."""
     gym = import_gym()
     try:
-        ds = list(gym.create_dataset(task, size=size, seed=seed, **config))
+        ds = gym.create_dataset(task, size=size, seed=seed, **config)
+        for e in ds:
+            # the task and its config too: the scorer is the dataset's own, built with the same options
+            yield {"question": e["question"], "answer": str(e["answer"]), "metadata": e.get("metadata", {}),
+                   "task": task, "config": config}
     except Exception as e:  # the task's own checks are asserts; its generator may raise anything on odd options
         options = f" (options: {', '.join(f'{k}={v!r}' for k, v in config.items())})" if config else ""
         raise ValueError(f"{task}: {str(e) or type(e).__name__}{options}"[:500]) from None
-    # the task and its config too: the scorer is the dataset's own, built with the same options
-    return [{"question": e["question"], "answer": str(e["answer"]), "metadata": e.get("metadata", {}),
-             "task": task, "config": config} for e in ds]
 
 
 def template_problems(template: str) -> list[str]:
@@ -148,14 +155,22 @@ def load_reasoning_gym(spec: dict) -> tuple[list[Problem], list[Problem]]:
 
 
 def apart(task: str, config: dict, n: int, seed: int, seen: set[str]) -> list[dict]:
-    """n entries of `task` from the held-out seed whose questions are not in `seen` (nor repeated)."""
-    for draw in (2 * n, 8 * n):
-        out = []
-        for e in entries(task, config, draw, seed + HELDOUT_SEED_OFFSET):
-            if e["question"] not in seen:
-                seen.add(e["question"])
-                out.append(e)
-            if len(out) == n:
-                return out
-    raise ValueError(f"{task}: only {len(out)} held-out problems differ from the training ones (n_heldout {n}); "
-                     "the task's config allows too few distinct problems: lower size or n_heldout")
+    """n entries of `task` from the held-out seed whose questions are not in `seen` (nor repeated).
+    The draws stop at 8 n + MISSES, or after MISSES in a row that bring no new question: a task's config
+    may allow only a few hundred questions, and an n beyond them is refused at once, not searched for."""
+    out, misses, drawn = [], 0, 0
+    for e in draws(task, config, 8 * n + MISSES, seed + HELDOUT_SEED_OFFSET):
+        drawn += 1
+        if e["question"] in seen:
+            misses += 1
+            if misses == MISSES:
+                break
+            continue
+        seen.add(e["question"])
+        out.append(e)
+        misses = 0
+        if len(out) == n:
+            return out
+    raise ValueError(f"n_heldout {n}: {task} gave {len(out)} questions apart from the training ones in "
+                     f"{drawn:,} draws (the last {misses:,} brought none new); the task's config allows too few "
+                     "distinct problems: lower size or n_heldout")

@@ -9,6 +9,9 @@ from hexrl.plan.progress import quiet
 from hexrl.plan.rollout_milp import RolloutPlan, combine, makespan, solve_rollout
 from hexrl.plan.train_search import TrainPlan, search_train, train_bound
 
+# replicas of memoised rollout plans, about 0.3 GB: dropping one only costs solving it again
+HELD_REPLICAS = 1 << 20
+
 
 @dataclass
 class Candidate:
@@ -38,7 +41,8 @@ class Evaluator:
         self.cm = cm
         self.progress = progress  # (phase, done, total): hexrl/plan/progress.py
         self._train: dict = {}
-        self._roll: dict = {}
+        self._roll: dict = {}  # oldest use first
+        self._held = 0  # replicas of the plans in _roll
         self._cand: dict = {}
         self.evaluations = 0
         self.last_failure = ""  # "train" or "rollout": which side did not fit
@@ -59,10 +63,19 @@ class Evaluator:
         return self._solve(free_classes(self.cm.cluster, per_node))
 
     def _solve(self, classes, period: float | None = None) -> RolloutPlan | None:
+        """The rollout MILP's plan on `classes`, memoised; the least recently used plans are dropped
+        past HELD_REPLICAS replicas in all (a sweep of a 65,536-GPU type solves thousands of plans)."""
         key = (tuple((c.gpu_type, c.free, c.nodes) for c in classes), period)
-        if key not in self._roll:
-            self._roll[key] = solve_rollout(self.cm, classes, 1 if period else 4, period) if classes else None
-        return self._roll[key]
+        if key in self._roll:
+            self._roll[key] = plan = self._roll.pop(key)  # now the most recently used
+            return plan
+        plan = solve_rollout(self.cm, classes, 1 if period else 4, period) if classes else None
+        self._roll[key] = plan
+        self._held += len(plan.replicas) if plan else 0
+        while self._held > HELD_REPLICAS and len(self._roll) > 1:
+            old = self._roll.pop(next(iter(self._roll)))
+            self._held -= len(old.replicas) if old else 0
+        return plan
 
     def combined_rollout(self, per_node: tuple[int, ...]) -> RolloutPlan | None:
         """A rollout plan put together from one MILP per GPU type (rollout_milp.combine), so that a

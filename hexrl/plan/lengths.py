@@ -93,13 +93,39 @@ def draw_latency(spec: dict | None, rng, size: int | None = None):
     return float(out) if size is None else out
 
 
+MC_DRAWS = 1 << 24  # latency draws expected_max_wait makes at most (about 0.5 s; one trial at a time in memory)
+
+
 def expected_max_wait(spec: dict | None, calls: int, episodes: int, trials: int = 200) -> float:
     """E[the longest of `episodes` episodes' total environment wait], each `calls` draws summed: what
-    the last episode of a step adds to its wave (Monte Carlo, fixed seed: the same every call)."""
+    the last episode of a step adds to its wave (Monte Carlo, fixed seed: the same every call).
+
+    At most MC_DRAWS draws, one trial in memory at a time: past them, fewer trials (the longest of
+    many episodes varies little from trial to trial), and where one trial would pass them, each
+    episode's total is drawn whole (`episode_waits`) instead of call by call."""
     import numpy as np
 
-    if not spec or calls <= 0 or episodes <= 0:
+    if not spec or spec["mean"] <= 0 or calls <= 0 or episodes <= 0:
         return 0.0
     rng = np.random.default_rng(0)
-    draws = draw_latency(spec, rng, trials * episodes * calls).reshape(trials, episodes, calls)
-    return float(draws.sum(-1).max(-1).mean())
+    fit = min(trials, MC_DRAWS // (episodes * calls))
+    if fit >= 1:  # one trial's draws at a time: the same stream as drawing them all at once
+        return float(np.mean([draw_latency(spec, rng, episodes * calls).reshape(episodes, calls).sum(-1).max()
+                              for _ in range(fit)]))
+    fit = max(1, min(trials, MC_DRAWS // episodes))
+    return float(np.mean([episode_waits(spec, calls, rng, episodes).max() for _ in range(fit)]))
+
+
+def episode_waits(spec: dict, calls: int, rng, size: int):
+    """`size` episodes' total waits of `calls` calls each, drawn whole: exact for fixed and exponential
+    latencies (a gamma), for lognormal ones the lognormal of the same mean and variance (Fenton-Wilkinson;
+    closer the more calls an episode makes)."""
+    import numpy as np
+
+    mean = spec["mean"]
+    if spec["dist"] == "exponential":
+        return rng.gamma(calls, mean, size)
+    if spec["dist"] == "lognormal":
+        sigma2 = math.log1p(math.expm1(spec.get("sigma", 1.0) ** 2) / calls)
+        return rng.lognormal(math.log(calls * mean) - sigma2 / 2, math.sqrt(sigma2), size)
+    return np.full(size, calls * float(mean))

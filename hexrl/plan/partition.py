@@ -247,9 +247,9 @@ def _raise(ev: Evaluator, types, grid, i: int, level: int, data, train_lb: float
         roll = ev.combined_rollout(nodes)
         if roll is None:
             return None
-        return step_times(cm, train, sync_lb, roll, joined=False)[2], i, 2, (nodes, roll)
-    nodes, roll = data
-    return ev.estimate(nodes, roll), i, 3, nodes
+        # the heap keeps the split, not its plan: thousands of plans would hold every replica of each
+        return step_times(cm, train, sync_lb, roll, joined=False)[2], i, 2, nodes
+    return ev.estimate(data, ev.combined_rollout(data)), i, 3, data
 
 
 def _initial(ev: Evaluator, gs: GraphScore, log: SearchLog) -> Candidate | None:

@@ -9,6 +9,8 @@ Training GPUs take the lowest local ranks of a node; rollout takes the highest.
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from hexrl.schema import ClusterSpec
 
 
@@ -21,22 +23,44 @@ class FreeClass:
     nodes: tuple[int, ...]
 
 
+@dataclass(frozen=True)
+class NodeIndex:
+    """A cluster's nodes as arrays, so that placing a split is arithmetic over types, not a loop over
+    every node (a search places thousands of splits of clusters of up to 4,096 nodes)."""
+
+    types: tuple[str, ...]  # in first-appearance order
+    type_of: np.ndarray  # each node's type, an index into types
+    gpus: np.ndarray  # each node's GPU count
+    of_type: tuple[np.ndarray, ...]  # the nodes of each type, in order
+
+    @staticmethod
+    def of(cluster: ClusterSpec) -> "NodeIndex":
+        """The cluster's index, memoised on it (a loaded cluster's nodes do not change)."""
+        got = cluster.__dict__.get("_node_index")
+        if got is None or len(got.gpus) != len(cluster.nodes):
+            types = tuple(dict.fromkeys(n.gpu_type for n in cluster.nodes))
+            type_of = np.array([types.index(n.gpu_type) for n in cluster.nodes], dtype=np.int64)
+            got = NodeIndex(types, type_of, np.array([n.gpus for n in cluster.nodes], dtype=np.int64),
+                            tuple(np.flatnonzero(type_of == k) for k in range(len(types))))
+            cluster.__dict__["_node_index"] = got
+        return got
+
+
 def train_per_node(cluster: ClusterSpec, counts: dict[str, int]) -> tuple[int, ...]:
     """Training GPUs on each node when `counts[type]` training GPUs are packed node by node."""
-    left = dict(counts)
-    out = []
-    for n in cluster.nodes:
-        take = min(n.gpus, left.get(n.gpu_type, 0))
-        left[n.gpu_type] = left.get(n.gpu_type, 0) - take
-        out.append(take)
-    return tuple(out)
+    ix = NodeIndex.of(cluster)
+    out = np.zeros(len(ix.gpus), dtype=np.int64)
+    for t, nodes in zip(ix.types, ix.of_type):
+        gpus = ix.gpus[nodes]
+        before = np.cumsum(gpus) - gpus  # taken by the earlier nodes of the type, had each taken all
+        out[nodes] = np.clip(counts.get(t, 0) - before, 0, gpus)
+    return tuple(out.tolist())
 
 
 def counts_of(cluster: ClusterSpec, per_node: tuple[int, ...]) -> dict[str, int]:
-    out = {t: 0 for t in cluster.types()}
-    for n, k in zip(cluster.nodes, per_node):
-        out[n.gpu_type] += k
-    return out
+    ix = NodeIndex.of(cluster)
+    sums = np.bincount(ix.type_of, weights=np.asarray(per_node, dtype=np.int64), minlength=len(ix.types))
+    return {t: int(n) for t, n in zip(ix.types, sums)}
 
 
 def train_slots(cluster: ClusterSpec, per_node: tuple[int, ...], gpu_type: str) -> list[tuple[int, int]]:
@@ -46,11 +70,12 @@ def train_slots(cluster: ClusterSpec, per_node: tuple[int, ...], gpu_type: str) 
 
 
 def free_classes(cluster: ClusterSpec, per_node: tuple[int, ...]) -> list[FreeClass]:
-    """Rollout GPUs grouped by (type, GPUs left per node)."""
-    groups: dict[tuple[str, int], list[int]] = {}
-    for i, n in enumerate(cluster.nodes):
-        free = n.gpus - per_node[i]
-        if free > 0:
-            groups.setdefault((n.gpu_type, free), []).append(i)
-    return [FreeClass(t, f, tuple(nodes)) for (t, f), nodes in groups.items()]
-
+    """Rollout GPUs grouped by (type, GPUs left per node), in the order of their first node."""
+    ix = NodeIndex.of(cluster)
+    free = ix.gpus - np.asarray(per_node, dtype=np.int64)
+    nodes = np.flatnonzero(free > 0)
+    width = int(ix.gpus.max()) + 1
+    code = ix.type_of[nodes] * width + free[nodes]  # one number per (type, free)
+    kinds, first = np.unique(code, return_index=True)
+    return [FreeClass(ix.types[k // width], int(k % width), tuple(nodes[code == k].tolist()))
+            for k in kinds[np.argsort(first)].tolist()]

@@ -21,7 +21,7 @@ for s = 1 it is an equality, because every rank of the plan needs a role.
 import ctypes
 import os
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import highspy
 import numpy as np
@@ -31,7 +31,7 @@ from hexrl.plan.cost_rollout import DecodePoint
 from hexrl.plan.placement import FreeClass
 
 
-@dataclass
+@dataclass(slots=True)  # a plan of a large cluster holds tens of thousands
 class RolloutReplica:
     gpu_type: str
     tp: int
@@ -249,6 +249,8 @@ def combine(cm: CostModel, plans: list[RolloutPlan]) -> RolloutPlan:
     gate's cap on running sequences is not applied across the plans, so this estimates the joint
     MILP's plan; it is not one."""
     rate = sum(p.tokens_per_s for p in plans)
-    replicas = [replace(r, share=r.share * p.tokens_per_s / rate) for p in plans for r in p.replicas]
+    replicas = [RolloutReplica(r.gpu_type, r.tp, r.batch, r.node, r.locals, r.tokens_per_s,
+                               r.share * p.tokens_per_s / rate)  # dataclasses.replace is 5x slower
+                for p in plans for r in p.replicas]
     theta = makespan(cm, [cm.decode_point(r.gpu_type, r.tp, r.batch) for r in replicas if r.share > 0])
     return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))

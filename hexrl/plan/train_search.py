@@ -9,14 +9,15 @@ stages so that the slowest stage is as fast as possible within each stage's memo
 
 import bisect
 import heapq
-import itertools
 import math
 from dataclasses import dataclass
 from itertools import product
 
+import numpy as np
+
 from hexrl.plan.cost import CostModel
 from hexrl.plan.cost_train import StageCoeffs
-from hexrl.plan.placement import counts_of, train_slots
+from hexrl.plan.placement import NodeIndex, counts_of, train_slots
 
 
 @dataclass
@@ -71,7 +72,9 @@ def _orders(types: list[str], cm: CostModel) -> list[list[str]]:
 
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """n's divisors in increasing order (by pairs up to sqrt(n): n is up to a type's GPU count)."""
+    low = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return low + [n // d for d in reversed(low) if d * d != n]
 
 
 def _span(slots: list[tuple[int, int]]) -> tuple[int, int]:
@@ -141,9 +144,12 @@ class _Packing:
     """Where the i-th training GPU of a type sits (per_node's order), by arithmetic: a stage's
     span without listing its GPUs (the hot path of a search over thousands of GPUs)."""
 
-    def __init__(self, cm: CostModel, per_node: tuple[int, ...], gpu_type: str):
-        self.nodes = [i for i, n in enumerate(cm.cluster.nodes) if n.gpu_type == gpu_type and per_node[i] > 0]
-        self.ends = list(itertools.accumulate(per_node[i] for i in self.nodes))
+    def __init__(self, cm: CostModel, per_node: np.ndarray, gpu_type: str):
+        ix = NodeIndex.of(cm.cluster)
+        nodes = ix.of_type[ix.types.index(gpu_type)]
+        nodes = nodes[per_node[nodes] > 0]
+        self.nodes = nodes.tolist()
+        self.ends = np.cumsum(per_node[nodes]).tolist()
 
     def span(self, a: int, b: int) -> tuple[int, int]:
         """(first node, nodes) of GPUs a..b-1."""
@@ -184,16 +190,17 @@ def _layouts(cm: CostModel, per_node: tuple[int, ...]) -> list[tuple]:
     """(lower bound, enumeration index, TP per type, DP, type order, spans per type) of every layout
     the search tries, in enumeration order."""
     counts = {t: n for t, n in counts_of(cm.cluster, per_node).items() if n > 0}
-    packing = {t: _Packing(cm, per_node, t) for t in counts}
+    on_node = np.asarray(per_node, dtype=np.int64)
+    packing = {t: _Packing(cm, on_node, t) for t in counts}
     orders = _orders(list(counts), cm) if counts else []
     out, spans_of = [], {}  # many layouts share a type's stage size
     for combo in product(*[[tp for tp in cm.tp_options(t) if counts[t] % tp == 0] for t in counts]):
         tps = dict(zip(counts, combo))
-        g = 0
+        g, groups = 0, 0  # groups: the TP groups of all types, dp x pp of them
         for t in counts:
-            g = math.gcd(g, counts[t] // tps[t])
+            g, groups = math.gcd(g, counts[t] // tps[t]), groups + counts[t] // tps[t]
         for dp in _divisors(g):
-            pp = sum(counts[t] // (dp * tps[t]) for t in counts)
+            pp = groups // dp
             if pp > cm.m.num_hidden_layers:
                 continue
             spans, parts = {}, {}

@@ -206,11 +206,30 @@ def _prune(root: Path, final: Path, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def latest(root: Path) -> Path:
+    """The step directory `root/latest` names (it may be gone); CheckpointError naming the file when
+    it does not hold a step's name (not UTF-8, empty, a path)."""
+    f = root / LATEST
+    try:
+        name = f.read_bytes().decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{f}: not UTF-8; it holds the newest checkpoint's directory name, like step00000012"
+                              ) from None
+    if "/" in name or _version_key(Path(name))[0] < 0:
+        raise CheckpointError(f"{f}: holds {name[:80]!r}, not a checkpoint's directory name like step00000012")
+    return root / name
+
+
 def resolve(path: str | os.PathLike) -> Path:
     """A checkpoint root (follows `latest`) or one checkpoint directory -> that directory."""
     path = Path(path)
     if (path / LATEST).is_file():
-        path = path / (path / LATEST).read_text().strip()
+        named = latest(path)
+        if not (named / "meta.json").is_file():
+            raise FileNotFoundError(f"{path / LATEST}: names {named.name}, which is "
+                                    + ("not a complete checkpoint (no meta.json)" if named.is_dir() else "missing")
+                                    + ", and no other step here is complete")
+        return named
     if not (path / "meta.json").is_file():
         raise FileNotFoundError(f"{path}: no complete checkpoint here (no meta.json, no '{LATEST}' pointer)")
     return path
@@ -284,7 +303,7 @@ def resolve_complete(path: str | os.PathLike) -> tuple[Path, list[str]]:
     path = Path(path)
     if not (path / LATEST).is_file():
         return resolve(path), []
-    named = path / (path / LATEST).read_text().strip()
+    named = latest(path)
     steps = sorted((p for p in path.glob("step*") if p.is_dir() and _version_key(p)[0] >= 0),
                    key=_version_key, reverse=True)
     notes = []
@@ -304,11 +323,13 @@ def problems(path: str | os.PathLike, layout: dict | None = None, config: ModelC
     launch on every rank."""
     try:
         path, _ = resolve_complete(path)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, CheckpointError) as e:
         return [str(e)]
     out = incomplete(path) or (_model_problems(path.parent, config) if config is not None else [])
     if not out and layout is not None:
         out += _layout_problems(path, layout, config)
+    if not out and config is not None:
+        out += shard_problems(path, _read_json_file(path / "meta.json")["layout"], config)
     return out
 
 
@@ -323,6 +344,26 @@ def _layout_problems(path: Path, layout: dict, config: ModelConfig | None) -> li
         why = str(e).splitlines()[-1].strip()
         return [f"{path}: saved with stages {have.get('stages')}, which do not fit this job's model of {layers} "
                 f"layers ({why}); a checkpoint of another model (TP, PP and DP may differ, the model may not)"]
+
+
+def shard_problems(step: Path, layout: dict, config: ModelConfig) -> list[str]:
+    """Why the weights in checkpoint `step` (saved with `layout`) are not the model `config`: each stage's
+    first shard against the shapes that stage of this model has, read through mmap (no tensor data),
+    so another model's checkpoint is named before launch even where no config.json sits beside it."""
+    try:
+        stages = TrainerLayout.from_dict(layout, config.num_hidden_layers).stages
+    except ValueError as e:
+        return [f"{step / 'meta.json'}: its layout does not fit this job's model ({str(e)[:200]})"]
+    for s, stage in enumerate(stages):
+        f = step / f"model-s{s}-tp0.pt"
+        try:
+            shard = _torch_load(f, map_location="cpu", mmap=True)
+            model = shard.get("model") if isinstance(shard, dict) else None
+            if not isinstance(model, dict):
+                raise CheckpointError(f"{f}: holds no model weights")
+            check_shapes(model, meta_stage(config, stage.layers, stage.tp).state_dict(), str(f))
+        except CheckpointError as e:
+            return [str(e)]
     return []
 
 
