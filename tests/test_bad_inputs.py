@@ -202,7 +202,7 @@ def test_resume_into_other_stages_passes_preflight_unless_another_model(tmp_path
     plan = write_job(tmp_path, steps=1)
     trainer = json.loads(plan.read_text())["trainer"]
     other = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 1]}, {"tp": 2, "layers": [1, 4]}]}
-    layout_checkpoint(tmp_path / "ck", 1, other)
+    layout_checkpoint(tmp_path / "ck", 1, other, model=tmp_path / "model")
     assert ckpt.problems(tmp_path / "ck") == [] and ckpt.problems(tmp_path / "ck", trainer) == []
     load_checked_plan(str(plan), 0, 3, 3, None, resume=str(tmp_path / "ck"))
     fewer = {"dp": 1, "stages": [{"tp": 1, "layers": [0, 2]}, {"tp": 1, "layers": [2, 3]}]}

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-from bench_planner import cluster_job
 from runtime_utils import ROOT
 
 from hexrl.plan import candidate
@@ -16,6 +15,7 @@ from hexrl.plan.cost import CostModel
 from hexrl.plan.partition import two_phase
 from hexrl.plan.placement import counts_of, free_classes, train_per_node
 from hexrl.schema import ClusterSpec, NodeSpec, load_job
+from tools.bench.bench_planner import cluster_job
 
 
 def node_by_node(cluster: ClusterSpec, counts: dict[str, int]) -> tuple[int, ...]:

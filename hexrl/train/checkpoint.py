@@ -344,6 +344,7 @@ def _layout_problems(path: Path, layout: dict, config: ModelConfig | None) -> li
         why = str(e).splitlines()[-1].strip()
         return [f"{path}: saved with stages {have.get('stages')}, which do not fit this job's model of {layers} "
                 f"layers ({why}); a checkpoint of another model (TP, PP and DP may differ, the model may not)"]
+    return []
 
 
 def shard_problems(step: Path, layout: dict, config: ModelConfig) -> list[str]:
