@@ -40,11 +40,6 @@ class Workload:
     env_latency: dict | None = None  # its distribution (workload.env_latency_s)
 
     @property
-    def obs_tokens(self) -> float:
-        """Observation tokens of one episode: (turns - 1) observations."""
-        return (self.turns - 1) * self.obs_len
-
-    @property
     def gen_samples(self) -> float:
         """Rollouts generated per step: B * G, and again for every filtered group."""
         return self.samples / (1 - self.equal_fraction)
