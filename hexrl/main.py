@@ -12,6 +12,7 @@ per pipeline stage, one TP group per rollout replica), starts the watchdog, and 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import traceback
@@ -25,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from hexrl.comm.secret import SecretError, job_secret
 from hexrl.preflight import Inputs, check_inputs
-from hexrl.runtime import cpu_pinning, dist_rules, effective, errors
+from hexrl.runtime import cpu_pinning, dist_rules, effective, elastic, errors
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import set_run_umask
 from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
@@ -117,10 +118,11 @@ def refuse(rank: int, why: str) -> None:
     sys.exit(2)
 
 
-def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None,
+def load_checked_plan(path: str | dict, rank: int, world: int, local_world: int, steps: int | None,
                       resume: str | None = None) -> tuple[Plan, Inputs]:
-    """The plan and the run's input files (tokenizer, every prompt, the checkpoint to resume),
-    validated against this world before any collective; exits 2 with every problem."""
+    """The plan (a file, or an elastic round's plan as a dict) and the run's input files (tokenizer,
+    every prompt, the checkpoint to resume), validated against this world before any collective;
+    exits 2 with every problem."""
     try:
         plan = load_plan(path, world=(world, local_world))
         inputs = check_inputs(plan.job, resume, plan.trainer.to_dict())
@@ -133,6 +135,41 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     if steps is not None:
         plan.job.rl.steps = steps
     return plan, inputs
+
+
+def elastic_round(args, rank: int, world: int, local_world: int) -> dict | None:
+    """Under `torchrun --nnodes MIN:MAX` with a dynamic rendezvous, this round's plan (plan.json as a
+    dict), made by rank 0 for the nodes present and agreed by every rank (hexrl/runtime/elastic.py);
+    None for any other launch (the plan as given). Exits 2 naming what is missing when the round
+    cannot run. Sets the attempt number (RESTART_ENV) to the job's round on every rank: a node that
+    joined late has been restarted fewer times than the others, and every reader of it must agree."""
+    launch = elastic.launcher_args()
+    if launch is None or not launch.elastic:
+        return None
+    try:
+        job_plan = load_plan(args.plan)
+        if problems := elastic.bounds_problems(launch, job_plan, local_world):
+            raise ConfigError(problems, "invalid launch")
+        node, problems = elastic.own_node(job_plan, args.node_name)
+        if problems:
+            raise ConfigError(problems, "invalid launch")
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        refuse(rank, str(e))
+    hello = elastic.Hello(rank, node_rank_from_env(), node, elastic.detected_gpu_type(), os.getpid(),
+                          plan_digest(args.plan, args.steps))
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
+    run_dir = Path(args.run_dir or job_plan.job.out_dir)
+    if rank == 0:
+        plan_round = functools.partial(elastic.plan_round, job_plan, hello.job, run_dir)
+        round_no, result = elastic.lead(store, hello, world, plan_round)
+    else:
+        round_no, result = elastic.follow(store, hello)
+    if "error" in result:
+        refuse(rank, result["error"])
+    os.environ[RESTART_ENV] = str(round_no)
+    if rank == 0:
+        errors.say(f"hexrl.main: elastic {result['reason']}; its plan: {run_dir / 'plans' / f'{round_no}.json'}")
+    return result["plan"]
 
 
 def restart_count() -> int:
@@ -252,8 +289,9 @@ def is_peer_loss(e: BaseException) -> bool:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
+    agreed = elastic_round(args, rank, world, local_world)  # None: the plan as given
     args.resume = restart_resume(args, rank)
-    plan, inputs = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
+    plan, inputs = load_checked_plan(agreed or args.plan, rank, world, local_world, args.steps, args.resume)
     set_run_umask(plan.job.share_run_dir)  # before this rank writes anything
     pinning = cpu_pinning.pin(plan.job.cpu_affinity, local_rank, local_world)  # before any thread or child starts
     print(cpu_pinning.describe(rank, plan.ranks[rank].role, pinning), flush=True)
