@@ -148,7 +148,8 @@ def elastic_round(args, rank: int, world: int, local_world: int) -> dict | None:
         return None
     try:
         job_plan = load_plan(args.plan)
-        if problems := elastic.bounds_problems(launch, job_plan, local_world):
+        shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if problems := elastic.launch_problems(launch, job_plan, local_world, shared):
             raise ConfigError(problems, "invalid launch")
         node, problems = elastic.own_node(job_plan, args.node_name)
         if problems:
@@ -157,11 +158,11 @@ def elastic_round(args, rank: int, world: int, local_world: int) -> dict | None:
         refuse(rank, str(e))
     hello = elastic.Hello(rank, node_rank_from_env(), node, elastic.detected_gpu_type(), os.getpid(),
                           plan_digest(args.plan, args.steps))
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
+    store = torchrun_store(rank, world)
     run_dir = Path(args.run_dir or job_plan.job.out_dir)
     if rank == 0:
         plan_round = functools.partial(elastic.plan_round, job_plan, hello.job, run_dir)
-        round_no, result = elastic.lead(store, hello, world, plan_round)
+        round_no, result = elastic.lead(store, hello, world, elastic.next_round(run_dir / "plans"), plan_round)
     else:
         round_no, result = elastic.follow(store, hello)
     if "error" in result:
@@ -218,11 +219,18 @@ def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
                      f"--resume {run_dir / 'checkpoints'}, or pass another --run-dir")
 
 
+@functools.cache
+def torchrun_store(rank: int, world: int) -> dist.Store:
+    """torchrun's store (env://), connected once: where rank 0 itself hosts it
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), a second connection would host it twice."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
+    return store
+
+
 def attempt_store(rank: int, world: int) -> dist.Store:
     """torchrun's store (env://), under a prefix of this attempt's own: a restarted attempt reuses the
     agent's store, where the failed attempt's keys (gloo's addresses, the watchdog's failure) remain."""
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
-    return dist.PrefixStore(f"hexrl/attempt{restart_count()}", store)
+    return dist.PrefixStore(f"hexrl/attempt{restart_count()}", torchrun_store(rank, world))
 
 
 def init_distributed(rank: int, world: int, plan: Plan) -> torch.device:

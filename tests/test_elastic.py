@@ -55,15 +55,23 @@ def test_every_rank_takes_the_plan_rank_0_made_for_the_nodes_that_said_hello():
     threads = [threading.Thread(target=rank, args=(h,)) for h in hellos[1:]]
     for t in threads:
         t.start()
-    results[0] = elastic.lead(store, hellos[0], 4, plan_round)
+    results[0] = elastic.lead(store, hellos[0], 4, 0, plan_round)
     for t in threads:
         t.join(60)
     assert seen == hellos
     assert set(results) == {0, 1, 2, 3}
     assert all(r == (0, results[0][1]) for r in results.values())
     assert results[0][1]["plan"] == {"nodes": ["B", "A"]}  # node-rank order, not cluster order
-    # the next round gets the next number
-    assert elastic.lead(store, hello(0, 0, "A"), 1, plan_round)[0] == 1
+    # the next round, a rank alone (its store still holds this round's keys)
+    assert elastic.lead(store, hello(0, 0, "A"), 1, 1, plan_round)[1]["plan"] == {"nodes": ["A"]}
+
+
+def test_rounds_are_numbered_by_the_plans_recorded_in_the_run_directory(tmp_path):
+    assert elastic.next_round(tmp_path / "plans") == 0
+    (tmp_path / "plans").mkdir()
+    for name in ("0.json", "0.job.json", "1.job.json", "1.json", "2.job.json"):  # round 2's planner failed
+        (tmp_path / "plans" / name).write_text("{}")
+    assert elastic.next_round(tmp_path / "plans") == 2
 
 
 # ------------------------------------------------------------------ what rank 0 plans
@@ -116,11 +124,13 @@ def test_a_plan_from_another_job_and_a_node_started_twice_are_refused(tmp_path):
 
 def test_nnodes_bounds_the_cluster_cannot_satisfy_are_refused_naming_the_flag(tmp_path):
     plan = load_plan(two_node_plan(tmp_path))
-    assert elastic.bounds_problems(Launch(1, 2, "c10d"), plan, 2) == []
-    (p,) = elastic.bounds_problems(Launch(1, 3, "c10d"), plan, 2)
+    assert elastic.launch_problems(Launch(1, 2, "c10d"), plan, 2, shared_store=False) == []
+    (p,) = elastic.launch_problems(Launch(1, 3, "c10d"), plan, 2, shared_store=False)
     assert p.startswith("--nnodes 1:3: the job's cluster.nodes lists 2 nodes, so at most 2 can take part")
-    (p,) = elastic.bounds_problems(Launch(1, 2, "c10d"), plan, 3)
+    (p,) = elastic.launch_problems(Launch(1, 2, "c10d"), plan, 3, shared_store=False)
     assert p.startswith("--nproc_per_node 3: every node of cluster.nodes runs 2 ranks")
+    (p,) = elastic.launch_problems(Launch(1, 2, "c10d"), plan, 2, shared_store=True)
+    assert p.startswith("TORCH_DISABLE_SHARE_RDZV_TCP_STORE: set it to 1")
     assert elastic.own_node(plan, "B") == ("B", [])
     assert elastic.own_node(plan, "C")[1][0].startswith("--node-name C: no node of cluster.nodes")
 
@@ -143,8 +153,8 @@ def test_only_a_dynamic_rendezvous_with_a_node_range_is_elastic():
 
 def test_an_elastic_launch_with_more_nodes_than_the_cluster_is_refused_on_every_rank(tmp_path):
     plan = two_node_plan(tmp_path)
-    res = subprocess.run(elastic_cmd(plan, tmp_path / "run", A, f"{A}:{free_port()}", "A", nnodes="1:3"),
-                         cwd=ROOT, capture_output=True, text=True, timeout=120, env=env())
+    cmd = elastic_cmd(plan, tmp_path / "run", A, f"{A}:{free_port()}", "A", nnodes="1:3", restarts=0, last_call_s=1)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120, env=env())
     assert res.returncode != 0
     assert "--nnodes 1:3: the job's cluster.nodes lists 2 nodes" in res.stdout + res.stderr
 
@@ -153,15 +163,17 @@ def test_an_elastic_launch_with_more_nodes_than_the_cluster_is_refused_on_every_
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
 def elastic_cmd(plan: Path, run: Path, address: str, rdzv: str, name: str, nnodes: str = "1:2",
-                restarts: int = 3) -> list[str]:
-    """One node's launcher of an elastic job (the command docs/multinode.md gives)."""
+                restarts: int = 3, last_call_s: int = 5) -> list[str]:
+    """One node's launcher of an elastic job (the command docs/multinode.md gives). On loopback every
+    launcher's address is this machine's, so only the endpoint's node may host the rendezvous store."""
+    host = int(address == rdzv.split(":")[0])
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
-            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}", "--rdzv-conf=last_call_timeout=5",
-            f"--local-addr={address}", f"--max-restarts={restarts}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}", f"--local-addr={address}",
+            f"--rdzv-conf=last_call_timeout={last_call_s},is_host={host}", f"--max-restarts={restarts}",
             "-m", "hexrl.main", str(plan), "--run-dir", str(run), "--node-name", name]
 
 
@@ -170,26 +182,60 @@ def start(cmd: list[str]) -> subprocess.Popen:
                             start_new_session=True)
 
 
-@pytest.mark.slow
-def test_node_b_leaves_after_the_first_checkpoint_and_node_a_finishes_alone(tmp_path):
-    steps = 8
+def plans(run: Path) -> list[dict]:
+    """RUN_DIR/plans/<round>.json, oldest round first."""
+    rounds = sorted(int(p.name.split(".")[0]) for p in (run / "plans").glob("*[0-9].json"))
+    return [json.loads((run / "plans" / f"{r}.json").read_text()) for r in rounds]
+
+
+def nodes_of(plan: dict) -> list[str]:
+    return [n["name"] for n in plan["cluster"]["nodes"]]
+
+
+def check_finished(run: Path, steps: int) -> None:
+    """Every step trained once, the accounting balanced at every step and in the summary."""
+    rows = metrics(run)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert all(balanced(r) for r in rows)
+    summary = subprocess.run([sys.executable, "-m", "hexrl.control.summary", str(run)], cwd=ROOT,
+                             capture_output=True, text=True, env=env())
+    assert "(balanced)" in summary.stdout, summary.stdout
+
+
+def lose_node_b(tmp_path: Path, steps: int):
+    """Both nodes start; once the first checkpoint is written node B's launcher and ranks are killed
+    (its machine is gone) and node A's restarted ranks plan a round of their own. Returns (A, run)."""
     plan = two_node_plan(tmp_path, steps=steps, checkpoint_every=2)
     run, rdzv = tmp_path / "run", f"{A}:{free_port()}"
     a = start(elastic_cmd(plan, run, A, rdzv, "A"))
     b = start(elastic_cmd(plan, run, B, rdzv, "B"))
     assert wait_for(lambda: (run / "checkpoints" / "latest").is_file(), 600, a), a.communicate()[0][-4000:]
-    os.killpg(b.pid, signal.SIGKILL)  # node B's launcher and its ranks: the machine is gone
+    os.killpg(b.pid, signal.SIGKILL)
     b.wait()
+    assert wait_for(lambda: (run / "plans").is_dir() and nodes_of(plans(run)[-1]) == ["A"], 300, a)
+    return a, plan, run, rdzv
+
+
+@pytest.mark.slow
+def test_node_b_leaves_after_the_first_checkpoint_and_node_a_finishes_alone(tmp_path):
+    a, _, run, _ = lose_node_b(tmp_path, steps=20)
     out, _ = a.communicate(timeout=900)
     assert a.returncode == 0, out[-5000:]
-    plans = sorted(int(p.name.split(".")[0]) for p in (run / "plans").glob("*[0-9].json"))
-    first, last = (json.loads((run / "plans" / f"{r}.json").read_text()) for r in (plans[0], plans[-1]))
-    assert [n["name"] for n in first["cluster"]["nodes"]] in (["A", "B"], ["B", "A"])
-    assert [n["name"] for n in last["cluster"]["nodes"]] == ["A"]
-    assert "left: B" in last["predicted"]["elastic"]["reason"]
-    rows = metrics(run)
-    assert [r["step"] for r in rows][-1] == steps
-    assert all(balanced(r) for r in rows)
-    summary = subprocess.run([sys.executable, "-m", "hexrl.control.summary", str(run)], cwd=ROOT,
-                             capture_output=True, text=True, env=env())
-    assert "(balanced)" in summary.stdout, summary.stdout
+    first, last = plans(run)[0], plans(run)[-1]
+    assert sorted(nodes_of(first)) == ["A", "B"] and len(first["ranks"]) == 4
+    assert nodes_of(last) == ["A"] and sorted(r["role"] for r in last["ranks"]) == ["rollout", "train"]
+    assert last["predicted"]["elastic"]["reason"].endswith("nodes A (in node-rank order); left: B")
+    assert "resuming from" in out  # the new plan continued from the checkpoint, not from scratch
+    check_finished(run, 20)
+
+
+@pytest.mark.slow
+def test_node_b_rejoins_and_the_job_takes_it_back(tmp_path):
+    a, plan, run, rdzv = lose_node_b(tmp_path, steps=400)
+    b = start(elastic_cmd(plan, run, B, rdzv, "B"))  # node B back: node A's launcher restarts its ranks
+    outs = {name: p.communicate(timeout=1200)[0] for name, p in (("A", a), ("B", b))}
+    assert (a.returncode, b.returncode) == (0, 0), outs["A"][-4000:] + outs["B"][-3000:]
+    last = plans(run)[-1]
+    assert sorted(nodes_of(last)) == ["A", "B"] and len(last["ranks"]) == 4
+    assert "joined: B" in last["predicted"]["elastic"]["reason"]
+    check_finished(run, 400)

@@ -84,9 +84,14 @@ def launcher_args(pid: int | None = None) -> Launch | None:
     return Launch(lo, hi, "c10d" if args.standalone else args.rdzv_backend)
 
 
-def bounds_problems(launch: Launch, plan: Plan, local_world: int) -> list[str]:
-    """What in `--nnodes MIN:MAX` / `--nproc_per_node` the job's cluster cannot satisfy."""
+def launch_problems(launch: Launch, plan: Plan, local_world: int, shared_store: bool) -> list[str]:
+    """What in `--nnodes MIN:MAX` / `--nproc_per_node` the job's cluster cannot satisfy, and a store
+    shared with torchrun's agent (TORCHELASTIC_USE_AGENT_STORE): torch keeps it on the node that
+    hosted it first, so when rank 0 moves to another node (a node joining) the launchers wait forever."""
     n, per, p = len(plan.job.cluster.nodes), plan.ranks_per_node, []
+    if shared_store:
+        p.append("TORCH_DISABLE_SHARE_RDZV_TCP_STORE: set it to 1 in every launcher's environment of an "
+                 "elastic job (torchrun's shared store does not follow rank 0 to another node)")
     if launch.max_nodes > n:
         p.append(f"--nnodes {launch.min_nodes}:{launch.max_nodes}: the job's cluster.nodes lists {n} node"
                  f"{'s' if n != 1 else ''}, so at most {n} can take part; launch with --nnodes "
@@ -140,10 +145,17 @@ def _wait_all(store, keys: list[str], timeout: timedelta) -> bool:
         return False
 
 
-def lead(store, hello: Hello, world: int, plan_round) -> tuple[int, dict]:
-    """Rank 0's side: a fresh round id, every rank's hello, then `plan_round(round, hellos)` (a dict
-    with "plan" or "error") shared as this round's result. Returns (round, result)."""
-    round_no = store.add(PREFIX + "rounds", 1) - 1  # this store's rounds, counted once each
+def next_round(plans_dir: Path) -> int:
+    """The run's next round number: one past its newest recorded plan (RUN_DIR/plans/<round>.json).
+    Counted in the run directory, not the store: a round's store may be new (torchrun hosts it anew
+    when rank 0 moves to another node)."""
+    done = [int(p.stem) for p in plans_dir.glob("*.json") if p.stem.isdigit()] if plans_dir.is_dir() else []
+    return max(done, default=-1) + 1
+
+
+def lead(store, hello: Hello, world: int, round_no: int, plan_round) -> tuple[int, dict]:
+    """Rank 0's side: a fresh round id, every rank's hello, then `plan_round(round_no, hellos)` (a dict
+    with "plan" or "error") shared as this round's result. Returns (round_no, result)."""
     rid = f"{round_no}-{hello.pid}-{time.time_ns()}"
     store.set(PREFIX + f"hello/{rid}/0", json.dumps(asdict(hello)).encode())
     store.set(PREFIX + "leader", rid)
