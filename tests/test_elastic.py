@@ -119,6 +119,15 @@ def test_a_plan_from_another_job_and_a_node_started_twice_are_refused(tmp_path):
     assert not (tmp_path / "run" / "plans" / "0.json").exists()
 
 
+
+def test_a_node_whose_gpus_are_not_the_clusters_type_is_refused(tmp_path):
+    h100 = [{**n, "gpu_type": "H100"} for n in TWO_NODES]
+    plan = load_plan(write_job(tmp_path, nodes=h100, layout={"train_gpus": 2, "dp": 2}))
+    seen = [Hello(0, 0, "A", "H100", 1, "j"), Hello(1, 1, "B", "A100-80G", 2, "j")]
+    assert elastic.membership_problems(plan, seen, "j") == [
+        "node B: cluster.nodes says its GPUs are H100 but rank 1 computes on A100-80G"]
+    assert elastic.membership_problems(plan, seen[:1], "j") == []
+
 # ------------------------------------------------------------------ the launch, checked before any rank meets
 
 

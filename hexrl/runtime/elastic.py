@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 
-from hexrl.gpus import canonical_name
+from hexrl.gpus import canonical_name, gpu_type_name
 from hexrl.runtime.nodes import is_local_address
 from hexrl.schema import Plan
 
@@ -127,10 +127,7 @@ def detected_gpu_type() -> str:
     """The device this rank computes on, named as cluster.nodes names GPU types ("cpu" without CUDA)."""
     import torch
 
-    if not torch.cuda.is_available():
-        return "cpu"
-    name = torch.cuda.get_device_name()
-    return canonical_name(name) or name
+    return gpu_type_name(torch.cuda.get_device_name()) if torch.cuda.is_available() else "cpu"
 
 
 # ---------------------------------------------------------------- the agreement
@@ -199,7 +196,7 @@ def membership_problems(plan: Plan, hellos: list[Hello], job: str) -> list[str]:
                      f"{job}); give every node the same plan.json and the same hexrl.main flags")
         by_node.setdefault(h.node_rank, set()).add(h.node)
         want = canonical_name(types[h.node]) or types[h.node]
-        if h.gpu_type != want:
+        if want != "cpu" and h.gpu_type != want:  # the CPU stand-in runs on whatever device there is
             p.append(f"node {h.node}: cluster.nodes says its GPUs are {types[h.node]} but rank {h.rank} "
                      f"computes on {h.gpu_type}")
     for nr, names in sorted(by_node.items()):
