@@ -201,24 +201,29 @@ def nodes_of(plan: dict) -> list[str]:
     return [n["name"] for n in plan["cluster"]["nodes"]]
 
 
-def check_finished(run: Path, steps: int) -> None:
-    """Every step trained once, the accounting balanced at every step and in the summary."""
+def check_finished(run: Path, steps: int, eta: int = 1, problems: int = 100) -> None:
+    """Every step trained once, each problem once per pass over the data (`problems` of them), the
+    staleness gate held across the switches, the accounting balanced at every step and in the summary."""
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    ids = [i for r in rows for i in r["problem_ids"]]
+    assert all(len(set(ids[k:k + problems])) == len(ids[k:k + problems]) for k in range(0, len(ids), problems))
+    assert max(r["max_staleness"] for r in rows) <= eta
     assert all(balanced(r) for r in rows)
     summary = subprocess.run([sys.executable, "-m", "hexrl.control.summary", str(run)], cwd=ROOT,
                              capture_output=True, text=True, env=env())
     assert "(balanced)" in summary.stdout, summary.stdout
 
 
-def lose_node_b(tmp_path: Path, steps: int):
-    """Both nodes start; once the first checkpoint is written node B's launcher and ranks are killed
-    (its machine is gone) and node A's restarted ranks plan a round of their own. Returns (A, run)."""
+def lose_node_b(tmp_path: Path, steps: int, after_step: int = 2):
+    """Both nodes start; once step `after_step` is recorded (2: the first checkpoint; 3: the step after
+    it is running) node B's launcher and ranks are killed (its machine is gone) and node A's restarted
+    ranks plan a round of their own. Returns (A's launcher, plan, run, rendezvous endpoint)."""
     plan = two_node_plan(tmp_path, steps=steps, checkpoint_every=2)
     run, rdzv = tmp_path / "run", f"{A}:{free_port()}"
     a = start(elastic_cmd(plan, run, A, rdzv, "A"))
     b = start(elastic_cmd(plan, run, B, rdzv, "B"))
-    assert wait_for(lambda: (run / "checkpoints" / "latest").is_file(), 600, a), a.communicate()[0][-4000:]
+    assert wait_for(lambda: len(metrics(run)) >= after_step, 600, a), a.communicate()[0][-4000:]
     os.killpg(b.pid, signal.SIGKILL)
     b.wait()
     assert wait_for(lambda: (run / "plans").is_dir() and nodes_of(plans(run)[-1]) == ["A"], 300, a)
@@ -226,8 +231,9 @@ def lose_node_b(tmp_path: Path, steps: int):
 
 
 @pytest.mark.slow
-def test_node_b_leaves_after_the_first_checkpoint_and_node_a_finishes_alone(tmp_path):
-    a, _, run, _ = lose_node_b(tmp_path, steps=20)
+@pytest.mark.parametrize("after_step", [2, 3])
+def test_node_b_leaves_after_the_first_checkpoint_and_node_a_finishes_alone(tmp_path, after_step):
+    a, _, run, _ = lose_node_b(tmp_path, steps=20, after_step=after_step)
     out, _ = a.communicate(timeout=900)
     assert a.returncode == 0, out[-5000:]
     first, last = plans(run)[0], plans(run)[-1]
