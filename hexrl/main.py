@@ -2,6 +2,8 @@
 
     torchrun --nnodes N --nproc_per_node G [--max-restarts K] -m hexrl.main plan.json [--run-dir DIR] [--resume DIR]
 
+Under `--nnodes MIN:MAX` with a dynamic rendezvous the plan given lists every node that may take
+part, and each (re)start first agrees on a plan for the nodes present (`hexrl.runtime.elastic`).
 The plan is checked against the torchrun world before any collective. After the default
 group exists (its store carries failures to every node), each rank checks that torchrun put
 it on the node the plan says (`hexrl.runtime.nodes`) and that every node read the same plan. Then every rank
@@ -137,15 +139,9 @@ def load_checked_plan(path: str | dict, rank: int, world: int, local_world: int,
     return plan, inputs
 
 
-def elastic_round(args, rank: int, world: int, local_world: int) -> dict | None:
-    """Under `torchrun --nnodes MIN:MAX` with a dynamic rendezvous, this round's plan (plan.json as a
-    dict), made by rank 0 for the nodes present and agreed by every rank (hexrl/runtime/elastic.py);
-    None for any other launch (the plan as given). Exits 2 naming what is missing when the round
-    cannot run. Sets the attempt number (RESTART_ENV) to the job's round on every rank: a node that
-    joined late has been restarted fewer times than the others, and every reader of it must agree."""
-    launch = elastic.launcher_args()
-    if launch is None or not launch.elastic:
-        return None
+def elastic_hello(args, rank: int, launch: elastic.Launch, local_world: int) -> tuple[Plan, elastic.Hello]:
+    """The job's plan (every node that may take part) and what this rank tells rank 0 about itself;
+    exits 2 naming the flag or field when the launch or this launcher's node does not fit the job."""
     try:
         job_plan = load_plan(args.plan)
         shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -156,8 +152,20 @@ def elastic_round(args, rank: int, world: int, local_world: int) -> dict | None:
             raise ConfigError(problems, "invalid launch")
     except (ConfigError, FileNotFoundError, ValueError) as e:
         refuse(rank, str(e))
-    hello = elastic.Hello(rank, node_rank_from_env(), node, elastic.detected_gpu_type(), os.getpid(),
-                          plan_digest(args.plan, args.steps))
+    return job_plan, elastic.Hello(rank, node_rank_from_env(), node, elastic.detected_gpu_type(), os.getpid(),
+                                   plan_digest(args.plan, args.steps))
+
+
+def elastic_round(args, rank: int, world: int, local_world: int) -> dict | None:
+    """Under `torchrun --nnodes MIN:MAX` with a dynamic rendezvous, this round's plan (plan.json as a
+    dict), made by rank 0 for the nodes present and agreed by every rank (hexrl/runtime/elastic.py);
+    None for any other launch (the plan as given). Exits 2 naming what is missing when the round
+    cannot run. Sets the attempt number (RESTART_ENV) to the job's round on every rank: a node that
+    joined late has been restarted fewer times than the others, and every reader of it must agree."""
+    launch = elastic.launcher_args()
+    if launch is None or not launch.elastic:
+        return None
+    job_plan, hello = elastic_hello(args, rank, launch, local_world)
     store = torchrun_store(rank, world)
     run_dir = Path(args.run_dir or job_plan.job.out_dir)
     if rank == 0:
