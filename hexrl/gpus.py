@@ -12,6 +12,7 @@ project's measured profiles ship in hexrl/profiles/ (each records the date and v
 import json
 import math
 import os
+import re
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -101,6 +102,20 @@ def canonical_name(name: str) -> str | None:
             return known
     return ALIASES.get(low)
 
+
+def gpu_type_name(device_name: str) -> str:
+    """Catalogue spelling of a device name ('NVIDIA H100 80GB HBM3' -> 'H100'), else a file-safe name."""
+    low = device_name.lower()
+    if low == "cpu":
+        return "cpu"
+    if re.search(r"a100", low):
+        return "A100-80G" if "80" in low else "A100-40G"
+    if re.search(r"(rtx\s*)?4090", low):
+        return "RTX4090"
+    for name in sorted(CATALOGUE, key=len, reverse=True):  # H200 before H20
+        if re.search(rf"(?<![a-z0-9]){re.escape(name.lower())}(?![a-z0-9])", low):
+            return name
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", device_name.replace("NVIDIA ", "")).strip("-") or "gpu"
 
 # Profiles measured for this project (tools/bench/bench_kernels.py on a lent GPU), shipped as package data
 SHIPPED_PROFILES = Path(__file__).parent / "profiles"

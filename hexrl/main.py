@@ -2,6 +2,8 @@
 
     torchrun --nnodes N --nproc_per_node G [--max-restarts K] -m hexrl.main plan.json [--run-dir DIR] [--resume DIR]
 
+Under `--nnodes MIN:MAX` with a dynamic rendezvous the plan given lists every node that may take
+part, and each (re)start first agrees on a plan for the nodes present (`hexrl.runtime.elastic`).
 The plan is checked against the torchrun world before any collective. After the default
 group exists (its store carries failures to every node), each rank checks that torchrun put
 it on the node the plan says (`hexrl.runtime.nodes`) and that every node read the same plan. Then every rank
@@ -12,6 +14,7 @@ per pipeline stage, one TP group per rollout replica), starts the watchdog, and 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import sys
@@ -27,7 +30,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from hexrl.comm.secret import SecretError, job_secret
 from hexrl.comm.weights import source_receivers
 from hexrl.preflight import Inputs, check_inputs
-from hexrl.runtime import cpu_pinning, dist_rules, effective, errors
+from hexrl.runtime import cpu_pinning, dist_rules, effective, elastic, errors
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import set_run_umask
 from hexrl.runtime.nodes import address_problems, node_label, node_rank_from_env, placement_problems, plan_digest
@@ -128,10 +131,11 @@ def refuse(rank: int, why: str) -> None:
     sys.exit(2)
 
 
-def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps: int | None,
+def load_checked_plan(path: str | dict, rank: int, world: int, local_world: int, steps: int | None,
                       resume: str | None = None) -> tuple[Plan, Inputs]:
-    """The plan and the run's input files (tokenizer, every prompt, the checkpoint to resume),
-    validated against this world before any collective; exits 2 with every problem."""
+    """The plan (a file, or an elastic round's plan as a dict) and the run's input files (tokenizer,
+    every prompt, the checkpoint to resume), validated against this world before any collective;
+    exits 2 with every problem."""
     try:
         plan = load_plan(path, world=(world, local_world))
         inputs = check_inputs(plan.job, resume, plan.trainer.to_dict())
@@ -144,6 +148,48 @@ def load_checked_plan(path: str, rank: int, world: int, local_world: int, steps:
     if steps is not None:
         plan.job.rl.steps = steps
     return plan, inputs
+
+
+def elastic_hello(args, rank: int, launch: elastic.Launch, local_world: int) -> tuple[Plan, elastic.Hello]:
+    """The job's plan (every node that may take part) and what this rank tells rank 0 about itself;
+    exits 2 naming the flag or field when the launch or this launcher's node does not fit the job."""
+    try:
+        job_plan = load_plan(args.plan)
+        shared = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+        if problems := elastic.launch_problems(launch, job_plan, local_world, shared):
+            raise ConfigError(problems, "invalid launch")
+        node, problems = elastic.own_node(job_plan, args.node_name)
+        if problems:
+            raise ConfigError(problems, "invalid launch")
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        refuse(rank, str(e))
+    return job_plan, elastic.Hello(rank, node_rank_from_env(), node, elastic.detected_gpu_type(), os.getpid(),
+                                   plan_digest(args.plan, args.steps))
+
+
+def elastic_round(args, rank: int, world: int, local_world: int) -> dict | None:
+    """Under `torchrun --nnodes MIN:MAX` with a dynamic rendezvous, this round's plan (plan.json as a
+    dict), made by rank 0 for the nodes present and agreed by every rank (hexrl/runtime/elastic.py);
+    None for any other launch (the plan as given). Exits 2 naming what is missing when the round
+    cannot run. Sets the attempt number (RESTART_ENV) to the job's round on every rank: a node that
+    joined late has been restarted fewer times than the others, and every reader of it must agree."""
+    launch = elastic.launcher_args()
+    if launch is None or not launch.elastic:
+        return None
+    job_plan, hello = elastic_hello(args, rank, launch, local_world)
+    store = torchrun_store(rank, world)
+    run_dir = Path(args.run_dir or job_plan.job.out_dir)
+    if rank == 0:
+        plan_round = functools.partial(elastic.plan_round, job_plan, hello.job, run_dir)
+        round_no, result = elastic.lead(store, hello, world, elastic.next_round(run_dir / "plans"), plan_round)
+    else:
+        round_no, result = elastic.follow(store, hello)
+    if "error" in result:
+        refuse(rank, result["error"])
+    os.environ[RESTART_ENV] = str(round_no)
+    if rank == 0:
+        errors.say(f"hexrl.main: elastic {result['reason']}; its plan: {run_dir / 'plans' / f'{round_no}.json'}")
+    return result["plan"]
 
 
 def restart_count() -> int:
@@ -197,11 +243,18 @@ def check_run_dir(run_dir: Path, resume: str | None, rank: int) -> None:
                      f"--resume {run_dir / 'checkpoints'}, or pass another --run-dir")
 
 
+@functools.cache
+def torchrun_store(rank: int, world: int) -> dist.Store:
+    """torchrun's store (env://), connected once: where rank 0 itself hosts it
+    (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1), a second connection would host it twice."""
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
+    return store
+
+
 def attempt_store(rank: int, world: int) -> dist.Store:
     """torchrun's store (env://), under a prefix of this attempt's own: a restarted attempt reuses the
     agent's store, where the failed attempt's keys (gloo's addresses, the watchdog's failure) remain."""
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=COLLECTIVE_TIMEOUT))
-    return dist.PrefixStore(f"hexrl/attempt{restart_count()}", store)
+    return dist.PrefixStore(f"hexrl/attempt{restart_count()}", torchrun_store(rank, world))
 
 
 def init_distributed(rank: int, world: int, plan: Plan) -> torch.device:
@@ -268,11 +321,12 @@ def is_peer_loss(e: BaseException) -> bool:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
+    agreed = elastic_round(args, rank, world, local_world)  # None: the plan as given
     try:
         args.resume = restart_resume(args, rank)
     except (ValueError, FileNotFoundError) as e:  # the restart count, or the run's checkpoints/latest
         refuse(rank, str(e))
-    plan, inputs = load_checked_plan(args.plan, rank, world, local_world, args.steps, args.resume)
+    plan, inputs = load_checked_plan(agreed or args.plan, rank, world, local_world, args.steps, args.resume)
     set_run_umask(plan.job.share_run_dir)  # before this rank writes anything
     pinning = cpu_pinning.pin(plan.job.cpu_affinity, local_rank, local_world)  # before any thread or child starts
     print(cpu_pinning.describe(rank, plan.ranks[rank].role, pinning), flush=True)

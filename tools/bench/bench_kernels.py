@@ -26,7 +26,6 @@ import importlib.metadata
 import json
 import math
 import platform
-import re
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ from typing import Callable
 
 import torch
 
-from hexrl.gpus import CATALOGUE
+from hexrl.gpus import CATALOGUE, gpu_type_name
 from hexrl.model.attention import CausalAttention
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
@@ -89,21 +88,6 @@ GRIDS = {
 
 
 # ----------------------------------------------------------------------------- environment
-
-def gpu_type_name(device_name: str) -> str:
-    """Catalogue spelling of a device name ('NVIDIA H100 80GB HBM3' -> 'H100'), else a file-safe name."""
-    low = device_name.lower()
-    if low == "cpu":
-        return "cpu"
-    if re.search(r"a100", low):
-        return "A100-80G" if "80" in low else "A100-40G"
-    if re.search(r"(rtx\s*)?4090", low):
-        return "RTX4090"
-    for name in sorted(CATALOGUE, key=len, reverse=True):  # H200 before H20
-        if re.search(rf"(?<![a-z0-9]){re.escape(name.lower())}(?![a-z0-9])", low):
-            return name
-    return re.sub(r"[^A-Za-z0-9._-]+", "-", device_name.replace("NVIDIA ", "")).strip("-") or "gpu"
-
 
 def versions() -> dict:
     """Software versions the numbers depend on (missing packages are None)."""
