@@ -80,6 +80,16 @@ def test_slower_training_than_predicted_is_fitted(short_plan):
     assert cal.train == pytest.approx(0.5, rel=1e-6)
 
 
+def test_decode_speed_is_fitted_only_when_generation_is_the_bottleneck(short_plan):
+    rows = rows_at(short_plan, 2500)
+    waiting = [{**r, "rollout_tokens_per_s": 0.8 * r["rollout_tokens_per_s"], "wait_s": 0.3 * r["step_s"]}
+               for r in rows]
+    assert replan.calibrate(short_plan, replan.measure(waiting, short_plan.job))[1].decode == pytest.approx(0.8)
+    busy = [{**r, "rollout_tokens_per_s": 1.3 * r["rollout_tokens_per_s"], "wait_s": 0.0} for r in rows]
+    cal = replan.calibrate(short_plan, replan.measure(busy, short_plan.job))[1]
+    assert (cal.decode, cal.generation_bound) == (1.0, False)  # what training consumes is no speed
+
+
 def test_no_measurements_no_switch(short_plan):
     row, new = replan.decide(short_plan, [{"step": 1, "reward_mean": 0.5}], now_s=10)
     assert (row["taken"], row["why"], new) == (False, "no step measured yet", None)

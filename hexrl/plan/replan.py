@@ -8,8 +8,9 @@ What a run measures (its metrics.jsonl rows) is set against what the running pla
 2. `calibrate`: the job with the measured output length, and one speed factor per role, the way a
    kernel profile calibrates the catalogue (hexrl/gpus.py `scaled_entry`): training by the
    predicted over the measured training time; decode by the measured over the predicted generation
-   rate, which the run shows only when generation is the bottleneck (the trainer waits); otherwise
-   the rollout is known to be at least that fast, so the factor only rises.
+   rate, which the run shows only when generation is the bottleneck (the trainer waits). When the
+   trainer is the bottleneck the rollout generates only what training consumes, which says nothing
+   of its speed: decode stays as the model has it.
 3. `decide`: the planner reruns on the calibrated cost model and the running plan is priced on the
    same model. The switch is taken when the new plan's tokens/s, after `switch_s` seconds without
    progress spread over `horizon_s`, beats the running plan's by more than `min_gain`, and no switch
@@ -51,7 +52,7 @@ class Calibration:
 
     decode: float
     train: float
-    generation_bound: bool  # the decode factor is measured, not a lower bound
+    generation_bound: bool  # the trainer waited: the decode factor is measured (else 1)
 
 
 def measure(records: list[dict], job: Job, window: int = WINDOW) -> Measured | None:
@@ -100,7 +101,7 @@ def calibrate(plan: Plan, m: Measured, use_profiles: bool = True) -> tuple[Job, 
     train = cand.C_T * m.tokens_trained / cm.w.tokens / m.train_s
     ratio = m.rollout_tokens_per_s / (cm.w.gen_tokens / cand.C_I)
     bound = m.wait_share >= GEN_BOUND_WAIT
-    return job, Calibration(decode=ratio if bound else max(1.0, ratio), train=train, generation_bound=bound)
+    return job, Calibration(decode=ratio if bound else 1.0, train=train, generation_bound=bound)
 
 
 def split_of(plan: Plan) -> dict:
@@ -160,7 +161,9 @@ def decide(plan: Plan, records: list[dict], now_s: float, last_switch_s: float |
                predicted_gain=round(gain, 4), amortised_gain=round(net, 4), new_split=split_of(new))
     why = "the new plan is the running one" if layout_of(new) == layout_of(plan) else reason(
         row, spec, now_s, last_switch_s)
-    return {**row, "taken": why is None, "why": why or "switch"}, (new if why is None else None)
+    taken = why is None
+    why = why or f"amortised gain {net:.1%} is above replan.min_gain {spec.min_gain:.0%}"
+    return {**row, "taken": taken, "why": why}, (new if taken else None)
 
 
 def reason(row: dict, spec: ReplanSpec, now_s: float, last_switch_s: float | None) -> str | None:
