@@ -16,7 +16,7 @@ from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.colocate import Colocate, cluster_problems, read_colocate
 from hexrl.schema.fields import ConfigError, Reader, resolve, unknown_field
 from hexrl.schema.knobs import read_overrides
-from hexrl.schema.replan import ReplanSpec, read_replan
+from hexrl.schema.replan_spec import ReplanSpec, read_replan
 
 # sane ceilings of the numbers a job gives (hexrl.ranges bounds the rest by DEFAULT_MAX)
 MAX_BATCH, MAX_GROUP, MAX_SAMPLES = 1 << 16, 1 << 12, 1 << 20  # prompts, samples per prompt, samples per step
@@ -720,7 +720,7 @@ class Job:
     share_run_dir: bool = False  # False: the run directory is 0700 and its files 0600 (umask 077)
     colocate: Colocate | None = None  # trainer and rollout share the one GPU (hexrl/schema/colocate.py)
     env: EnvSpec | None = None  # multi-turn episodes in this environment; None: single-turn
-    replan: ReplanSpec = field(default_factory=ReplanSpec)  # re-planning on measurements (schema/replan.py)
+    replan: ReplanSpec = field(default_factory=ReplanSpec)  # re-planning on measurements (schema/replan_spec.py)
 
     @property
     def ranks_per_node(self) -> int:
