@@ -27,7 +27,7 @@ from hexrl.gpus import scaled_entry
 from hexrl.plan.cost import CostModel
 from hexrl.plan.planner import feasibility_problems, materialize, plan_candidate, search
 from hexrl.schema import ConfigError, Job, Plan
-from hexrl.schema.replan import ReplanSpec
+from hexrl.schema.replan_spec import ReplanSpec
 
 WINDOW = 20  # metrics rows a decision looks at: the last ones, medians (one slow step does not decide)
 GEN_BOUND_WAIT = 0.05  # the trainer waits this share of its step or more: generation is the bottleneck
