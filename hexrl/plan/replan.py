@@ -126,7 +126,7 @@ def replanned(plan: Plan, records: list[dict], use_profiles: bool = True) -> tup
     job, cal = calibrate(plan, m, use_profiles)
     cm = calibrated_model(job, cal, use_profiles)
     running_tps = cm.w.tokens / plan_candidate(cm, plan).step_s
-    cm = calibrated_model(job, cal, use_profiles)  # a fresh one: the search caches nothing from the recost
+    cm = calibrated_model(job, cal, use_profiles)  # the search on a model of its own, as plan_job does
     problems = feasibility_problems(cm)
     if problems:
         raise ConfigError(problems, "infeasible job")
