@@ -164,9 +164,17 @@ def calibrated_entry(entry: GPU) -> GPU:
     """The catalogue entry with the paper-fitted decode/prefill efficiency applied (not "cpu")."""
     if entry.name == "cpu":
         return entry
-    f = PAPER_DECODE_FACTOR.get(entry.name, DEFAULT_DECODE_FACTOR)
-    return replace(entry, hbm_efficiency=entry.hbm_efficiency * f, decode_mfu=entry.decode_mfu * f,
-                   prefill_mfu=entry.prefill_mfu * f, decode_overhead_s=entry.decode_overhead_s / f)
+    return scaled_entry(entry, decode=PAPER_DECODE_FACTOR.get(entry.name, DEFAULT_DECODE_FACTOR))
+
+
+def scaled_entry(entry: GPU, decode: float = 1.0, train: float = 1.0) -> GPU:
+    """The entry made `decode` times faster at decode and prefill and `train` times faster at
+    training: every efficiency multiplied, every fixed overhead divided."""
+    return replace(entry, hbm_efficiency=entry.hbm_efficiency * decode, decode_mfu=entry.decode_mfu * decode,
+                   prefill_mfu=entry.prefill_mfu * decode, decode_overhead_s=entry.decode_overhead_s / decode,
+                   train_mfu=entry.train_mfu * train, train_overhead_s=entry.train_overhead_s / train,
+                   train_fwd_overhead_s=entry.train_fwd_overhead_s / train,
+                   optimizer_overhead_s=entry.optimizer_overhead_s / train)
 
 
 def gpu(name: str, price: float | None = None, use_profiles: bool = True, calibrated: bool = True) -> GPU:

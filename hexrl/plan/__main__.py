@@ -2,9 +2,13 @@
 
     python -m hexrl.plan JOB.json -o PLAN.json [--baseline exhaustive|homogeneous|uniform] [--draw plan.png] [--json]
     python -m hexrl.plan simulate PLAN.json [--steps 12] [--warmup 2] [--gantt gantt.png] [--json out.json]
+    python -m hexrl.plan replan RUN_DIR [--switch-s S] [--json]
 
 The first plans a job; the second runs the plan through the discrete-event simulator
-(tokens/s, idle fractions, staleness histogram, a Gantt chart of the first steps). Exit code 0
+(tokens/s, idle fractions, staleness histogram, a Gantt chart of the first steps); the third says
+what a run's measurements (RUN_DIR/metrics.jsonl against RUN_DIR/plan.json) imply: the split the
+calibrated planner would choose, its predicted gain and the switch cost (hexrl/plan/replan.py),
+without touching the run. Exit code 0
 on success, 2 with every problem of an invalid or infeasible job or plan on stderr, 1 when a
 picture was asked for and could not be drawn (matplotlib missing). A plan that takes more than
 a few seconds shows its phase and how far along it is on stderr, when stderr is a terminal and
@@ -16,9 +20,12 @@ import argparse
 import json
 import sys
 from dataclasses import asdict
+from pathlib import Path
 
+from hexrl.control.metrics import read_metrics
 from hexrl.plan.planner import plan_job
 from hexrl.plan.progress import Progress
+from hexrl.plan.replan import decide
 from hexrl.plan.simulate import simulate
 from hexrl.preflight import plan_time_checks
 from hexrl.schema import ConfigError, load_job, load_plan
@@ -143,10 +150,59 @@ def simulate_main(argv) -> int:
     return 0
 
 
+def replan_report(row: dict) -> str:
+    """The decision's lines: what was measured and fitted, both plans, the verdict."""
+    if "measured" not in row:
+        return f"decision : no switch ({row['why']})"
+    m, c = row["measured"], row["calibration"]
+    split = lambda s: "; ".join(f"{role} " + ", ".join(f"{n} {t}" for t, n in sorted(s[role].items()))  # noqa: E731
+                                for role in ("train", "rollout"))
+    return "\n".join([
+        f"measured : {m['rows']} steps: train {m['train_s']:.2f} s/step, rollout {m['rollout_tokens_per_s']:.0f} "
+        f"generated tokens/s, trainer waits {m['wait_share']:.0%}, mean output {m['output_len_mean']:.0f} tokens",
+        f"fitted   : train x{c['train']:.3f}, decode x{c['decode']:.3f} against the cost model"
+        + ("" if c["generation_bound"] else " (decode not measured: training is the bottleneck)"),
+        f"running  : {split(row['running_split'])}: {row['running_tokens_per_s']:.0f} tokens/s predicted",
+        f"new plan : {split(row['new_split'])}: {row['new_tokens_per_s']:.0f} tokens/s predicted",
+        f"gain     : {row['predicted_gain']:+.1%}; {row['amortised_gain']:+.1%} after a {row['switch_s']:g} s switch "
+        f"over {row['horizon_s']:g} s (replan.min_gain {row['min_gain']:.0%})",
+        f"decision : {'switch' if row['taken'] else 'no switch'} ({row['why']})",
+    ])
+
+
+def replan_main(argv) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hexrl.plan replan",
+                                 description="What a run's measurements imply; the run is not touched.")
+    ap.add_argument("run_dir", help="a run directory holding plan.json and metrics.jsonl")
+    ap.add_argument("--switch-s", type=float, help="seconds a switch costs (default: the job's replan.switch_s)")
+    ap.add_argument("--no-profiles", action="store_true", help="ignore measured profiles/<gpu>.json")
+    ap.add_argument("--json", action="store_true", help="print the decision as one JSON object")
+    args = ap.parse_args(argv)
+    run = Path(args.run_dir)
+    missing = [str(run / f) for f in ("plan.json", "metrics.jsonl") if not (run / f).is_file()]
+    if missing:
+        print(f"replan: {', '.join(missing)} not found", file=sys.stderr)
+        return 2
+    if args.switch_s is not None and args.switch_s < 0:
+        print(f"--switch-s: must be >= 0, got {args.switch_s:g}", file=sys.stderr)
+        return 2
+    try:
+        plan = load_plan(run / "plan.json", check_paths=False)
+        records = read_metrics(run / "metrics.jsonl")
+        row, _ = decide(plan, records, now_s=0.0, switch_s=args.switch_s, use_profiles=not args.no_profiles)
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 2
+    print(json.dumps(row) if args.json else replan_report(row))
+    return 0
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["simulate"]:
         return simulate_main(argv[1:])
+    if argv[:1] == ["replan"]:
+        return replan_main(argv[1:])
     return plan_main(argv)
 
 

@@ -23,6 +23,8 @@ Episodes (a job env, workload.turns > 1): a sampled output length is split into 
 two turns the episode leaves the batch (it holds no decode slot) for an environment latency
 drawn from workload.env_latency_s, then rejoins the queue and prefills only its observation
 (workload.obs_len tokens), or its whole context if the weights changed meanwhile.
+A drifting workload (workload.output_len_growth) scales every sampled length by the growth at the
+step its group is handed out in (capped at the longest output the job allows).
 """
 
 import heapq
@@ -112,8 +114,10 @@ def split_turns(n: int, turns: float, rng: np.random.Generator) -> tuple[int, in
 
 
 class Simulation:
-    def __init__(self, plan: Plan, seed: int = 0, use_profiles: bool = True, w_spread: float = 0.04):
+    def __init__(self, plan: Plan, seed: int = 0, use_profiles: bool = True, w_spread: float = 0.04,
+                 start_step: int = 0):
         self.plan, self.job = plan, plan.job
+        self.start_step = start_step  # the run's step this simulation starts at (lengths drift with it)
         self.cm = cm = CostModel(plan.job, use_profiles)
         self.cand = plan_candidate(cm, plan)
         self.rng = np.random.default_rng(seed)
@@ -127,6 +131,7 @@ class Simulation:
         self.signal: tuple = ()  # the step in flight's (wait s, wait + training s, lag histogram)
         self.eta_by_step: list = []
         self.prompt = cm.w.prompt_len
+        self.longest = self.job.rl.max_new_tokens * (self.job.env.max_turns if self.job.env else 1)
         self.turns, self.obs = cm.w.turns, int(round(cm.w.obs_len))
         self.latency = self.job.workload.env_latency_s
         self.reward_s = cm.group_reward_s()
@@ -171,6 +176,11 @@ class Simulation:
         if t0 < self.gantt_until and t1 > t0:
             self.gantt.append((lane, kind, t0, t1))
 
+    def growth(self, step: int) -> float:
+        """workload.output_len_growth: how many times longer outputs are at `step` than at step 0."""
+        g = self.job.workload.output_len_growth
+        return 1.0 if g is None else 1.0 + (g["factor"] - 1.0) * min(step, g["steps"]) / g["steps"]
+
     # ------------------------------------------------------------------ controller
     def dispatch(self, t: float):
         """Hand out prompt groups while the gate allows, as the runtime controller does."""
@@ -187,8 +197,9 @@ class Simulation:
             self.done[gid] = []
             if self.equal_fraction and self.rng.random() < self.equal_fraction:
                 self.equal.add(gid)
-            r.queue.extend((gid, *split_turns(int(n), self.turns, self.rng))
-                           for n in self.cm.lengths.sample(self.rng, self.G))
+            lengths = self.cm.lengths.sample(self.rng, self.G) * self.growth(self.start_step + self.trained)
+            r.queue.extend((gid, *split_turns(int(max(1, min(n, self.longest))), self.turns, self.rng))
+                           for n in lengths)
             if r.chunk is None and not r.paused:
                 self.start(r, t)
 
@@ -444,6 +455,7 @@ class Simulation:
 
 
 def simulate(plan: Plan, steps: int = 12, warmup: int = 2, seed: int = 0, gantt_steps: int = 3,
-             use_profiles: bool = True, w_spread: float = 0.04) -> SimResult:
-    """Run the plan for `steps` RL steps; measure after `warmup` steps (w_spread: see Simulation)."""
-    return Simulation(plan, seed, use_profiles, w_spread).run(steps, warmup, gantt_steps)
+             use_profiles: bool = True, w_spread: float = 0.04, start_step: int = 0) -> SimResult:
+    """Run the plan for `steps` RL steps from the run's step `start_step`; measure after `warmup`
+    steps (w_spread: see Simulation)."""
+    return Simulation(plan, seed, use_profiles, w_spread, start_step).run(steps, warmup, gantt_steps)

@@ -16,6 +16,7 @@ from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.colocate import Colocate, cluster_problems, read_colocate
 from hexrl.schema.fields import ConfigError, Reader, resolve, unknown_field
 from hexrl.schema.knobs import read_overrides
+from hexrl.schema.replan_spec import ReplanSpec, read_replan
 
 # sane ceilings of the numbers a job gives (hexrl.ranges bounds the rest by DEFAULT_MAX)
 MAX_BATCH, MAX_GROUP, MAX_SAMPLES = 1 << 16, 1 << 12, 1 << 20  # prompts, samples per prompt, samples per step
@@ -372,9 +373,14 @@ class WorkloadSpec:
     turns: float = 1.0
     obs_len: float = 0.0
     env_latency_s: dict | None = None
+    # the simulator's drifting workload: output lengths scale linearly from 1x at step 0 to `factor`
+    # at step `steps`, then hold ({"factor": 2, "steps": 1000}); None: lengths do not drift
+    output_len_growth: dict | None = None
 
     def to_dict(self) -> dict:
         d = {"prompt_len": self.prompt_len, "output_len": self.output_len}
+        if self.output_len_growth:
+            d["output_len_growth"] = dict(self.output_len_growth)
         if self.reward_s_per_sample is not None:
             d["reward_s_per_sample"] = self.reward_s_per_sample
         if self.equal_reward_fraction:
@@ -398,7 +404,7 @@ LATENCY_DISTS = ("fixed", "exponential", "lognormal")
 
 def _read_workload(r: Reader, d, rl: RLSpec, env: EnvSpec | None = None) -> WorkloadSpec:
     d = r.section(d, "workload", {"prompt_len", "output_len", "reward_s_per_sample", "equal_reward_fraction",
-                                  "turns", "obs_len", "env_latency_s"} | _DIST_KEYS)
+                                  "turns", "obs_len", "env_latency_s", "output_len_growth"} | _DIST_KEYS)
     w = WorkloadSpec()
     w.prompt_len = r.num(d, "prompt_len", "workload", 256, integer=True, lo=1, hi=MAX_POSITIONS)
     w.reward_s_per_sample = r.num(d, "reward_s_per_sample", "workload", None, lo=0)
@@ -418,7 +424,22 @@ def _read_workload(r: Reader, d, rl: RLSpec, env: EnvSpec | None = None) -> Work
         r.bad(where, f"longest output {longest:g} > " + (f"env.max_turns x rl.max_new_tokens {max_out}" if env
                                                          else f"rl.max_new_tokens {max_out}"))
     w.output_len = {**raw, "max": raw.get("max", max_out)} if "mean" in raw else raw
+    w.output_len_growth = _read_growth(r, d.get("output_len_growth"))
     return w
+
+
+def _read_growth(r: Reader, g) -> dict | None:
+    """workload.output_len_growth: {"factor": x, "steps": n}, the simulator's drifting lengths."""
+    if g is None:
+        return None
+    where = "workload.output_len_growth"
+    if not isinstance(g, dict):
+        r.bad(where, 'must be an object like {"factor": 2, "steps": 1000}')
+        return None
+    r.section(g, where, {"factor", "steps"})
+    factor = r.num(g, "factor", where, lo=0.01, hi=100, required=True)
+    steps = r.num(g, "steps", where, integer=True, lo=1, required=True)
+    return None if factor is None or steps is None else {"factor": float(factor), "steps": steps}
 
 
 def _read_turns(r: Reader, d: dict, w: WorkloadSpec, env: EnvSpec | None) -> None:
@@ -698,7 +719,7 @@ def _read_sync(r: Reader, d) -> SyncSpec:
 
 _JOB_KEYS = {"name", "model", "data", "reward", "env", "rl", "workload", "cluster", "prices", "budget",
              "layout", "runtime", "out_dir", "extra", "cpu_affinity", "share_run_dir",
-             "colocate", "sync"}
+             "colocate", "sync", "replan"}
 
 
 @dataclass
@@ -721,6 +742,7 @@ class Job:
     colocate: Colocate | None = None  # trainer and rollout share the one GPU (hexrl/schema/colocate.py)
     env: EnvSpec | None = None  # multi-turn episodes in this environment; None: single-turn
     sync: SyncSpec = field(default_factory=SyncSpec)  # how weights go to the rollout
+    replan: ReplanSpec = field(default_factory=ReplanSpec)  # re-planning on measurements (schema/replan_spec.py)
 
     @property
     def ranks_per_node(self) -> int:
@@ -754,6 +776,8 @@ class Job:
             d["env"] = self.env.to_dict()
         if self.sync != SyncSpec():
             d["sync"] = self.sync.to_dict()
+        if self.replan != ReplanSpec():
+            d["replan"] = self.replan.to_dict()
         return d
 
 
@@ -800,10 +824,11 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     affinity = read_affinity(r, d.get("cpu_affinity"), cluster.gpus_per_node * (2 if colocate is not None else 1))
     share = r.boolean(d, "share_run_dir", "job", False)
     sync = _read_sync(r, d.get("sync"))
+    replan = read_replan(r, d.get("replan"))
     if r.problems:
         return None
     return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra,
-               affinity, share, colocate, env, sync)
+               affinity, share, colocate, env, sync, replan)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:

@@ -1,0 +1,137 @@
+"""Drift re-planning: the decision on measurements, its job fields, its command line, and the
+simulator's drifting workload."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hexrl.plan import replan
+from hexrl.plan.__main__ import main as plan_cli
+from hexrl.plan.cost import CostModel
+from hexrl.plan.planner import plan_candidate, plan_job
+from hexrl.plan.simulate import Simulation
+from hexrl.schema import ConfigError, load_job
+
+CONFIGS = Path(__file__).resolve().parent.parent / "tools" / "configs"
+
+
+def paper_job(mean_out: float, **extra) -> dict:
+    """The paper's 7B job on 3 H800 + 3 H20 nodes, outputs of `mean_out` tokens on average."""
+    d = json.loads((CONFIGS / "paper_7b_hetero.json").read_text())
+    d["workload"]["output_len"] = {"mean": mean_out, "max": 8192}
+    return {**d, **extra}
+
+
+@pytest.fixture(scope="module")
+def short_plan():
+    """The plan for 2,500-token outputs, allowed a long horizon (a switch pays off within it)."""
+    return plan_job(load_job(paper_job(2500, replan={"horizon_s": 36000}), check_paths=False))
+
+
+def rows_at(plan, mean_out: float, n: int = 5) -> list[dict]:
+    """Metrics rows of `plan` running outputs of `mean_out` tokens exactly as the cost model predicts."""
+    cm = CostModel(replan.drifted_job(plan.job, mean_out))
+    c = plan_candidate(cm, plan)
+    return [{"step": i + 1, "train_s": c.C_T, "tokens_trained": cm.w.samples * (cm.w.prompt_len + mean_out),
+             "rollout_tokens_per_s": cm.w.gen_tokens / c.step_s, "wait_s": c.step_s - c.C_T - c.C_sync,
+             "step_s": c.step_s} for i in range(n)]
+
+
+def rollout_gpus(split: dict) -> int:
+    return sum(split["rollout"].values())
+
+
+def test_longer_outputs_switch_toward_generation(short_plan):
+    row, new = replan.decide(short_plan, rows_at(short_plan, 5000), now_s=10_000)
+    assert row["taken"] and new is not None, row["why"]
+    assert row["measured"]["output_len_mean"] == pytest.approx(5000)
+    assert row["calibration"]["train"] == pytest.approx(1.0, rel=1e-6)  # the rows are the model's own
+    assert row["amortised_gain"] > short_plan.job.replan.min_gain
+    assert row["predicted_gain"] > row["amortised_gain"]  # the switch is paid for
+    assert rollout_gpus(row["new_split"]) > rollout_gpus(row["running_split"])
+    json.dumps(row)  # one metrics.jsonl line
+
+
+def test_shorter_outputs_move_back(short_plan):
+    long_plan = plan_job(replan.drifted_job(short_plan.job, 5000))
+    row, _ = replan.decide(long_plan, rows_at(long_plan, 2500), now_s=10_000)
+    assert rollout_gpus(row["new_split"]) < rollout_gpus(row["running_split"])
+
+
+def test_no_switch_within_the_horizon_after_a_switch(short_plan):
+    row, new = replan.decide(short_plan, rows_at(short_plan, 5000), now_s=10_000, last_switch_s=9_000)
+    assert not row["taken"] and new is None
+    assert "within replan.horizon_s" in row["why"]
+
+
+def test_no_switch_when_the_gain_is_below_the_margin(short_plan):
+    costly = replan.decide(short_plan, rows_at(short_plan, 5000), now_s=10_000, switch_s=30_000)[0]
+    assert not costly["taken"] and "replan.min_gain" in costly["why"]
+    assert costly["predicted_gain"] > 0.1 > costly["amortised_gain"]  # the switch cost made the difference
+    same = replan.decide(short_plan, rows_at(short_plan, 2500), now_s=10_000)[0]
+    assert not same["taken"] and abs(same["predicted_gain"]) < 0.05
+
+
+def test_slower_training_than_predicted_is_fitted(short_plan):
+    rows = [{**r, "train_s": 2 * r["train_s"]} for r in rows_at(short_plan, 2500)]
+    m = replan.measure(rows, short_plan.job)
+    _, cal = replan.calibrate(short_plan, m)
+    assert cal.train == pytest.approx(0.5, rel=1e-6)
+
+
+def test_decode_speed_is_fitted_only_when_generation_is_the_bottleneck(short_plan):
+    rows = rows_at(short_plan, 2500)
+    waiting = [{**r, "rollout_tokens_per_s": 0.8 * r["rollout_tokens_per_s"], "wait_s": 0.3 * r["step_s"]}
+               for r in rows]
+    assert replan.calibrate(short_plan, replan.measure(waiting, short_plan.job))[1].decode == pytest.approx(0.8)
+    busy = [{**r, "rollout_tokens_per_s": 1.3 * r["rollout_tokens_per_s"], "wait_s": 0.0} for r in rows]
+    cal = replan.calibrate(short_plan, replan.measure(busy, short_plan.job))[1]
+    assert (cal.decode, cal.generation_bound) == (1.0, False)  # what training consumes is no speed
+
+
+def test_no_measurements_no_switch(short_plan):
+    row, new = replan.decide(short_plan, [{"step": 1, "reward_mean": 0.5}], now_s=10)
+    assert (row["taken"], row["why"], new) == (False, "no step measured yet", None)
+
+
+def test_replan_fields_are_validated():
+    bad = paper_job(2500, replan={"every_s": -1, "min_gain": "lots", "horizon_s": 100, "switch_s": 200, "often": 1})
+    bad["workload"]["output_len_growth"] = {"factor": 0, "steps": 1000}
+    with pytest.raises(ConfigError) as e:
+        load_job(bad, check_paths=False)
+    text = str(e.value)
+    for field in ("replan.every_s", "replan.min_gain", "replan.switch_s", "replan.often",
+                  "workload.output_len_growth.factor"):
+        assert field in text, field
+    job = load_job(paper_job(2500), check_paths=False)
+    assert (job.replan.every_s, job.replan.min_gain) == (600.0, 0.1)
+    assert "replan" not in job.to_dict()  # the defaults leave plan files as they were
+
+
+def test_cli_prints_what_a_run_implies(short_plan, tmp_path, capsys):
+    short_plan.save(tmp_path / "plan.json")
+    rows = [{**r, "reward_mean": 0.1} for r in rows_at(short_plan, 5000)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert plan_cli(["replan", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "new plan :" in out and "decision : switch" in out and "mean output 5000 tokens" in out
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before  # the run is not touched
+    assert plan_cli(["replan", str(tmp_path), "--json", "--switch-s", "35000"]) == 0
+    assert json.loads(capsys.readouterr().out)["taken"] is False
+    assert plan_cli(["replan", str(tmp_path / "nowhere")]) == 2
+    assert "plan.json" in capsys.readouterr().err
+
+
+def test_simulated_outputs_grow_with_the_step(short_plan):
+    job = load_job(paper_job(2500, workload={"prompt_len": 256, "output_len": {"mean": 2500, "max": 8192},
+                                             "output_len_growth": {"factor": 3, "steps": 6}}), check_paths=False)
+    plan = plan_job(job)
+    sim = Simulation(plan)
+    sim.run(steps=8, warmup=2)
+    assert sim.growth(0) == 1.0 and sim.growth(3) == 2.0 and sim.growth(60) == 3.0
+    assert sum(sim.step_tokens[-2:]) > 1.5 * sum(sim.step_tokens[:2])
+    later = Simulation(plan, start_step=6)
+    later.run(steps=3, warmup=1)
+    assert sum(later.step_tokens[:2]) > 1.5 * sum(sim.step_tokens[:2])
