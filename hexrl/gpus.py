@@ -172,6 +172,18 @@ def read_host_profile(directory: Path | None = None) -> dict:
     return {k: float(v) for k, v in data.items() if k in HOST_FIELDS and isinstance(v, (int, float))}
 
 
+def write_host_profile(values: dict, measured: dict, directory: Path | None = None) -> Path:
+    """Merge measured Host fields into `host.json` in `directory` (default: profile_dir()), with
+    `measured` (machine, date, tool) recorded under the fields' names; returns the file."""
+    path = (directory or profile_dir()) / "host.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.update({k: float(v) for k, v in values.items() if k in HOST_FIELDS})
+    data.setdefault("measured", {}).update({k: measured for k in values})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
 def host_costs(overrides: dict | None = None, use_profiles: bool = True) -> Host:
     """The host costs: the defaults, then a measured host.json (unless use_profiles=False), then
     `overrides` (a job's workload.host)."""
