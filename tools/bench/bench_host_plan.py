@@ -7,7 +7,9 @@ Each row plans the job (two-phase search, the shipped GPU profiles, as python -m
 host costs (hexrl.gpus.Host) and one share of a core for the controller: none (every host cost 0),
 the costs measured before the typed-array ingest and hand-off (old), and the defaults (new). The
 controller's load is its work per step over its share of a core's time; a plan is host-bound
-where that reaches 100% or the trainer's hand-off is half the step.
+where that reaches 100% or the trainer's hand-off is half the step. The last column prices the
+plan made without host costs (the first row of each size) with these: how far over its step the
+host terms would take it.
 """
 
 import argparse
@@ -43,14 +45,17 @@ def main(argv=None):
     ap.add_argument("--model", default="r1-distill-qwen-1.5b")
     args = ap.parse_args(argv)
     print("| GPUs | host costs | controller's share of a core | step s | controller s a step | its load "
-          "| hand-off s | its share of the step | host-bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| hand-off s | its share of the step | host-bound | on the plan without: controller load, hand-off share |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for gpus in (int(g) for g in args.gpus.split(",")):
+        bare = None
         for costs, share in (("none", 1.0), ("old", 1.0), ("old", 0.1), ("new", 1.0), ("new", 0.1)):
             r = row(args.model, gpus, costs, share)
+            bare = bare or r["step_s"]
             print(f"| {gpus:,} | {costs} | {share:g} | {r['step_s']:.2f} | {r['controller_s']:.3f} "
                   f"| {r['controller_load']:.0%} | {r['handoff_s']:.2f} | {r['handoff_share']:.0%} "
-                  f"| {', '.join(r['bound']) or 'no'} |", flush=True)
+                  f"| {', '.join(r['bound']) or 'no'} | {r['controller_s'] / share / bare:.0%}, "
+                  f"{r['handoff_s'] / bare:.0%} |", flush=True)
 
 
 if __name__ == "__main__":
