@@ -12,6 +12,8 @@ project's measured profiles ship in hexrl/profiles/ (each records the date and v
 import json
 import math
 import os
+import platform
+import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -139,9 +141,9 @@ def read_profile(name: str, directory: Path | None = None) -> dict:
 class Host:
     """CPU costs of the host path around the GPUs, per unit of work (the defaults: this project's
     2-core build machine, 2026-11-29, CPU time of one thread; docs/fast-paths.md has the runs).
-    A profile `host.json` beside the GPU profiles replaces them (`python -m
-    tools.bench.bench_host_path --write` measures the controller's terms there), a job's
-    `workload.host` replaces that."""
+    A profile `host.json` beside the GPU profiles replaces them (`--write` of
+    tools/bench/bench_host_path.py measures the controller's terms there, of
+    bench_trainer_handoff.py the hand-off's), a job's `workload.host` replaces that."""
 
     # the controller's receive path per trajectory and per generated token (tools/bench/bench_host_path.py)
     controller_us_per_traj: float = 30.0
@@ -172,12 +174,15 @@ def read_host_profile(directory: Path | None = None) -> dict:
     return {k: float(v) for k, v in data.items() if k in HOST_FIELDS and isinstance(v, (int, float))}
 
 
-def write_host_profile(values: dict, measured: dict, directory: Path | None = None) -> Path:
+def write_host_profile(values: dict, tool: str, directory: Path | None = None) -> Path:
     """Merge measured Host fields into `host.json` in `directory` (default: profile_dir()), with
-    `measured` (machine, date, tool) recorded under the fields' names; returns the file."""
+    where, when and by which `tool` each was measured; returns the file."""
+    measured = {"machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tool": tool,
+                "load_average": round(os.getloadavg()[0], 1)}
     path = (directory or profile_dir()) / "host.json"
     data = json.loads(path.read_text()) if path.is_file() else {}
-    data.update({k: float(v) for k, v in values.items() if k in HOST_FIELDS})
+    data.update({k: max(0.0, float(v)) for k, v in values.items() if k in HOST_FIELDS})  # a noisy fit may dip below
     data.setdefault("measured", {}).update({k: measured for k in values})
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1) + "\n")

@@ -203,6 +203,16 @@ def test_bench_host_plan_plans_under_each_host_setting(capsys):
     assert float(rows[1][6]) == pytest.approx(46.29, abs=0.01)  # 43.1 M tokens x 1.075 us
 
 
+def test_bench_host_path_writes_the_controllers_fit_into_the_host_profile(tmp_path, monkeypatch, capsys):
+    from hexrl.gpus import read_host_profile
+    from tools.bench import bench_host_path
+
+    monkeypatch.setenv("HEXRL_PROFILES", str(tmp_path))
+    bench_host_path.main(["--write", "--repeats", "1", "--lengths", "64,512", "--tokens", "4096"])
+    assert f"wrote {tmp_path / 'host.json'}" in capsys.readouterr().out
+    assert set(read_host_profile()) == {"controller_us_per_traj", "controller_ns_per_token"}
+
+
 def test_bench_controller_scale_measures_every_item_on_this_code(monkeypatch, capsys):
     from tools.bench import bench_controller_scale as bench
 

@@ -2,6 +2,7 @@
 its share of a core bounds the step, a plan says when a host term binds it, and the job's
 workload.host is checked and used in place of the measured defaults."""
 
+import json
 from dataclasses import asdict
 
 import pytest
@@ -107,9 +108,9 @@ def test_bad_host_costs_are_each_named():
 def test_a_job_replaces_the_measured_profile_which_replaces_the_defaults(tmp_path, monkeypatch):
     monkeypatch.setenv("HEXRL_PROFILES", str(tmp_path))
     assert read_host_profile() == {} and host_costs() == Host()
-    path = write_host_profile({"controller_us_per_traj": 12.5, "controller_ns_per_token": 3.0},
-                              {"machine": "test", "date": "2026-11-29"})
+    path = write_host_profile({"controller_us_per_traj": 12.5, "controller_ns_per_token": 3.0}, "a test")
     assert path == tmp_path / "host.json"
+    assert json.loads(path.read_text())["measured"]["controller_ns_per_token"]["tool"] == "a test"
     assert read_host_profile() == {"controller_us_per_traj": 12.5, "controller_ns_per_token": 3.0}
     h = host_costs({"controller_ns_per_token": 7.0})
     assert (h.controller_us_per_traj, h.controller_ns_per_token) == (12.5, 7.0)

@@ -29,7 +29,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -187,10 +186,8 @@ def write_ingest(new: dict, args) -> None:
     """The controller's terms of the host profile (hexrl.gpus.Host) from this code's fit."""
     from hexrl.gpus import write_host_profile  # here: the old code's subprocess imports its own hexrl
     a, b = ingest_fit(new, args)
-    measured = {"machine": f"{platform.node()} ({platform.processor() or platform.machine()}, "
-                           f"{os.cpu_count()} CPUs)", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                "tool": "tools/bench/bench_host_path.py", "load_average": round(os.getloadavg()[0], 1)}
-    path = write_host_profile({"controller_us_per_traj": a, "controller_ns_per_token": b * 1e3}, measured)
+    path = write_host_profile({"controller_us_per_traj": a, "controller_ns_per_token": b * 1e3},
+                              "tools/bench/bench_host_path.py")
     print(f"wrote {path}: controller {a:.1f} us per trajectory + {b * 1e3:.1f} ns per generated token")
 
 
