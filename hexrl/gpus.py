@@ -12,7 +12,9 @@ project's measured profiles ship in hexrl/profiles/ (each records the date and v
 import json
 import math
 import os
+import platform
 import re
+import time
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
@@ -33,8 +35,8 @@ class GPU:
     # per finished sample, between decode steps: detokenize, hand to the reward workers, send the
     # trajectory (the rollout leader's host work; tools/bench/bench_kernels.py measures it)
     host_s_per_sample: float = 2e-4
-    # per trajectory the controller receives (seal checked, decoded, admitted, filed): its thread
-    # shares trainer rank 0's core, so at eta >= 1 this slows training (bench_kernels measures it)
+    # per trajectory the controller receives (seal checked, decoded, admitted, filed), as bench_kernels
+    # measures it beside the GPU; the planner and the simulator price the controller from Host below
     control_s_per_sample: float = 5e-5
     # fixed seconds of one training micro-batch, beside its FLOPs (launches, small-batch idle): the
     # intercept of fwd+bwd time vs tokens, and of a forward-only pass, fitted by bench_kernels. Optional
@@ -148,6 +150,65 @@ def read_profile(name: str, directory: Path | None = None) -> dict:
         data = json.load(f)
     known = {f.name for f in fields(GPU)} - {"name"}
     return {k: float(v) for k, v in data.items() if k in known and isinstance(v, (int, float))}
+
+
+@dataclass(frozen=True)
+class Host:
+    """CPU costs of the host path around the GPUs, per unit of work (the defaults: this project's
+    2-core build machine, 2026-11-29, CPU time of one thread; docs/fast-paths.md has the runs).
+    A profile `host.json` beside the GPU profiles replaces them (`--write` of
+    tools/bench/bench_host_path.py measures the controller's terms there, of
+    bench_trainer_handoff.py the hand-off's), a job's `workload.host` replaces that."""
+
+    # the controller's receive path per trajectory and per generated token (tools/bench/bench_host_path.py)
+    controller_us_per_traj: float = 30.0
+    controller_ns_per_token: float = 10.1
+    # handing out one prompt group (message, seal, pick) and publishing a version to one replica
+    # (tools/bench/bench_controller_scale.py)
+    controller_us_per_group: float = 24.3
+    publish_us_per_replica: float = 2.2
+    # the trainer's batch hand-off per batch token, serial before the first forward: the controller
+    # rank packs every DP rank's share, then each rank unpacks its own (tools/bench/bench_trainer_handoff.py)
+    handoff_ns_per_token_rank0: float = 21.0
+    handoff_ns_per_token_other: float = 3.0
+    # the share of one core the controller gets: 1 with a core to itself; as a thread beside trainer
+    # rank 0 running Python it measured 0.05-0.12 (the trainer holds the GIL)
+    controller_core_share: float = 1.0
+
+
+HOST_FIELDS = tuple(f.name for f in fields(Host))
+
+
+def read_host_profile(directory: Path | None = None) -> dict:
+    """The measured host costs in `host.json` (looked up as a GPU profile is), or {} if none."""
+    path = profile_path("host", directory)
+    if path is None:
+        return {}
+    with open(path) as f:
+        data = json.load(f)
+    return {k: float(v) for k, v in data.items() if k in HOST_FIELDS and isinstance(v, (int, float))}
+
+
+def write_host_profile(values: dict, tool: str, directory: Path | None = None) -> Path:
+    """Merge measured Host fields into `host.json` in `directory` (default: profile_dir()), with
+    where, when and by which `tool` each was measured; returns the file."""
+    measured = {"machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} CPUs)",
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tool": tool,
+                "load_average": round(os.getloadavg()[0], 1)}
+    path = (directory or profile_dir()) / "host.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.update({k: max(0.0, float(v)) for k, v in values.items() if k in HOST_FIELDS})  # a noisy fit may dip below
+    data.setdefault("measured", {}).update({k: measured for k in values})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    return path
+
+
+def host_costs(overrides: dict | None = None, use_profiles: bool = True) -> Host:
+    """The host costs: the defaults, then a measured host.json (unless use_profiles=False), then
+    `overrides` (a job's workload.host)."""
+    h = replace(Host(), **read_host_profile()) if use_profiles else Host()
+    return replace(h, **(overrides or {}))
 
 
 # Decode/prefill efficiency factors fitted to the AReaL-Hex paper's Table 1 (rows "1.5B/7B/14B

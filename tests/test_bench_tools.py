@@ -189,6 +189,30 @@ def test_bench_fused_prints_split_and_fused_side_by_side(monkeypatch, capsys):
     assert len(row) == 1 and len(row[0]) == 3 and all(float(ms) > 0 for ms in row[0][1:])
 
 
+def test_bench_host_plan_plans_under_each_host_setting(capsys):
+    """56 GPUs of bench_planner's four types: a row per host setting; the old hand-off (46 s a step)
+    lengthens the step, the new costs barely."""
+    from tools.bench import bench_host_plan
+
+    bench_host_plan.main(["--gpus", "56"])
+    rows = [line.split("|")[1:-1] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[1].strip(), r[2].strip()) for r in rows] == [("none", "1"), ("old", "1"), ("old", "0.1"),
+                                                             ("new", "1"), ("new", "0.1")]
+    step = {(r[1].strip(), r[2].strip()): float(r[3]) for r in rows}
+    assert step[("old", "1")] > step[("new", "1")] >= step[("none", "1")]
+    assert float(rows[1][6]) == pytest.approx(46.29, abs=0.01)  # 43.1 M tokens x 1.075 us
+
+
+def test_bench_host_path_writes_the_controllers_fit_into_the_host_profile(tmp_path, monkeypatch, capsys):
+    from hexrl.gpus import read_host_profile
+    from tools.bench import bench_host_path
+
+    monkeypatch.setenv("HEXRL_PROFILES", str(tmp_path))
+    bench_host_path.main(["--write", "--repeats", "1", "--lengths", "64,512", "--tokens", "4096"])
+    assert f"wrote {tmp_path / 'host.json'}" in capsys.readouterr().out
+    assert set(read_host_profile()) == {"controller_us_per_traj", "controller_ns_per_token"}
+
+
 def test_bench_controller_scale_measures_every_item_on_this_code(monkeypatch, capsys):
     from tools.bench import bench_controller_scale as bench
 

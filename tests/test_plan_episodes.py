@@ -6,7 +6,7 @@ import pytest
 from test_plan_cost import ATTN, KV_BYTES, MATMUL
 from test_simulate import two_gpu_job
 
-from hexrl.gpus import PAPER_DECODE_FACTOR
+from hexrl.gpus import HOST_FIELDS, PAPER_DECODE_FACTOR
 from hexrl.plan.cost import CostModel
 from hexrl.plan.lengths import draw_latency, expected_max_wait
 from hexrl.plan.planner import plan_job
@@ -23,7 +23,10 @@ def episode_job(latency=None, **rl) -> dict:
 
 
 def test_a_synchronous_episode_step_matches_hand_computation():
-    plan = plan_job(load_job(episode_job(eta=0)), use_profiles=False)
+    job = episode_job(eta=0)
+    job["workload"]["host"] = {**dict.fromkeys(HOST_FIELDS, 0), "controller_us_per_traj": 50,
+                               "controller_core_share": 1}  # the controller's cost per trajectory only
+    plan = plan_job(load_job(job), use_profiles=False)
     sim = Simulation(plan, use_profiles=False)
     res = sim.run(steps=5, warmup=1, gantt_steps=5)
     f = PAPER_DECODE_FACTOR["H800"]

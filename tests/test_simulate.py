@@ -45,10 +45,19 @@ def hetero_job(eta) -> dict:
     }
 
 
+# host costs of the hand-computed step, large enough to show (hexrl.gpus.Host's fields)
+HOST = {"controller_us_per_traj": 40, "controller_ns_per_token": 1000, "controller_us_per_group": 20,
+        "publish_us_per_replica": 0, "handoff_ns_per_token_rank0": 100, "handoff_ns_per_token_other": 10,
+        "controller_core_share": 0.5}
+
+
 def test_synchronous_step_matches_hand_computation():
     """One group of 2 x 10 tokens a step, from prompts of 2048, every term by hand from the model's
-    shape (test_plan_cost.py) and the H800's datasheet: 756 TFLOP/s, 2 TB/s (hexrl/gpus.py)."""
-    plan = plan_job(load_job(two_gpu_job(eta=0)), use_profiles=False)
+    shape (test_plan_cost.py) and the H800's datasheet: 756 TFLOP/s, 2 TB/s (hexrl/gpus.py), and
+    the job's host costs: the controller's work on half a core, the batch hand-off before training."""
+    job = two_gpu_job(eta=0)
+    job["workload"]["host"] = HOST
+    plan = plan_job(load_job(job), use_profiles=False)
     sim = Simulation(plan, use_profiles=False)
     res = sim.run(steps=5, warmup=1, gantt_steps=5)
     f = PAPER_DECODE_FACTOR["H800"]  # the paper-fitted share of the roofline the rollout reaches
@@ -63,14 +72,19 @@ def test_synchronous_step_matches_hand_computation():
              + 2 * 16 * (28 * LAYER + 2 * HEAD) / 2e12)
     host = 2 * 2e-4  # host_s_per_sample: the leader hands both samples over before scoring
     reward = 0.01  # the two samples scored side by side on the replica's 2 reward workers
-    control = 2 * 5e-5  # control_s_per_sample: the controller thread takes both in
+    # the controller takes both in (2 x 40 us + 20 generated tokens x 1 us) and hands the group out
+    # (20 us), on half a core
+    control = (2 * 40e-6 + 20 * 1e-6 + 20e-6) / 0.5
+    handoff = 2 * 2058 * 110e-9  # every trained token packed on rank 0 (100 ns), unpacked (10 ns)
     spans = {}
     for lane, kind, t0, t1 in res.gantt:
         spans.setdefault((lane, kind), []).append(t1 - t0)
     assert spans[("R0", "prefill")] == pytest.approx([prefill] * 5, rel=1e-9)
     assert spans[("R0", "decode")] == pytest.approx([decode] * 5, rel=1e-9)
     assert spans[("trainer", "train")] == pytest.approx([train] * 5, rel=1e-9)
-    expect = prefill + decode + host + reward + control + train + sim.cand.C_sync  # the plan's weight sync
+    assert spans[("trainer", "handoff")] == pytest.approx([handoff] * 5, rel=1e-9)
+    assert spans[("controller", "control")] == pytest.approx([control] * 5, rel=1e-9)
+    expect = prefill + decode + host + reward + control + handoff + train + sim.cand.C_sync  # the plan's weight sync
     assert res.step_time_s == pytest.approx(expect, rel=1e-9)
     assert res.staleness == {0: 10} and res.violations == 0
     assert res.tokens_per_s == pytest.approx(2 * 2058 / expect, rel=1e-9)
@@ -182,7 +196,8 @@ def test_controller_work_takes_the_trainers_core_only_while_it_trains():
     is shut), so no training step is lengthened."""
     def run(eta, control_s):
         sim = Simulation(plan_job(load_job(hetero_job(eta)), use_profiles=False), use_profiles=False)
-        sim.control_s = control_s
+        sim.control_s = control_s  # per trajectory, the controller's only cost here
+        sim.control_token_s = sim.group_s = sim.handoff_token_s = 0.0
         arrivals = []  # when each scored group reaches the controller
         arrive = sim.arrive
         sim.arrive = lambda t, gid: (arrivals.append(t), arrive(t, gid))

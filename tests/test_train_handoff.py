@@ -198,3 +198,16 @@ def test_the_bench_prints_every_piece_per_token(capsys):
     out = capsys.readouterr().out
     assert "DP 2" in out and "other rank total" in out and "new (arrays)" in out
     assert "micro-batches identical in every column: yes" in out  # lists and arrays build the same
+
+
+def test_the_bench_writes_the_hand_off_into_the_host_profile(tmp_path, monkeypatch, capsys):
+    from hexrl.gpus import host_costs
+    from tools.bench import bench_trainer_handoff
+    monkeypatch.setenv("HEXRL_PROFILES", str(tmp_path))
+    assert bench_trainer_handoff.main(["--groups", "3", "--samples", "2", "--mean", "30", "--dp", "2",
+                                       "--repeats", "1", "--micro-batch-tokens", "64", "--write"]) == 0
+    assert f"wrote {tmp_path / 'host.json'}" in capsys.readouterr().out
+    h = host_costs()  # the planner's host costs now carry this machine's hand-off
+    assert h.handoff_ns_per_token_rank0 > 0 and h.handoff_ns_per_token_other > 0
+    assert h.controller_us_per_traj == 30.0  # the defaults where nothing was measured
+

@@ -47,7 +47,19 @@ def summary(plan) -> str:
         f"reward {b['reward_s']:.2f}, weight sync {b['weight_sync_s']:.2f})",
         f"predict : {pr['tokens_per_s']:.0f} tokens/s, ${pr['cost_per_hour']:.2f}/h "
         f"({pr['search'].get('method')}, {pr['search'].get('wall_s', 0)} s)",
+        *host_lines(pr.get("host")),
     ])
+
+
+def host_lines(h: dict | None) -> list[str]:
+    """The host line of the summary: the controller's load on its core, the hand-off's share of the
+    step, and what binds the step if a host term does."""
+    if not h:
+        return []
+    line = (f"host    : controller {h['controller_s']:.3g} s a step on {h['controller_core_share']:g} of a core "
+            f"({h['controller_load']:.0%} of its time), trainer hand-off {h['handoff_s']:.3g} s "
+            f"({h['handoff_share']:.0%} of the step)")
+    return [line] + [f"HOST-BOUND: {' and '.join(h['bound'])}"] if h["bound"] else [line]
 
 
 def plan_main(argv) -> int:

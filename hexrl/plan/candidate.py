@@ -20,13 +20,14 @@ class Candidate:
     per_node: tuple[int, ...]  # training GPUs on each node
     train: TrainPlan
     rollout: RolloutPlan
-    C_T: float  # training
+    C_T: float  # training, with the trainer's batch hand-off before it
     C_gen: float  # rollout generation (makespan, tail, KV recompute, any reward backlog)
     C_reward: float  # the step's last group, scored after its decode ends
     C_sync: float  # weight update
     step_s: float
     stretch: float = 1.0  # colocated: both roles' slowdown on the shared GPU (hexrl/plan/shared_gpu.py)
     device_busy: float | None = None  # colocated: the share of its time the replica's kernels hold the GPU
+    C_handoff: float = 0.0  # the trainer's batch hand-off (part of C_T)
 
     @property
     def C_I(self) -> float:
@@ -127,11 +128,15 @@ class Evaluator:
 
 
 def candidate(cm: CostModel, per_node: tuple[int, ...], train: TrainPlan, roll: RolloutPlan) -> Candidate:
-    """Put both plans together: weight sync from the stage leaders to the rollout nodes, step time."""
+    """Put both plans together: weight sync from every trainer rank to the rollout nodes, step time.
+    The trainer's batch hand-off comes before its step; the controller's work on its share of a
+    core bounds the step from below (cost_host.py)."""
     split = min((r.tp for r in roll.replicas), default=1)  # the smallest replica downloads through the fewest links
     sync = cm.sync_s(stage_sync_bytes(cm, train), {r.node for r in roll.replicas}, train.dp, split)
-    gen, reward, step = step_times(cm, train.time_s, sync, roll)
-    return Candidate(per_node, train, roll, train.time_s, gen, reward, sync, step)
+    handoff = cm.handoff_s()
+    gen, reward, step = step_times(cm, train.time_s + handoff, sync, roll)
+    step = max(step, cm.controller_floor_s(len(roll.replicas)))
+    return Candidate(per_node, train, roll, train.time_s + handoff, gen, reward, sync, step, C_handoff=handoff)
 
 
 def stage_sync_bytes(cm: CostModel, train: TrainPlan) -> list[tuple[int, float, int]]:

@@ -11,9 +11,11 @@ counts, memory); CostModel builds them for one job and puts them behind one obje
     cost_train.py    TrainCost: stage coefficients, 1F1B's bubble, DP and optimizer, stage memory
     cost_rollout.py  RolloutCost: decode and prefill points, waves, the gate's generation time
     cost_sync.py     SyncCost: the weight sync (every trainer rank a source; deltas), the reward workers
+    cost_host.py     HostCost: the trainer's batch hand-off, the controller's work on its core
 """
 
-from hexrl.gpus import GPU, gpu
+from hexrl.gpus import GPU, gpu, host_costs
+from hexrl.plan.cost_host import HostCost
 from hexrl.plan.cost_inputs import Memory, Params, Workload, tp_degrees, workload_of
 from hexrl.plan.cost_rollout import RolloutCost
 from hexrl.plan.cost_sync import SyncCost
@@ -22,7 +24,7 @@ from hexrl.schema import Job
 
 
 class CostModel:
-    """Cost models for one job: its rooms (train, rollout, sync) and the shared inputs they read.
+    """Cost models for one job: its rooms (train, rollout, sync, host) and the shared inputs they read.
     The rooms' methods the planner calls are bound here under their own names (cm.decode_point
     is cm.rollout.decode_point); what combines two rooms is defined here."""
 
@@ -37,6 +39,7 @@ class CostModel:
         self.train = TrainCost(job, w, self.gpus, self.memory, self.params)
         self.rollout = RolloutCost(job, w, self.gpus, self.memory, self.params)
         self.sync = SyncCost(self.cluster, w, job.sync)
+        self.host = HostCost(host_costs(job.workload.host, use_profiles), w)
         self.w = w
         self.lengths = self.rollout.lengths  # the output length distribution (the simulator samples it)
         self._bound_cache: dict = {}  # train_search._type_part
@@ -53,6 +56,7 @@ class CostModel:
         self.decode_rate_bound, self.gated_gen_s, self.gen_s = r.decode_rate_bound, r.gated_gen_s, r.gen_s
         self.wave_s, self.joined_wave_s, self.joined_wave = r.wave_s, r.joined_wave_s, r.joined_wave
         self.sync_s, self.group_reward_s = s.sync_s, s.group_reward_s
+        self.handoff_s, self.controller_floor_s = self.host.handoff_s, self.host.controller_floor_s
 
     @property
     def w(self) -> Workload:
@@ -62,7 +66,7 @@ class CostModel:
     @w.setter
     def w(self, w: Workload) -> None:
         # a probe may swap it before pricing anything (tools/bench): every room sees the new one
-        self._w = self.train.w = self.rollout.w = self.sync.w = w
+        self._w = self.train.w = self.rollout.w = self.sync.w = self.host.w = w
 
     def tp_options(self, gpu_type: str) -> list[int]:
         """TP degrees: powers of two that divide GPUs per node and attention heads."""

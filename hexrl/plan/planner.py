@@ -209,5 +209,6 @@ def predictions(cm: CostModel, cand: Candidate, info: dict) -> dict:
         "rollout_capacity_tokens_per_s": round(cand.rollout.tokens_per_s, 2),
         "workload": {"samples_per_step": w.samples, "tokens_per_step": round(w.tokens),
                      "mean_output_len": round(w.mean_out, 2), "prompt_len": w.prompt_len},
+        "host": cm.host.report(cand.step_s, len(cand.rollout.replicas)),
         "search": info,
     }

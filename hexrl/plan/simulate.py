@@ -14,9 +14,11 @@ random) get equal rewards, and the buffer filters them as the runtime does. The 
 step (time: the plan's C_T scaled by the batch's tokens), then publishes weights: every
 replica stops at its next step boundary, joins the broadcast (C_sync), recomputes the KV of
 its running sequences, and decodes on. The controller thread handles arriving groups one after
-another, `control_s_per_sample` per trajectory (so a burst of finished groups reaches the buffer,
-and their replacements reach the replicas, spread out), on trainer rank 0's core: what it handles
-while the trainer trains makes the training step that much longer. With rl.eta "auto" the
+another, at the host costs' service time (hexrl.gpus.Host: per trajectory, per generated token and
+per group, on its share of a core; publishing a version takes it per replica), so a burst of finished
+groups reaches the buffer, and their replacements reach the replicas, spread out; it runs on
+trainer rank 0's core: what it handles while the trainer trains makes the training step that much
+longer. Each training step starts with the batch's hand-off to the trainer ranks (per token). With rl.eta "auto" the
 runtime's own AutoEta (hexrl/control/auto_eta.py) chooses the bound after every step from the
 trainer's wait and a w_std that the simulation assumes grows by `w_spread` per version of lag.
 Episodes (a job env, workload.turns > 1): a sampled output length is split into turns; between
@@ -138,8 +140,13 @@ class Simulation:
         self.replicas = {}
         for r, rr in zip(plan.replicas, self.cand.rollout.replicas):
             self.replicas[r.id] = Replica(r.id, r.gpu_type, r.tp, rr.batch, r.share, cm, self.cand.stretch)
-        controller = plan.ranks[plan.trainer.rank(0, 0, 0)]  # the trainer slot that hosts the controller
-        self.control_s = cm.gpus[controller.gpu_type].control_s_per_sample
+        host = cm.host.host  # the measured host costs (hexrl.gpus.Host)
+        self.control_s = host.controller_us_per_traj * 1e-6  # per trajectory taken in
+        self.control_token_s = host.controller_ns_per_token * 1e-9  # per generated token taken in
+        self.group_s = host.controller_us_per_group * 1e-6  # handing out the group's prompt
+        self.publish_s = host.publish_us_per_replica * 1e-6 * len(self.replicas)  # a version to every replica
+        self.control_share = host.controller_core_share  # of one core: its work takes 1 / share as long
+        self.handoff_token_s = (host.handoff_ns_per_token_rank0 + host.handoff_ns_per_token_other) * 1e-9
         self.control_debt = 0.0  # controller seconds taken from the training step in flight
         self.control_free = 0.0  # when the controller thread is done with the groups that arrived so far
         self.gate = StalenessGate(self.B, self.auto.eta if self.auto else self.eta, rl.max_concurrent_rollouts,
@@ -205,9 +212,10 @@ class Simulation:
 
     def arrive(self, t: float, gid: int):
         """A scored group's trajectories reach the controller thread, which takes them in turn."""
-        work = self.G * self.control_s
+        generated = self.group_tokens[gid] - self.G * self.prompt - self.group_obs[gid]
+        work = self.G * self.control_s + generated * self.control_token_s + self.group_s
         start = max(t, self.control_free)
-        self.control_free = start + work
+        self.control_free = start + work / self.control_share
         self.mark("controller", "control", start, self.control_free)
         if self.training:  # the controller thread receives them on the trainer's core
             self.control_debt += work
@@ -350,14 +358,16 @@ class Simulation:
                 self.staleness[s] = self.staleness.get(s, 0) + 1
                 lags[s] = lags.get(s, 0) + 1
                 self.violations += self.eta is not None and s > self.eta
-        dur = self.cand.C_T * self.cand.stretch * tokens / self.cm.w.tokens
-        self.signal = (t - self.free_since, t - self.free_since + dur, lags)
+        handoff = tokens * self.handoff_token_s  # the batch handed to every trainer rank first
+        dur = (self.cand.C_T - self.cand.C_handoff) * self.cand.stretch * tokens / self.cm.w.tokens
+        self.signal = (t - self.free_since, t - self.free_since + handoff + dur, lags)
         self.training = True
-        self.train_time += dur
+        self.train_time += handoff + dur
         self.step_tokens.append(tokens)
         self.step_obs.append(obs)
-        self.mark("trainer", "train", t, t + dur)
-        self.push(t + dur, "trained")
+        self.mark("trainer", "handoff", t, t + handoff)
+        self.mark("trainer", "train", t + handoff, t + handoff + dur)
+        self.push(t + handoff + dur, "trained")
 
     def on_trained(self, t: float):
         if self.control_debt > 0:  # the step ends later by the controller's share of the core
@@ -374,6 +384,9 @@ class Simulation:
             rms = (sum(k * k * n for k, n in lags.items()) / max(1, sum(lags.values()))) ** 0.5
             self.gate.eta = self.auto.update(wait, busy, self.w_spread * rms, lags)
         self.eta_by_step.append(self.gate.eta)
+        start = max(t, self.control_free)  # the controller sends the new version to every replica
+        self.control_free = start + self.publish_s / self.control_share
+        self.mark("controller", "publish", start, self.control_free)
         self.syncing = True
         start = t
         for r in self.replicas.values():

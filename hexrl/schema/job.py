@@ -8,7 +8,7 @@ field). Loading reports every problem in one ConfigError, each naming its field.
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from hexrl.gpus import CATALOGUE, canonical_name
+from hexrl.gpus import CATALOGUE, HOST_FIELDS, canonical_name
 from hexrl.input_files import InputFileError, read_json
 from hexrl.model.config import MAX_POSITIONS, ModelConfig, tiny_config
 from hexrl.ranges import MAX_RANKS, MAX_SEED, number_problem, numbers_problem
@@ -376,11 +376,14 @@ class WorkloadSpec:
     # the simulator's drifting workload: output lengths scale linearly from 1x at step 0 to `factor`
     # at step `steps`, then hold ({"factor": 2, "steps": 1000}); None: lengths do not drift
     output_len_growth: dict | None = None
+    host: dict | None = None  # measured host costs in place of the defaults: hexrl.gpus.Host's fields
 
     def to_dict(self) -> dict:
         d = {"prompt_len": self.prompt_len, "output_len": self.output_len}
         if self.output_len_growth:
             d["output_len_growth"] = dict(self.output_len_growth)
+        if self.host:
+            d["host"] = dict(self.host)
         if self.reward_s_per_sample is not None:
             d["reward_s_per_sample"] = self.reward_s_per_sample
         if self.equal_reward_fraction:
@@ -404,7 +407,7 @@ LATENCY_DISTS = ("fixed", "exponential", "lognormal")
 
 def _read_workload(r: Reader, d, rl: RLSpec, env: EnvSpec | None = None) -> WorkloadSpec:
     d = r.section(d, "workload", {"prompt_len", "output_len", "reward_s_per_sample", "equal_reward_fraction",
-                                  "turns", "obs_len", "env_latency_s", "output_len_growth"} | _DIST_KEYS)
+                                  "turns", "obs_len", "env_latency_s", "output_len_growth", "host"} | _DIST_KEYS)
     w = WorkloadSpec()
     w.prompt_len = r.num(d, "prompt_len", "workload", 256, integer=True, lo=1, hi=MAX_POSITIONS)
     w.reward_s_per_sample = r.num(d, "reward_s_per_sample", "workload", None, lo=0)
@@ -415,6 +418,7 @@ def _read_workload(r: Reader, d, rl: RLSpec, env: EnvSpec | None = None) -> Work
     if flat and "output_len" in d:
         r.bad("workload", "give the output length distribution once: under output_len")
     _read_turns(r, d, w, env)
+    w.host = _read_host(r, d.get("host"))
     # an episode's output is every turn's tokens: up to env.max_turns x rl.max_new_tokens
     max_out = rl.max_new_tokens * (env.max_turns if env else 1)
     raw = d.get("output_len", flat) or {"mean": max_out / 2, "max": max_out}
@@ -440,6 +444,18 @@ def _read_growth(r: Reader, g) -> dict | None:
     factor = r.num(g, "factor", where, lo=0.01, hi=100, required=True)
     steps = r.num(g, "steps", where, integer=True, lo=1, required=True)
     return None if factor is None or steps is None else {"factor": float(factor), "steps": steps}
+
+
+def _read_host(r: Reader, d) -> dict | None:
+    """workload.host: host costs measured on the job's machines (hexrl.gpus.Host's fields), each
+    >= 0, controller_core_share in (0, 1]; None where the job gives none."""
+    if d is None:
+        return None
+    d = r.section(d, "workload.host", set(HOST_FIELDS))
+    share = {"lo": 0, "lo_open": True, "hi": 1}
+    vals = {k: r.num(d, k, "workload.host", **(share if k == "controller_core_share" else {"lo": 0}))
+            for k in HOST_FIELDS if k in d}
+    return {k: float(v) for k, v in vals.items() if v is not None}
 
 
 def _read_turns(r: Reader, d: dict, w: WorkloadSpec, env: EnvSpec | None) -> None:

@@ -3,6 +3,7 @@
     python tools/bench/bench_host_path.py                    # against c27c36e (lists on the wire)
     python tools/bench/bench_host_path.py --old /tmp/old     # against a checkout (its hexrl/ is imported)
     python tools/bench/bench_host_path.py --sections ingest --repeats 7 --lengths 128,1024,8192
+    python -m tools.bench.bench_host_path --write            # this code only: its fit into profiles/host.json
 
 A section (SECTIONS) is a pair of functions: one measures this process's hexrl and returns JSON-able
 results, the other prints old and new side by side.
@@ -170,9 +171,24 @@ def show_ingest(old: dict, new: dict, args) -> None:
     for name, cell in rows:
         print(f"{name:<34}" + "".join(f"{cell(old, n):>13}{cell(new, n):>13}" for n in lengths(args)))
     for name, runs in (("old", old), ("new", new)):
-        a, b = fit([(n, statistics.median(total(runs, n))) for n in lengths(args)])
+        a, b = ingest_fit(runs, args)
         print(f"fit, receive path, {name}: {a:.1f} us per trajectory + {b * 1e3:.1f} ns per generated token")
     print("targets: <= 60 us per trajectory + <= 40 ns per token")
+
+
+def ingest_fit(runs: dict, args) -> tuple[float, float]:
+    """The receive path's fit over the lengths, medians of the repeats: (us per trajectory, us per token)."""
+    return fit([(n, statistics.median(sum(r[k] for k in STAGES) * 1e6 for r in runs[str(n)][:-1]))
+                for n in lengths(args)])
+
+
+def write_ingest(new: dict, args) -> None:
+    """The controller's terms of the host profile (hexrl.gpus.Host) from this code's fit."""
+    from hexrl.gpus import write_host_profile  # here: the old code's subprocess imports its own hexrl
+    a, b = ingest_fit(new, args)
+    path = write_host_profile({"controller_us_per_traj": a, "controller_ns_per_token": b * 1e3},
+                              "tools/bench/bench_host_path.py")
+    print(f"wrote {path}: controller {a:.1f} us per trajectory + {b * 1e3:.1f} ns per generated token")
 
 
 # ---------------------------------------------------------------- sections, old code in a subprocess
@@ -227,9 +243,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tokens", type=int, default=1 << 17, help="generated tokens per repeat and length")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"which of {', '.join(SECTIONS)} to run")
     p.add_argument("--measure", action="store_true", help="(internal) measure and print JSON")
+    p.add_argument("--write", action="store_true",
+                   help="measure this code only and write its ingest fit into the host profile the planner "
+                        "reads ($HEXRL_PROFILES or ./profiles, host.json)")
     args = p.parse_args(argv)
     if args.measure:
         print(json.dumps(measure(args)))
+        return
+    if args.write:
+        write_ingest(json.loads(json.dumps(measure_ingest(args))), args)
         return
     old, new = measure_old(args), measure(args)
     for name in args.sections.split(","):

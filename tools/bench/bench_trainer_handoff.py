@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python tools/bench/bench_trainer_handoff.py --old /tmp/hexrl-old   # a checkout of the code before
     PYTHONPATH=. python tools/bench/bench_trainer_handoff.py --groups 64 --samples 16 --mean 1000 --dp 2,4,8
+    python -m tools.bench.bench_trainer_handoff --write   # also writes the arrays' figures into profiles/host.json
 
 What each trainer rank does between the controller's batch and its first forward, per token of
 the batch (prompt + completion, every trajectory), in CPU time of the thread (min over repeats):
@@ -169,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--micro-batch-tokens", type=int, default=16384)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--side", choices=["new", "old"], default="new", help=argparse.SUPPRESS)
+    ap.add_argument("--write", action="store_true",
+                    help="write the arrays' ns per batch token at the largest --dp into the host profile the "
+                         "planner reads ($HEXRL_PROFILES or ./profiles, host.json)")
     args = ap.parse_args(argv)
     dps = [int(x) for x in args.dp.split(",")]
     if args.side == "old":
@@ -186,8 +190,20 @@ def main(argv: list[str] | None = None) -> int:
     sides["new (lists)"] = measure_new(args, dps, arrays=False)
     sides["new (arrays)"] = measure_new(args, dps, arrays=True)
     batch = make_batch(args.groups, args.samples, args.mean, args.prompt, arrays=True)
-    table(args, dps, sides, sum(t.num_tokens for t in batch))
+    tokens = sum(t.num_tokens for t in batch)
+    table(args, dps, sides, tokens)
+    if args.write:
+        write_handoff(pieces(sides["new (arrays)"], max(dps), old=False), tokens)
     return 0
+
+
+def write_handoff(p: dict, tokens: int) -> None:
+    """The hand-off's terms of the host profile (hexrl.gpus.Host): each side's total per batch token."""
+    from hexrl.gpus import write_host_profile
+    values = {"handoff_ns_per_token_rank0": p["rank 0 total"] / tokens,
+              "handoff_ns_per_token_other": p["other rank total"] / tokens}
+    path = write_host_profile(values, "tools/bench/bench_trainer_handoff.py")
+    print(f"wrote {path}: " + ", ".join(f"{k} {v:.1f}" for k, v in values.items()))
 
 
 if __name__ == "__main__":
