@@ -205,8 +205,8 @@ def restart_count() -> int:
 def restart_resume(args, rank: int) -> str | None:
     """What a restarted attempt continues from: the run directory's newest complete checkpoint, so
     metrics, trajectory accounting and the staleness gate go on as after a manual --resume. With no
-    checkpoint yet, the --resume it was given, else a fresh start (the failed attempt's metrics.jsonl
-    and eval.jsonl set aside as *.attemptN.jsonl by rank 0). Says so on rank 0."""
+    checkpoint yet, the --resume it was given, else a fresh start (the failed attempt's metrics.jsonl,
+    eval.jsonl and lengths.jsonl set aside as *.attemptN.jsonl by rank 0). Says so on rank 0."""
     attempt = restart_count()
     if attempt == 0:
         return args.resume
@@ -226,7 +226,7 @@ def restart_resume(args, rank: int) -> str | None:
                 f"checkpoint, {step.name})")
         return str(root)
     if rank == 0 and args.resume is None:
-        for name in ("metrics.jsonl", "eval.jsonl"):
+        for name in ("metrics.jsonl", "eval.jsonl", "lengths.jsonl"):
             if (run_dir / name).exists():
                 os.replace(run_dir / name, run_dir / name.replace(".jsonl", f".attempt{attempt - 1}.jsonl"))
     if rank == 0:

@@ -412,6 +412,21 @@ def test_metrics_resume_truncates_redone_steps_and_skips_torn_line(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2] and rows[2]["reward_mean"] == 0.75
 
 
+def test_lengths_rows_are_truncated_on_resume_like_metrics(tmp_path):
+    w = MetricsWriter(tmp_path, console=None, tensorboard=False)
+    for s in range(1, 4):
+        w.log_lengths(s, [f"p{s}", f"p{s}"], [s, s], [3 * s, 5])
+    w.close()
+    w = MetricsWriter(tmp_path, console=None, tensorboard=False, resume_step=1)  # steps 2 and 3 are redone
+    w.log_lengths(2, ["q", "q"], [7, 7], [4, 6])
+    w.close()
+    rows = read_metrics(tmp_path / "lengths.jsonl")
+    assert rows == [{"step": 1, "problem_ids": ["p1", "p1"], "group_ids": [1, 1], "lengths": [3, 5]},
+                    {"step": 2, "problem_ids": ["q", "q"], "group_ids": [7, 7], "lengths": [4, 6]}]
+    with pytest.raises(ValueError, match="step 4: 2 problem ids, 2 group ids and 1 lengths"):
+        MetricsWriter(tmp_path, console=None, tensorboard=False).log_lengths(4, ["a", "a"], [1, 1], [2])
+
+
 # ---------------------------------------------------------------- heartbeats
 
 

@@ -6,6 +6,8 @@ group's finished siblings, or (never seen) a hint or the median of every length 
     guess = predictor.predict(problem_id, finished=[...], group_size=8)   # siblings done, if any
     is_long([guess, ...], alpha=0.2)                             # the predicted longest 20%
 """
+import json
+
 import numpy as np
 import pytest
 
@@ -142,3 +144,29 @@ def test_is_long_marks_the_predicted_longest_alpha():
 def test_bad_input_is_refused_with_the_field_named(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_length_recall_replays_a_runs_recorded_lengths(tmp_path, capsys):
+    from tools.bench import length_recall
+
+    # two steps of the same five prompts (groups of 2): "e" runs long both times, "a".."d" short
+    rows = []
+    for step, gid in ((1, 0), (2, 10)):
+        ids = [p for p in "abcde" for _ in range(2)]
+        groups = [gid + i // 2 for i in range(10)]
+        lengths = [10, 12, 11, 13, 12, 12, 13, 11, 90, 70]
+        rows.append({"step": step, "problem_ids": ids, "group_ids": groups, "lengths": lengths})
+    (tmp_path / "lengths.jsonl").write_text("".join(json.dumps(r) + "\n" for r in reversed(rows)))  # any order
+    steps = length_recall.run_steps(tmp_path)
+    assert steps[0] == [("a", [10, 12]), ("b", [11, 13]), ("c", [12, 12]), ("d", [13, 11]), ("e", [90, 70])]
+    table = length_recall.replay(steps)
+    assert table["history (earlier steps)"] == 0.5  # step 1: nothing known yet (0); step 2: "e" found (1)
+    assert table["history + siblings 50% finished"] == 1.0  # e's shortest sibling already outruns the rest
+    assert 0.1 < table["length-blind (random order)"] < 0.3  # chance: alpha
+    assert length_recall.replay(steps, seen_only=True)["history (earlier steps)"] == 1.0  # step 2 alone
+    assert length_recall.main(["--run", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "2 steps, 10 groups of 5 prompts (5 groups of a prompt seen at an earlier step), 20 samples" in out
+    assert "| history (earlier steps) | 0.50 | 1.00 |" in out
+    assert length_recall.main(["--run", str(tmp_path / "none")]) == 2
+    assert "lengths.jsonl: no recorded steps" in capsys.readouterr().out

@@ -4,6 +4,7 @@ import json
 import os
 import signal
 import time
+from collections import Counter
 
 import msgpack
 import pytest
@@ -11,6 +12,7 @@ import zmq
 from runtime_utils import metrics, torchrun, wait_for, worker_pids, write_job
 
 from hexrl.comm.wire import SCHEMA_VERSION
+from hexrl.control.metrics import read_metrics
 
 REQUIRED = ("step", "version", "reward_mean", "trajectories_accepted", "trajectories_filtered",
             "trajectories_dropped", "max_staleness", "rollout_tokens_per_s", "train_tokens_per_s", "weight_sync_s")
@@ -55,6 +57,14 @@ def test_short_run_writes_balanced_metrics_and_a_loadable_model(tmp_path):
     assert rows[-1]["rejected_messages"] + rows[-1].get("unknown_peer", 0) >= 1
     ids = [i for r in rows for i in r["problem_ids"]]
     assert len(ids) == len(set(ids)), "a prompt was trained twice"
+    # each trained sample's problem, group and generated length, one row per step, in lengths.jsonl
+    lengths = read_metrics(tmp_path / "run" / "lengths.jsonl")
+    assert [r["step"] for r in lengths] == [1, 2, 3]
+    for r, m in zip(lengths, rows):
+        assert len(r["problem_ids"]) == len(r["group_ids"]) == len(r["lengths"]) == 2 * 2  # batch x group
+        assert sorted(set(r["problem_ids"]), key=str) == m["problem_ids"]
+        assert sorted(Counter(r["group_ids"]).values()) == [2, 2]
+        assert all(isinstance(n, int) and 0 <= n <= 3 for n in r["lengths"])  # max_new_tokens
     engine = json.loads((tmp_path / "run" / "engine" / "replica0.json").read_text())  # how full the batches were
     assert sum(engine["finished"].values()) >= rows[-1]["trajectories_produced"] and engine["steps"] > 0
     assert 1 <= engine["mean_batch"] == engine["generated_tokens"] / engine["steps"]
@@ -120,6 +130,7 @@ def test_kill_9_then_resume_continues_from_the_last_checkpoint(tmp_path):
     assert resumed[0]["version"] == saved["version"] + 1  # the version continued, not restarted
     ids = [i for r in rows for i in r["problem_ids"]]
     assert len(ids) == len(set(ids)), "a prompt was trained twice across the resume"
+    assert [r["step"] for r in read_metrics(run / "lengths.jsonl")] == steps  # truncated like metrics
     assert done >= 2
 
 

@@ -1,5 +1,6 @@
 """Per-step metrics: one JSON object per line in run_dir/metrics.jsonl, a console line, and
-TensorBoard scalars when `torch.utils.tensorboard` imports.
+TensorBoard scalars when `torch.utils.tensorboard` imports; and each trained sample's problem, group
+and generated length in run_dir/lengths.jsonl (one line per step, kept out of metrics.jsonl's rows).
 
 Each line is flushed and fsynced, so a crash loses at most the step being written (a torn
 last line is skipped by `read_metrics`).
@@ -17,6 +18,7 @@ from typing import Iterable, TextIO
 REQUIRED_KEYS = ("step", "version", "reward_mean", "trajectories_accepted", "trajectories_filtered",
                  "trajectories_dropped", "max_staleness", "rollout_tokens_per_s", "train_tokens_per_s",
                  "weight_sync_s")
+LENGTHS_FILE = "lengths.jsonl"  # per step: each trained sample's problem id, group id and generated length
 
 
 def staleness_histogram(oldest_versions: Iterable[int], trainer_version: int) -> dict[str, int]:
@@ -74,15 +76,15 @@ class MetricsWriter:
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.path = self.run_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            self._truncate_after(resume_step)
+        self.lengths_path = self.run_dir / LENGTHS_FILE
+        if resume_step is not None:
+            for path in (self.path, self.lengths_path):
+                if path.exists():
+                    truncate_after(path, resume_step)
         self.file = open(self.path, "a")
+        self.lengths_file = open(self.lengths_path, "a")
         self.console = console
         self.tb = self._open_tensorboard() if tensorboard else None
-
-    def _truncate_after(self, step: int) -> None:
-        """On resume from checkpoint `step`, forget records of steps that will be redone."""
-        truncate_after(self.path, step)
 
     def _open_tensorboard(self):
         try:
@@ -99,13 +101,19 @@ class MetricsWriter:
         if not isinstance(record["step"], int) or record["step"] < 0:
             raise ValueError(f"metrics 'step' must be a non-negative int, got {record['step']!r}")
         record = _jsonable(record)
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        _append(self.file, record)
         if self.console is not None:
             print(format_line(record), file=self.console, flush=True)
         if self.tb is not None:
             self._log_tensorboard(record)
+
+    def log_lengths(self, step: int, problem_ids: list, group_ids: list[int], lengths: list[int]) -> None:
+        """Append one line to lengths.jsonl: the step's trained samples, in batch order (flush + fsync)."""
+        if not len(problem_ids) == len(group_ids) == len(lengths):
+            raise ValueError(f"lengths row of step {step}: {len(problem_ids)} problem ids, {len(group_ids)} "
+                             f"group ids and {len(lengths)} lengths (one each per sample)")
+        _append(self.lengths_file, _jsonable({"step": step, "problem_ids": problem_ids, "group_ids": group_ids,
+                                              "lengths": lengths}))
 
     def _log_tensorboard(self, record: dict) -> None:
         for key, value in record.items():
@@ -116,8 +124,16 @@ class MetricsWriter:
 
     def close(self) -> None:
         self.file.close()
+        self.lengths_file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _append(file: TextIO, record: dict) -> None:
+    """One JSON line, flushed and fsynced: a crash tears at most this line."""
+    file.write(json.dumps(record) + "\n")
+    file.flush()
+    os.fsync(file.fileno())
 
 
 def _num(v, fmt: str) -> str:

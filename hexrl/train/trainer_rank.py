@@ -254,6 +254,8 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             "turns_mean": sum(t.meta.get("turns", 1) for t in batch) / len(batch),
             "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),
         })
+        metrics.log_lengths(step + 1, [t.problem_id for t in batch], [t.group_id for t in batch],
+                            [t.num_generated for t in batch])
     # The step's metrics row is written before its checkpoint: a kill between the two then redoes the
     # step on resume (its row is replaced), instead of resuming past a step whose row was never written.
     every = job.rl.checkpoint_every

@@ -1,7 +1,8 @@
 """Recall of the long tail: how many of a batch's truly longest 20% of groups the length predictor
 (hexrl/control/length_predictor.py) marks as long, signal by signal, on synthetic workloads.
 
-    python tools/bench/length_recall.py [--prompts 1024] [--group 8] [--batch 64] [--epochs 4] [--seed 0] [--seeds 5]
+    python -m tools.bench.length_recall [--prompts 1024] [--group 8] [--batch 64] [--epochs 4] [--seed 0] [--seeds 5]
+    python -m tools.bench.length_recall --run RUN_DIR    # a real run's recorded lengths (its lengths.jsonl)
 
 Each workload gives every prompt a typical length (its difficulty) that drifts a little each epoch
 (lengths grow 10% an epoch and each prompt's by a random 10% more or less), and draws a group's
@@ -14,15 +15,24 @@ siblings finished (the group's shortest samples, as they finish first; no histor
 the samples up to t long have finished, the rest have t tokens), and a batch half of prompts never
 seen. "oracle" ranks by each prompt's true typical length this epoch: the best a per-prompt
 predictor can do before any sibling finishes (the group's own draw is chance).
+
+With --run, the batches are a run's trained steps as its lengths.jsonl recorded them (each sample's
+problem id, group id and generated length): replayed in step order, each step's groups are ranked
+by the prediction from every earlier step (history across epochs), alone and with each group's
+shortest siblings finished, beside length-blind; every group is recorded after its step is scored.
+A second column scores only the steps whose every prompt an earlier step recorded (a later epoch).
 """
 from __future__ import annotations
 
 import argparse
+from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from hexrl.control.length_predictor import LengthPredictor, recall
+from hexrl.control.metrics import LENGTHS_FILE, read_metrics
 
 ALPHA = 0.2
 MAX_LEN = 8192
@@ -137,6 +147,68 @@ def column(w: Workload, args, seed: int) -> dict[str, float]:
     return rows
 
 
+def run_steps(run_dir: Path) -> list[list[tuple[str, list[int]]]]:
+    """Per recorded step, in step order: its groups as (problem id, the samples' lengths)."""
+    steps = []
+    for row in sorted(read_metrics(run_dir / LENGTHS_FILE), key=lambda r: r["step"]):
+        groups = defaultdict(list)
+        for pid, gid, n in zip(row["problem_ids"], row["group_ids"], row["lengths"]):
+            groups[(gid, str(pid))].append(n)
+        steps.append([(pid, lengths) for (_, pid), lengths in groups.items()])
+    return steps
+
+
+def replay(steps: list[list[tuple[str, list[int]]]], seen_only: bool = False, seed: int = 0,
+           draws: int = 100) -> dict[str, float]:
+    """recall@ALPHA per signal, averaged over the steps (with seen_only, over those whose every prompt
+    was recorded at an earlier step), replaying them all through one LengthPredictor."""
+    rng = np.random.default_rng(seed)
+    p, rows = LengthPredictor(), defaultdict(list)
+    for groups in steps:
+        if seen_only and not all(pid in p.prompts for pid, _ in groups):
+            for pid, lengths in groups:
+                p.record(pid, lengths)
+            continue
+        true = [float(np.mean(lengths)) for _, lengths in groups]
+        rows["length-blind (random order)"].append(np.mean([recall(rng.random(len(true)).tolist(), true, ALPHA)
+                                                            for _ in range(draws)]))
+        for f in (0.0, *FRACTIONS):
+            pred = []
+            for pid, lengths in groups:
+                k = int(f * len(lengths) + 0.5)
+                pred.append(p.predict(pid, finished=sorted(lengths)[:k], group_size=len(lengths)))
+            name = "history (earlier steps)" if f == 0 else f"history + siblings {f:.0%} finished"
+            rows[name].append(recall(pred, true, ALPHA))
+        for pid, lengths in groups:
+            p.record(pid, lengths)
+    return {name: float(np.mean(v)) for name, v in rows.items()}
+
+
+def main_run(run_dir: Path) -> int:
+    """The recall table of a real run's recorded lengths; 2 with one line if it recorded none."""
+    path = run_dir / LENGTHS_FILE
+    steps = run_steps(run_dir) if path.is_file() else []
+    if not steps:
+        print(f"length_recall: {path}: no recorded steps (a run records them from this version on)")
+        return 2
+    prompts = {pid for groups in steps for pid, _ in groups}
+    lengths = [n for groups in steps for _, ls in groups for n in ls]
+    groups = sum(len(g) for g in steps)
+    seen, repeats = set(), 0
+    for g in steps:
+        repeats += sum(pid in seen for pid, _ in g)
+        seen.update(pid for pid, _ in g)
+    print(f"recall@{ALPHA:.0%}: {run_dir}: {len(steps)} steps, {groups} groups of {len(prompts)} prompts "
+          f"({repeats} groups of a prompt seen at an earlier step), {len(lengths)} samples; generated length "
+          f"P10/P50/P90/max {np.percentile(lengths, 10):.0f}/{np.median(lengths):.0f}/"
+          f"{np.percentile(lengths, 90):.0f}/{max(lengths)} tokens\n")
+    every, seen = replay(steps), replay(steps, seen_only=True)
+    print("| signal | every step | steps whose prompts all recur |\n|---|---:|---:|")
+    for name, value in every.items():
+        print(f"| {name} | {value:.2f} | " + (f"{seen[name]:.2f} |" if name in seen else "- |"))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=1024)
@@ -145,7 +217,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0, help="the first seed")
     ap.add_argument("--seeds", type=int, default=5, help="how many seeds the figures average over")
+    ap.add_argument("--run", type=Path, help="replay this run directory's lengths.jsonl instead")
     args = ap.parse_args(argv)
+    if args.run is not None:
+        return main_run(args.run)
     seeds = range(args.seed, args.seed + args.seeds)
     tables = []  # per seed: {workload: {row: recall}}
     for seed in seeds:
