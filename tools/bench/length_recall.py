@@ -1,5 +1,6 @@
 """Recall of the long tail: how many of a batch's truly longest 20% of groups the length predictor
-(hexrl/control/length_predictor.py) marks as long, signal by signal, on synthetic workloads.
+(hexrl/control/length_predictor.py) marks as long, signal by signal, on synthetic workloads or on
+a run's recorded lengths.
 
     python -m tools.bench.length_recall [--prompts 1024] [--group 8] [--batch 64] [--epochs 4] [--seed 0] [--seeds 5]
     python -m tools.bench.length_recall --run RUN_DIR    # a real run's recorded lengths (its lengths.jsonl)
