@@ -207,6 +207,7 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     if a.quick:
         a.seeds, a.steps, a.n_heldout = a.seeds[:1], 4, 100
+    a.out = a.out.resolve()  # the jobs it writes name their model by path, read relative to the job file
     torch.set_num_threads(1)
     train, heldout = load_dataset(synthetic=synthetic(a))
     results = [arm(a.out, tool, seed, train, heldout, a) for seed in a.seeds for tool in (True, False)]
