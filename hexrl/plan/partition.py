@@ -233,9 +233,10 @@ def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, t
 
 
 def _raise(ev: Evaluator, types, grid, i: int, level: int, data, train_lb: float, sync_lb: float):
-    """Split i's next heap entry (bound, i, level + 1, data), each bound no more than the next:
-    level 1 is training's own bound (train_search.train_bound) plus the sync bound (and where the
-    rollout has one GPU type, generation at makespan_bound's), level 2 the
+    """Split i's next heap entry (bound, i, level + 1, data), each bound no more than the estimate
+    (so splits still come out in the order of their estimates): level 1 is training's own bound
+    (train_search.train_bound) plus the sync bound, or, where the rollout has one GPU type, the
+    exact training beside generation at makespan_bound's; level 2 the
     floor (the combined rollout plan beside training and sync at their bounds, generation from
     idle), level 3 the estimate. None: the split cannot run."""
     cm = ev.cm
@@ -245,11 +246,16 @@ def _raise(ev: Evaluator, types, grid, i: int, level: int, data, train_lb: float
         if not np.isfinite(train):
             return None
         free = {t: cm.cluster.count(t) - int(n) for t, n in zip(types, grid[i]) if cm.cluster.count(t) > n}
-        gen = 0.0
-        if len(free) == 1:  # one type: no per-type plans are shared between splits, so bound its plan
-            reward = cm.group_reward_s()  # step_times with the wave from idle at its bound, zero
-            gen = cm.gen_s(makespan_bound(cm, *free.popitem()) + reward, reward, train, sync_lb)
-        return cm.step_s(train, gen, sync_lb), i, 1, (nodes, train)
+        if len(free) != 1:
+            return cm.step_s(train, 0.0, sync_lb), i, 1, (nodes, train)
+        # one type: no per-type plans are shared between splits, so bound its plan beside the exact
+        # training (the estimate needs both) before solving its MILPs
+        exact = ev.train(nodes)
+        if exact is None:
+            return None
+        reward = cm.group_reward_s()  # step_times with the wave from idle at its bound, zero
+        gen = cm.gen_s(makespan_bound(cm, *free.popitem()) + reward, reward, exact.time_s, sync_lb)
+        return cm.step_s(exact.time_s, gen, sync_lb), i, 1, (nodes, train)
     if level == 1:
         nodes, train = data
         roll = ev.combined_rollout(nodes)
