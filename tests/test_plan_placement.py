@@ -12,8 +12,9 @@ from runtime_utils import ROOT
 from hexrl.plan import candidate
 from hexrl.plan.candidate import Evaluator
 from hexrl.plan.cost import CostModel
-from hexrl.plan.partition import two_phase
+from hexrl.plan.partition import makespan_bound, two_phase
 from hexrl.plan.placement import counts_of, free_classes, train_per_node
+from hexrl.plan.rollout_milp import makespan
 from hexrl.schema import ClusterSpec, NodeSpec, load_job
 from tools.bench.bench_planner import cluster_job
 
@@ -82,3 +83,35 @@ def test_the_ceiling_cluster_is_planned_in_bounded_memory(tmp_path):
                           "--no-profiles"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert res.returncode == 0, res.stderr[-2000:]
     assert len(json.loads((tmp_path / "plan.json").read_text())["ranks"]) == 65536
+
+
+class CountingEvaluator(Evaluator):
+    """An Evaluator that counts the combined rollout plans the sweep asks for (two MILPs each)."""
+
+    combined = 0
+
+    def combined_rollout(self, per_node):
+        self.combined += 1
+        return super().combined_rollout(per_node)
+
+
+def test_one_type_sweep_bounds_the_rollout_before_solving_it():
+    """256 GPUs of one type: no per-type plan is shared between splits, so the sweep bounds each
+    split's step (exact training, partition.makespan_bound) before solving its rollout MILPs. The
+    plan is the one the sweep found when it solved them for 99 splits (34 now)."""
+    cm = CostModel(load_job(cluster_job("r1-distill-qwen-7b", 256, 1), check_paths=False), use_profiles=False)
+    ev = CountingEvaluator(cm)
+    best, _ = two_phase(ev)
+    assert counts_of(cm.cluster, best.per_node) == {"H800": 76}
+    assert best.step_s == pytest.approx(171.54966452699992, rel=1e-12)
+    assert ev.combined <= 40
+
+
+def test_makespan_bound_is_under_every_rollout_plan_and_close():
+    """The relaxed bound never exceeds the makespan of the rollout MILP's plan on the same GPUs."""
+    cm = CostModel(load_job(cluster_job("r1-distill-qwen-7b", 256, 1), check_paths=False), use_profiles=False)
+    ev = Evaluator(cm)
+    for n in (16, 100, 172, 248):
+        plan = ev.rollout(train_per_node(cm.cluster, {"H800": 256 - n}))
+        exact = makespan(cm, [cm.decode_point(r.gpu_type, r.tp, r.batch) for r in plan.replicas if r.share > 0])
+        assert makespan_bound(cm, "H800", n) <= exact <= 1.1 * makespan_bound(cm, "H800", n)

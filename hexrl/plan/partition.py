@@ -233,15 +233,29 @@ def _sweep(ev: Evaluator, types, grid, best: Candidate | None, log: SearchLog, t
 
 
 def _raise(ev: Evaluator, types, grid, i: int, level: int, data, train_lb: float, sync_lb: float):
-    """Split i's next heap entry (bound, i, level + 1, data), each bound no more than the next:
-    level 1 is training's own bound (train_search.train_bound) plus the sync bound, level 2 the
+    """Split i's next heap entry (bound, i, level + 1, data), each bound no more than the estimate
+    (so splits still come out in the order of their estimates): level 1 is training's own bound
+    (train_search.train_bound) plus the sync bound, or, where the rollout has one GPU type, the
+    exact training beside generation at makespan_bound's; level 2 the
     floor (the combined rollout plan beside training and sync at their bounds, generation from
     idle), level 3 the estimate. None: the split cannot run."""
     cm = ev.cm
     if level == 0:
         nodes = train_per_node(cm.cluster, _as_counts(types, grid[i]))
         train = max(train_lb, ev.train_bound(nodes))
-        return (cm.step_s(train, 0.0, sync_lb), i, 1, (nodes, train)) if np.isfinite(train) else None
+        if not np.isfinite(train):
+            return None
+        free = {t: cm.cluster.count(t) - int(n) for t, n in zip(types, grid[i]) if cm.cluster.count(t) > n}
+        if len(free) != 1:
+            return cm.step_s(train, 0.0, sync_lb), i, 1, (nodes, train)
+        # one type: no per-type plans are shared between splits, so bound its plan beside the exact
+        # training (the estimate needs both) before solving its MILPs
+        exact = ev.train(nodes)
+        if exact is None:
+            return None
+        reward = cm.group_reward_s()  # step_times with the wave from idle at its bound, zero
+        gen = cm.gen_s(makespan_bound(cm, *free.popitem()) + reward, reward, exact.time_s, sync_lb)
+        return cm.step_s(exact.time_s, gen, sync_lb), i, 1, (nodes, train)
     if level == 1:
         nodes, train = data
         roll = ev.combined_rollout(nodes)
@@ -250,6 +264,51 @@ def _raise(ev: Evaluator, types, grid, i: int, level: int, data, train_lb: float
         # the heap keeps the split, not its plan: thousands of plans would hold every replica of each
         return step_times(cm, train, sync_lb, roll, joined=False)[2], i, 2, nodes
     return ev.estimate(data, ev.combined_rollout(data)), i, 3, data
+
+
+def makespan_bound(cm, gpu_type: str, n: int) -> float:
+    """A lower bound on the makespan T = (tokens + sum h R) / sum h (rollout_milp.makespan) of any
+    rollout plan on n free GPUs of one type: the replica counts relaxed to the polytope of its
+    MILP without TP packing (GPUs and the staleness gate's cap on running sequences: two rows),
+    where the ratio is least at a vertex, and a vertex uses one or two configurations."""
+    cap = float("inf") if cm.w.eta is None else (cm.w.eta + 1) * cm.w.samples
+    parts = _vertex_rates(cm, gpu_type, n, cap) if n > 0 else None
+    if parts is None or parts[0].max() <= 0:
+        return float("inf")
+    rate, loss = parts
+    # a hair under, so that rounding never lifts it over a plan whose makespan is the vertex's
+    return float(((cm.w.gen_tokens + loss[rate > 0]) / rate[rate > 0]).min()) * (1 - 1e-9)
+
+
+def _vertex_rates(cm, t: str, n: int, cap: float) -> tuple[np.ndarray, np.ndarray] | None:
+    """(h.y, (h R).y) at every vertex y of type t's relaxed polytope on n GPUs (makespan_bound)."""
+    points = list({(pt.tp, pt.batch): pt for tp in cm.tp_options(t) for b in (False, True)
+                   for pt in cm.decode_points(t, tp, b)}.values())
+    if not points:
+        return None
+    h, r, a, b = (np.array([getattr(pt, f) for pt in points], dtype=float)
+                  for f in ("tokens_per_s", "recompute_s", "tp", "batch"))
+    y = _vertices(a, b, float(n), cap)
+    return y @ h, y @ (h * r)
+
+
+def _vertices(a: np.ndarray, b: np.ndarray, n: float, cap: float) -> np.ndarray:
+    """Vertices (rows) of {y >= 0: a.y <= n, b.y <= cap} but the origin (a, b > 0): one column as
+    far as either row allows, or two columns with both rows tight."""
+    m = len(a)
+    ys = [np.diag(np.minimum(n / a, cap / b))]
+    if np.isfinite(cap):
+        j, k = (g.ravel() for g in np.meshgrid(np.arange(m), np.arange(m), indexing="ij"))
+        det = a[j] * b[k] - a[k] * b[j]
+        ok = det != 0
+        j, k, det = j[ok], k[ok], det[ok]
+        yj, yk = (n * b[k] - cap * a[k]) / det, (a[j] * cap - b[j] * n) / det
+        ok = (yj >= 0) & (yk >= 0)
+        pair = np.zeros((int(ok.sum()), m))
+        rows = np.arange(len(pair))
+        pair[rows, j[ok]], pair[rows, k[ok]] = yj[ok], yk[ok]
+        ys.append(pair)
+    return np.vstack(ys)
 
 
 def _initial(ev: Evaluator, gs: GraphScore, log: SearchLog) -> Candidate | None:
