@@ -352,7 +352,8 @@ def test_untimed_work_runs_before_the_rollout_hears_of_the_new_version(monkeypat
     evaluator = NS(seconds=0.0, wall=lambda: 0.0, maybe=lambda t, step: events.append("eval"))
     probe = NS(measure=lambda t: events.append("probe"))
     ctx = NS(plan=NS(job=NS(rl=NS(steps=10, checkpoint_every=0))), run_dir=tmp_path, controller_rank=0, device="cpu")
-    worker.run_step(ctx, trainer, controller, NS(log=lambda m: None), evaluator, 0, torch.float32, probe)
+    metrics = NS(log=lambda m: None, log_lengths=lambda *a: None)
+    worker.run_step(ctx, trainer, controller, metrics, evaluator, 0, torch.float32, probe)
     assert events == ["probe", "eval", "publish", "sync"]
 
 @pytest.mark.gpu
