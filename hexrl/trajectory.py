@@ -61,7 +61,7 @@ class Trajectory:
         """Tokens the model sampled (the loss's tokens)."""
         if self.mask is None:
             return len(self.completion_ids)
-        return int(np.count_nonzero(self.mask)) if isinstance(self.mask, np.ndarray) else sum(self.mask)
+        return int(np.count_nonzero(np.asarray(self.mask)))  # mask values are 0 or 1 (shape_problems)
 
     def generated_positions(self) -> np.ndarray:
         """Indices into `completion_ids` of the sampled tokens (int64)."""

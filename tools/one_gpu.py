@@ -20,7 +20,7 @@ from pathlib import Path
 
 from hexrl.control.metrics import read_metrics
 from hexrl.control.summary import read_evals, summarize
-from hexrl.gpus import GPU, canonical_name, profile_path, read_profile
+from hexrl.gpus import GPU, canonical_name, gpu_type_name, profile_path, read_profile
 
 WARMUP = 2  # steps left out of the measured step time, as `hexrl.plan simulate --warmup` does
 TARGETS = {"wall_s": 240.0, "heldout_gain": 0.10, "step_error": 0.15}
@@ -33,9 +33,8 @@ def gpu_type() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     name = torch.cuda.get_device_name(0)
-    for word in name.replace("-", " ").split():
-        if canonical_name(word):
-            return canonical_name(word)
+    if canonical_name(found := gpu_type_name(name)):
+        return found
     print(f"one_gpu: {name!r} is not in the GPU catalogue; costing it as an H100", file=sys.stderr)
     return "H100"
 

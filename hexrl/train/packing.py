@@ -57,11 +57,6 @@ def input_length(t: Trajectory) -> int:
     return len(t.prompt_ids) + len(t.completion_ids) - 1
 
 
-def _generated(t: Trajectory) -> int:
-    """Sampled tokens of `t`, counted in C for a list or an array mask."""
-    return len(t.completion_ids) if t.mask is None else int(np.count_nonzero(np.asarray(t.mask)))
-
-
 def _token_problem(i: int, t: Trajectory, vocab_size: int) -> str | None:
     """A trajectory's ids outside [0, vocab_size), checked with one min/max per array."""
     parts = [np.asarray(t.prompt_ids), np.asarray(t.completion_ids)]
@@ -190,7 +185,7 @@ def pack(trajs: list[Trajectory], seqs: list[int], adv: list[float]) -> Packed:
     ts = [trajs[i] for i in seqs]
     prompts = [np.asarray(t.prompt_ids) for t in ts]
     completions = [np.asarray(t.completion_ids) for t in ts]
-    generated = [_generated(t) for t in ts]
+    generated = [t.num_generated for t in ts]
     mask = None
     if any(t.mask is not None for t in ts):
         mask = _cat([np.asarray(t.mask) != 0 if t.mask is not None else np.ones(len(c), dtype=bool)
@@ -289,7 +284,7 @@ def plan_batch(trajs: list[Trajectory], minibatches: int, dp: int, micro_batch_t
     group_ids = [t.group_id for t in trajs]
     adv = group_advantages(rewards, group_ids, adv_eps)
     dropped = equal_reward_groups(rewards, group_ids) if filter_equal_groups else set()
-    generated = [_generated(t) for t in trajs]
+    generated = [t.num_generated for t in trajs]
     seqs = [i for i, t in enumerate(trajs) if t.group_id not in dropped and generated[i]]
     sizes = [input_length(t) for t in trajs]
     oldest, version_tokens = _version_stats(trajs, seqs)
@@ -309,7 +304,7 @@ def plan_step(trajs: list[Trajectory], seqs: list[int], adv: list[float], miniba
               micro_batch_tokens: int) -> list[MiniBatchPlan]:
     """Every DP rank's micro-batches of `seqs` (a reference and a tool: a trainer rank builds only
     its own, `StepPlan.share`)."""
-    generated = [_generated(t) for t in trajs]
+    generated = [t.num_generated for t in trajs]
     a = assign([input_length(t) for t in trajs], generated, seqs, minibatches, dp, micro_batch_tokens)
     return [MiniBatchPlan([[build_micro_batch(trajs, mb, adv) for mb in rank] for rank in ranks], n)
             for ranks, n in zip(a.micro_batches, a.num_loss_tokens)]
