@@ -283,3 +283,31 @@ def test_sync_delta_defaults_off_is_validated_and_rides_in_the_plan():
         load_job(small_job(sync={"delta": 1, "changed_fraction": 2, "bitmap": True}))
     assert sorted(p.split(":")[0] for p in e.value.problems) == [
         "sync.bitmap", "sync.changed_fraction", "sync.delta"], e.value.problems
+
+
+def test_long_tail_defaults_off_is_validated_and_rides_in_the_plan():
+    job = load_job(small_job())
+    assert (job.long_tail.alpha, job.long_tail.on, "long_tail" in job.to_dict()) == (0.0, False, False)
+    job = load_job(small_job(long_tail={"alpha": 0.2, "caps": [32, 8]}))
+    assert (job.long_tail.alpha, job.long_tail.caps) == (0.2, (8, 32))
+    assert load_job(job.to_dict()).long_tail == job.long_tail  # a plan file carries it to the run
+    for bad, field in (({"alpha": 1}, "long_tail.alpha"), ({"alpha": -0.1}, "long_tail.alpha"),
+                       ({"alpha": "most"}, "long_tail.alpha"), ({"caps": []}, "long_tail.caps"),
+                       ({"caps": [0]}, "long_tail.caps"), ({"caps": [10**6]}, "long_tail.caps"),
+                       ({"caps": [8, 8]}, "long_tail.caps"), ({"caps": [8.5]}, "long_tail.caps"),
+                       ({"cap": 8}, "long_tail.cap")):
+        with pytest.raises(ConfigError) as e:
+            load_job(small_job(long_tail=bad))
+        assert [p.split(":")[0] for p in e.value.problems] == [field], (bad, e.value.problems)
+
+
+def test_a_replica_marked_long_tail_reads_back_and_a_plain_one_writes_no_mark():
+    plan = plan_job(load_job(small_job()))
+    d = plan.to_dict()
+    assert all("long_tail" not in x for x in d["rollout"]["replicas"])  # a job without the section: as before
+    d["rollout"]["replicas"][0]["long_tail"] = True
+    assert load_plan(d).replicas[0].long_tail is True
+    d["rollout"]["replicas"][0]["long_tail"] = "yes"
+    with pytest.raises(ConfigError) as e:
+        load_plan(d)
+    assert "rollout.replicas[0].long_tail" in str(e.value.problems)

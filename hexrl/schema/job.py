@@ -16,6 +16,7 @@ from hexrl.schema.affinity import CpuAffinity, read_affinity
 from hexrl.schema.colocate import Colocate, cluster_problems, read_colocate
 from hexrl.schema.fields import ConfigError, Reader, resolve, unknown_field
 from hexrl.schema.knobs import read_overrides
+from hexrl.schema.long_tail_spec import LongTailSpec, read_long_tail
 from hexrl.schema.replan_spec import ReplanSpec, read_replan
 
 # sane ceilings of the numbers a job gives (hexrl.ranges bounds the rest by DEFAULT_MAX)
@@ -735,7 +736,7 @@ def _read_sync(r: Reader, d) -> SyncSpec:
 
 _JOB_KEYS = {"name", "model", "data", "reward", "env", "rl", "workload", "cluster", "prices", "budget",
              "layout", "runtime", "out_dir", "extra", "cpu_affinity", "share_run_dir",
-             "colocate", "sync", "replan"}
+             "colocate", "sync", "replan", "long_tail"}
 
 
 @dataclass
@@ -759,6 +760,7 @@ class Job:
     env: EnvSpec | None = None  # multi-turn episodes in this environment; None: single-turn
     sync: SyncSpec = field(default_factory=SyncSpec)  # how weights go to the rollout
     replan: ReplanSpec = field(default_factory=ReplanSpec)  # re-planning on measurements (schema/replan_spec.py)
+    long_tail: LongTailSpec = field(default_factory=LongTailSpec)  # two length classes (schema/long_tail_spec.py)
 
     @property
     def ranks_per_node(self) -> int:
@@ -794,6 +796,8 @@ class Job:
             d["sync"] = self.sync.to_dict()
         if self.replan != ReplanSpec():
             d["replan"] = self.replan.to_dict()
+        if self.long_tail != LongTailSpec():
+            d["long_tail"] = self.long_tail.to_dict()
         return d
 
 
@@ -841,10 +845,11 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     share = r.boolean(d, "share_run_dir", "job", False)
     sync = _read_sync(r, d.get("sync"))
     replan = read_replan(r, d.get("replan"))
+    long_tail = read_long_tail(r, d.get("long_tail"))
     if r.problems:
         return None
     return Job(name, model, data, reward, rl, workload, cluster, prices, budget, layout, runtime, out_dir, extra,
-               affinity, share, colocate, env, sync, replan)
+               affinity, share, colocate, env, sync, replan, long_tail)
 
 
 def load_job(path_or_dict, check_paths: bool = True) -> Job:

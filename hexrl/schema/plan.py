@@ -56,10 +56,11 @@ class Replica:
     ranks: list[int]  # ranks[i] holds TP shard i; ranks[0] leads
     share: float  # fraction of prompts this replica should receive
     knobs: RolloutKnobs = field(default_factory=RolloutKnobs)  # the engine's settings, as the planner costed them
+    long_tail: bool = False  # serves the groups predicted longest (the job's long_tail section); else the rest
 
     def to_dict(self) -> dict:
         return {"id": self.id, "gpu_type": self.gpu_type, "tp": self.tp, "ranks": list(self.ranks),
-                "share": self.share, **self.knobs.to_dict()}
+                "share": self.share, **self.knobs.to_dict(), **({"long_tail": True} if self.long_tail else {})}
 
 
 def default_dtype(gpu_types) -> str:
@@ -198,7 +199,7 @@ def _read_replicas(r: Reader, raw) -> list[Replica]:
     out = []
     for i, x in enumerate(reps or []):
         w = f"rollout.replicas[{i}]"
-        x = r.section(x, w, {"id", "gpu_type", "tp", "ranks", "share"} | ROLLOUT_KEYS)
+        x = r.section(x, w, {"id", "gpu_type", "tp", "ranks", "share", "long_tail"} | ROLLOUT_KEYS)
         rid = r.num(x, "id", w, None, integer=True, lo=0, hi=MAX_RANKS, required=True)
         tp = r.num(x, "tp", w, None, integer=True, lo=1, hi=MAX_RANKS, required=True)
         share = r.num(x, "share", w, None, lo=0, hi=1, required=True)
@@ -210,8 +211,9 @@ def _read_replicas(r: Reader, raw) -> list[Replica]:
             r.bad(f"{w}.ranks", f"must be a non-empty list of global ranks, got {ranks!r}")
             ranks = None
         knobs = read_rollout_knobs(r, x, w, RolloutKnobs(dtype=default_dtype([gt])))
+        tail = r.boolean(x, "long_tail", w, False)
         if None not in (rid, tp, share, gt, ranks):
-            out.append(Replica(rid, gt, tp, ranks, float(share), knobs))
+            out.append(Replica(rid, gt, tp, ranks, float(share), knobs, tail))
     return out
 
 
