@@ -1,5 +1,6 @@
 """tools/python.sh, which setup.sh, test.sh and demo.sh source: outside a virtual environment the project's
 own .venv, never the system's Python (a stock Debian python3 refuses pip installs there: PEP 668)."""
+import json
 import os
 import subprocess
 import sys
@@ -56,3 +57,18 @@ fi
     lines = calls.read_text().splitlines()
     assert lines[0].startswith("tools/warm_start.py") and lines[0].endswith("unbuffered=1")  # python's output too
     assert not any("pip" in line for line in lines)
+
+
+def test_the_demo_plans_for_the_run_directory_it_is_given(tmp_path):
+    """RUN=elsewhere: the planned job reads the model warm-started there, not runs/demo's."""
+    run, fake = tmp_path / "elsewhere", tmp_path / "python"
+    fake.write_text(f"""#!/usr/bin/env bash
+if [ "$1" = - ]; then exec {sys.executable} "$@"; fi  # the job writer runs for real
+if [ "$1" = tools/warm_start.py ]; then mkdir -p "$2" && echo "{{}}" > "$2/config.json"; fi
+""")
+    fake.chmod(0o755)
+    env = {**os.environ, "HEXRL_SKIP_SETUP": "1", "PYTHON": str(fake), "RUN": str(run)}
+    out = subprocess.run(["bash", "tools/demo.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job = json.loads((run / "job.json").read_text())
+    assert (job["model"]["path"], job["out_dir"]) == (str(run.resolve() / "model"), str(run.resolve()))

@@ -20,7 +20,15 @@ if [[ " $* " != *" --resume "* ]]; then  # a fresh demo run each time (the warm 
   rm -rf "$RUN/metrics.jsonl" "$RUN/eval.jsonl" "$RUN/checkpoints" "$RUN/final" "$RUN/eval_model"
 fi
 echo "== plan"
-"$PY" -m hexrl.plan tools/configs/cpu_demo.json -o "$RUN/plan.json"
+# the demo job, pointed at this run directory's model (cpu_demo.json names runs/demo's)
+"$PY" - "$RUN" <<'PYEOF'
+import json, pathlib, sys
+run = pathlib.Path(sys.argv[1]).resolve()
+job = json.loads(pathlib.Path("tools/configs/cpu_demo.json").read_text())
+job["model"]["path"], job["out_dir"] = str(run / "model"), str(run)
+(run / "job.json").write_text(json.dumps(job, indent=1) + "\n")
+PYEOF
+"$PY" -m hexrl.plan "$RUN/job.json" -o "$RUN/plan.json"
 echo "== run: torchrun, 3 processes (2 trainer, 1 rollout)"
 START=$(date +%s)
 "$PY" -m torch.distributed.run --standalone --nproc_per_node 3 -m hexrl.main "$RUN/plan.json" --run-dir "$RUN" "$@"
