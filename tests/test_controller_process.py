@@ -49,8 +49,8 @@ def thread_controller() -> tuple[Controller, str]:
                       env=ENV), endpoint
 
 
-def process_controller() -> ControllerProcess:
-    setup = ControllerSetup(rl_config(), PROBLEMS, [encode(p.prompt) for p in PROBLEMS], REPLICAS, VOCAB, SECRET,
+def process_controller(replicas: list[ReplicaInfo] = REPLICAS) -> ControllerProcess:
+    setup = ControllerSetup(rl_config(), PROBLEMS, [encode(p.prompt) for p in PROBLEMS], replicas, VOCAB, SECRET,
                             env=ENV)
     return ControllerProcess(setup)
 
@@ -182,6 +182,34 @@ def test_a_killed_controller_process_ends_the_trainers_wait_naming_it():
             controller.next_batch()  # no replica ever connects: only the process's death can end this wait
     finally:
         controller.stop()
+
+
+def interrupt(signum, frame):
+    raise KeyboardInterrupt  # as Ctrl-C does
+
+
+def test_a_trainer_interrupted_in_a_wait_still_stops_the_process_cleanly():
+    """Ctrl-C while the trainer waits in next_batch: the process is busy in that call, so stop() ends it
+    with SIGTERM, and it still stops the controller (telling the replicas) and exits on its own."""
+    controller = process_controller([ReplicaInfo(0, 1.0)])
+    dealer = DealerChannel("replica-0", SECRET)
+    dealer.connect(controller.endpoint)
+    dealer.send(message("heartbeat", rank=0, time=0.0))
+    old = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        controller.start()
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        with pytest.raises(KeyboardInterrupt):
+            controller.next_batch()  # the replica never answers its prompts
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        controller.stop()
+    assert controller.proc.returncode == 0  # it stopped itself: not killed
+    while (msg := dealer.recv(timeout_s=10)) is not None and msg["type"] != "stop":
+        pass
+    dealer.close()
+    assert msg is not None and msg["reason"] == "terminated"
 
 
 def gone(pid: int) -> bool:

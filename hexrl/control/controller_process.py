@@ -96,23 +96,48 @@ def serve(fd: int) -> None:
         return
     conn.send_bytes(msgpack.packb({"endpoint": controller.router.endpoint, "link": link.endpoint}))
     threading.Thread(target=_exit_with_parent, args=(conn,), name="hexrl-parent-watch", daemon=True).start()
-    _Server(controller, link).run()
+    signal.signal(signal.SIGTERM, _terminated)
+    server = _Server(controller, link)
+    try:
+        server.run()
+    except _Terminated:  # the trainer stops while a call of its is still running here
+        server.stop("terminated")
+
+
+class _Terminated(BaseException):
+    """SIGTERM: raised in the main thread, whatever call it is running (never caught as an Exception)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise _Terminated()
 
 
 def _build(s: dict) -> tuple[Controller, RouterChannel]:
     """The Controller of a setup map (its rollout router bound) and the link's bound router."""
     router = RouterChannel(s["secret"])
     router.bind(s["host"], advertise=s["advertise"])
-    flat, offsets = np.frombuffer(s["prompt_ids"], ID_DTYPE), s["prompt_offsets"]
     problems = [Problem(**p) for p in s["problems"]]
-    ids = {p.prompt: flat[offsets[i]:offsets[i + 1]].tolist() for i, p in enumerate(problems)}
+    encode = PromptIds(problems, np.frombuffer(s["prompt_ids"], ID_DTYPE), s["prompt_offsets"])
     env = SimpleNamespace(**s["env"]) if s["env"] is not None else None
     controller = Controller(SimpleNamespace(**s["rl"]), DatasetCursor(problems, seed=s["rl"]["seed"]),
-                            ids.__getitem__, [ReplicaInfo(i, share) for i, share in s["replicas"]], router,
+                            encode, [ReplicaInfo(i, share) for i, share in s["replicas"]], router,
                             vocab_size=s["vocab_size"], heartbeat_timeout_s=s["heartbeat_timeout_s"], env=env)
     link = RouterChannel(s["link_secret"])
     link.bind("127.0.0.1")
     return controller, link
+
+
+class PromptIds:
+    """The controller's prompt encoder: a prompt's ids from the trainer's tokenization, as a list (what a
+    prompt message carries), sliced from one buffer only when the prompt is handed out."""
+
+    def __init__(self, problems: list[Problem], flat: np.ndarray, offsets: list[int]):
+        self.flat, self.offsets = flat, offsets
+        self.index = {p.prompt: i for i, p in enumerate(problems)}  # equal prompts encode alike
+
+    def __call__(self, prompt: str) -> list[int]:
+        i = self.index[prompt]
+        return self.flat[self.offsets[i]:self.offsets[i + 1]].tolist()
 
 
 def _exit_with_parent(conn: Connection) -> None:
@@ -140,11 +165,17 @@ class _Server:
             peer, msg = got
             if peer != TRAINER or msg["type"] != "call" or msg["method"] not in METHODS:
                 continue  # only the trainer holds the link's secret: nothing else arrives here
-            self._send(self._answer(msg["method"], msg["args"]))
             if msg["method"] == "stop":
-                self.link.close()
-                self.controller.router.close()
+                self.stop(msg["args"].get("reason", "done"))
                 return
+            self._send(self._answer(msg["method"], msg["args"]))
+
+    def stop(self, reason: str) -> None:
+        """Stop the controller (it tells the replicas), answer a stop call, close the sockets."""
+        self.controller.stop(reason)
+        self.link.send(message("reply", method="stop", value=None), to=TRAINER, timeout_s=1.0)
+        self.link.close()
+        self.controller.router.close()
 
     def _answer(self, method: str, args: dict) -> dict:
         try:
@@ -213,6 +244,7 @@ class ControllerProcess:
         finally:
             child.close()
         self.pid, self.conn = self.proc.pid, parent
+        self.waiting = False  # a call was sent and its reply not read (the trainer was interrupted in it)
         self._end = weakref.finalize(self, _end_process, self.proc, parent)  # at stop, collection or exit
         try:
             parent.send_bytes(_setup_bytes(setup, link_secret))
@@ -276,9 +308,11 @@ class ControllerProcess:
     def stop(self, reason: str = "done") -> None:
         """Stop the controller (it tells the replicas) and its process; never raises (it runs in `finally`)."""
         try:
-            if self.proc.poll() is None:
+            if self.proc.poll() is None and self.waiting:  # it is still running that call: SIGTERM ends it
+                self.proc.terminate()
+            elif self.proc.poll() is None:
                 self._call("stop", {"reason": reason}, wait_s=STOP_S)
-                self.proc.wait(timeout=STOP_S)  # it exits after its reply: then the pipe's EOF is no news to it
+            self.proc.wait(timeout=STOP_S)  # it exits after stopping: then the pipe's EOF is no news to it
         except (ControllerFailure, subprocess.TimeoutExpired):
             pass
         self.link.close()
@@ -293,6 +327,7 @@ class ControllerProcess:
             raise ControllerFailure(self._gone())
         if not self.link.send(message("call", method=method, args=args or {}), timeout_s=SEND_S):
             raise ControllerFailure(self._gone() or f"the controller process took no call for {SEND_S:.0f} s")
+        self.waiting = True
         deadline = time.monotonic() + wait_s
         while True:
             msg = self.link.recv(timeout_s=POLL_S)
@@ -307,6 +342,7 @@ class ControllerProcess:
                 except MessageError as e:
                     raise ControllerFailure(f"the controller process sent a bad group: {e}") from None
             elif msg["type"] == "reply" and msg["method"] == method:
+                self.waiting = False
                 return _value(msg)
 
     def _gone(self, wait_s: float = 0.0) -> str | None:
@@ -334,7 +370,7 @@ def _value(reply: dict):
 def _setup_bytes(s: ControllerSetup, link_secret: bytes) -> bytes:
     """The setup as one msgpack map (the prompts as one int32 buffer and their offsets)."""
     lengths = [len(ids) for ids in s.prompt_ids]
-    flat = np.fromiter((i for ids in s.prompt_ids for i in ids), ID_DTYPE, sum(lengths))
+    flat = np.concatenate([np.asarray(ids, ID_DTYPE) for ids in s.prompt_ids]) if lengths else np.zeros(0, ID_DTYPE)
     return msgpack.packb({
         "rl": dict(vars(s.rl)), "env": None if s.env is None else dict(vars(s.env)),
         "problems": [p.to_dict() for p in s.problems], "prompt_ids": flat.tobytes(),
