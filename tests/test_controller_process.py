@@ -159,6 +159,24 @@ def test_the_state_round_trips_through_the_process_for_a_checkpoint():
         resumed.stop()
 
 
+def test_auto_eta_chooses_the_same_bounds_in_the_process_and_its_state_round_trips():
+    rl = SimpleNamespace(**{**vars(rl_config()), "eta": "auto", "eta_max": 3, "eta_w_std_target": 0.1})
+    thread = Controller(rl, DatasetCursor(PROBLEMS, seed=7), encode, REPLICAS, RouterChannel(SECRET), VOCAB)
+    process = ControllerProcess(ControllerSetup(rl, PROBLEMS, [encode(p.prompt) for p in PROBLEMS], REPLICAS, VOCAB,
+                                                SECRET))
+    try:
+        steps = [(0.5, 1.0, 0.01, {"0": 90, "1": 10}), (0.6, 1.0, 0.02, {"0": 50, "1": 50}),
+                 (0.9, 1.0, 0.2, {"1": 60, "2": 40}), (0.7, 1.0, float("nan"), {"0": 10})]
+        chosen = [(thread.choose_eta(*s), process.choose_eta(*s)) for s in steps]
+        assert [a for a, _ in chosen] == [b for _, b in chosen] and len({a for a, _ in chosen}) > 1, chosen
+        assert process.state()["auto_eta"] == thread.state()["auto_eta"]
+        process.load_state(thread.state())
+        assert process.state() == thread.state()
+    finally:
+        process.stop()
+        thread.router.close()
+
+
 def test_a_replica_error_reaches_the_trainer_through_the_process():
     controller = process_controller()
     dealer = DealerChannel("replica-0", SECRET)
