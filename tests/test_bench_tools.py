@@ -224,6 +224,15 @@ def test_bench_controller_scale_measures_every_item_on_this_code(monkeypatch, ca
     assert "publish" in capsys.readouterr().out
 
 
+def test_bench_controller_ingest_runs_the_thread_and_the_process(capsys):
+    from tools.bench import bench_controller_scale as bench
+
+    rows = [bench.ingest_run(64, mode, seconds=0.3) for mode in ("thread, alone", "process, busy trainer")]
+    assert all(r["traj_s"] > 0 and r["cpu_us_per_traj"] > 0 for r in rows), rows  # none rejected (it asserts)
+    bench.ingest_report(rows)
+    assert "process, busy trainer" in capsys.readouterr().out
+
+
 def test_the_planner_reads_the_shipped_h100_profile_from_any_directory(monkeypatch, tmp_path):
     """The shipped hexrl/profiles/H100.json sets the planner's H100 decode times: median error
     5% against its own measurements, where the paper-calibrated catalogue is 40-140% slow."""

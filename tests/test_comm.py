@@ -29,6 +29,10 @@ def one_of_each() -> list[dict]:
         message("weights", version=5),
         message("stop", reason="done"),
         message("error", rank=2, cause="CUDA out of memory"),
+        message("call", method="wait_delivered", args={"version": 3}),
+        message("reply", method="counters", value={"trained": 8}),
+        message("group", group_id=7, n=1, problem_id=3, seq=0, prompt_ids=np.array([1, 2, 3], np.int32),
+                trajectories=[{"group_id": 7, "completion_ids": np.array([4], np.int32), "reward": 1.0}]),
     ]
 
 

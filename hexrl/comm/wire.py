@@ -1,7 +1,8 @@
 """The wire format between the controller and the rollout replicas: msgpack messages, validated.
 
 A message is a dict with `"v": SCHEMA_VERSION`, `"type"` and the fields that `SCHEMAS[type]`
-names. Arrays (numpy or torch) travel as a tagged map of raw bytes; pickle is never used.
+names. Arrays (numpy or torch) travel as a tagged map of raw bytes; pickle is never used. torch is
+imported only by a process that uses it (the controller's own process never does).
 `decode` validates every received message and raises `MessageError` with a short reason tag,
 which a channel (hexrl.comm.channel) counts and skips, so a receive loop never sees an
 exception from foreign or corrupted input.
@@ -9,10 +10,10 @@ exception from foreign or corrupted input.
 from __future__ import annotations
 
 import math
+import sys
 
 import msgpack
 import numpy as np
-import torch
 
 from hexrl.trajectory import ID_DTYPE, LOGPROB_DTYPE, MASK_DTYPE, VERSION_DTYPE, Trajectory
 
@@ -39,13 +40,16 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "weights": {"version": "int"},  # trainer published `version`: join the weight broadcast
     "stop": {"reason": "str"},
     "error": {"rank": "int", "cause": "str"},
+    # between the trainer and the controller's own process (hexrl/control/controller_process.py)
+    "call": {"method": "str", "args": "dict"},
+    "reply": {"method": "str", "value": "?dict|list|int|float|str|bool|None", "error": "?str", "detail": "?str"},
+    "group": {"group_id": "int", "n": "int", "problem_id": "?int|str|None", "seq": "int", "prompt_ids": _IDS,
+              "trajectories": "list"},  # each a trajectory message's fields but v, type and prompt_ids
 }
 
 # dtype name -> numpy dtype of the raw bytes (bfloat16 travels as its uint16 bit pattern)
 _ARRAY_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
                  "int64": np.dtype("<i8"), "int32": np.dtype("<i4"), "uint8": np.dtype("u1"), "bool": np.dtype("?")}
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                 "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8, "bool": torch.bool}
 
 
 class MessageError(ValueError):
@@ -62,7 +66,9 @@ class MessageError(ValueError):
 
 def _encode_array(obj) -> dict:
     """numpy array or torch tensor -> tagged map of raw bytes (a view, not a copy, when contiguous)."""
-    if isinstance(obj, torch.Tensor):
+    if _is_tensor(obj):
+        import torch
+
         t = obj.detach().cpu().contiguous()
         name = str(t.dtype).removeprefix("torch.")
         if name not in _ARRAY_DTYPES:
@@ -95,13 +101,15 @@ def _decode_array(d: dict):
     arr = np.frombuffer(data, dtype=raw).reshape(shape)
     if d.get("kind") != "torch" and name != "bfloat16":
         return arr
+    import torch  # a tensor was sent: the receiver wants torch (a torch-free process pays the import once)
+
     t = torch.from_numpy(arr.copy())  # torch wants a writable buffer
     return t.view(torch.bfloat16) if name == "bfloat16" else t
 
 
 def _default(obj):
     """msgpack hook for what it cannot pack natively."""
-    if isinstance(obj, (np.ndarray, torch.Tensor)):
+    if _is_array(obj):
         return _encode_array(obj)
     if isinstance(obj, np.generic):
         return obj.item()
@@ -116,13 +124,21 @@ def _object_hook(d: dict):
 # ---------------------------------------------------------------- schema
 
 
+def _is_tensor(v) -> bool:
+    """A torch tensor? Asked of sys.modules: a process that never imported torch holds none."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(v, torch.Tensor)
+
+
 def _is_array(v) -> bool:
-    return isinstance(v, (np.ndarray, torch.Tensor))
+    return isinstance(v, np.ndarray) or _is_tensor(v)
 
 
 def _array_elem(v) -> str:
     """"int", "float" or "other": what a 1-D array may stand in for (bool is neither)."""
-    if isinstance(v, torch.Tensor):
+    if _is_tensor(v):
+        import torch  # already imported: v is a tensor
+
         return "other" if v.dtype == torch.bool else "float" if v.is_floating_point() else "int"
     return {"f": "float", "i": "int", "u": "int"}.get(v.dtype.kind, "other")
 

@@ -1,9 +1,11 @@
-"""The controller: a thread on trainer rank 0 that feeds prompts and collects trajectories.
+"""The controller: a thread that feeds prompts and collects trajectories.
 
 It hands out prompt groups while the staleness gate allows, spreads them over the rollout
 replicas, files returning trajectories into the replay buffer, and gives the trainer thread
 batches of B complete groups. Only this thread touches the ZeroMQ socket; the trainer thread
-talks to it through `next_batch`, `publish_version` and `state` under one lock.
+talks to it through `next_batch`, `publish_version` and `state` under one lock. A run keeps it
+off the trainer's GIL: it runs in a process of its own, whose main thread makes the trainer's
+calls (hexrl/control/controller_process.py).
 """
 from __future__ import annotations
 

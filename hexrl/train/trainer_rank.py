@@ -14,13 +14,13 @@ from collections import Counter
 
 import torch
 
-from hexrl.comm.channel import RouterChannel
 from hexrl.comm.store import publish_endpoint
 from hexrl.comm.weights import IpcSender, ShardSender, SyncLink, shard_layout, stage_specs
-from hexrl.control.controller import Controller, ReplicaInfo
-from hexrl.control.dataset import DatasetCursor
+from hexrl.control.controller import ReplicaInfo
+from hexrl.control.controller_process import ControllerProcess, ControllerSetup
 from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
 from hexrl.data.heldout import greedy_accuracy
+from hexrl.data.prompts import Prompts
 from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
 from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.rewards import reward_fn_by_name
@@ -48,20 +48,19 @@ def train_config(rl, knobs: TrainKnobs) -> TrainConfig:
                        dtype=knobs.dtype, activation_checkpointing=knobs.activation_checkpointing)
 
 
-def start_controller(ctx: RankContext, tokenizer, train: list) -> Controller:
-    """Bind the controller's socket on this node's address from the plan (never a wildcard: only
-    that interface listens) and publish it through the store."""
+def start_controller(ctx: RankContext, train: Prompts) -> ControllerProcess:
+    """Start the controller in its own process (off this trainer's GIL), its socket bound on this node's
+    address from the plan (never a wildcard: only that interface listens), and publish the endpoint
+    through the store."""
     plan, job = ctx.plan, ctx.plan.job
-    router = RouterChannel(ctx.secret)  # never through the store (hexrl.comm.secret)
     address = job.cluster.nodes[ctx.info.node].address
-    endpoint = router.bind(bind_host(address), advertise=address)
-    replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
-    cursor = DatasetCursor(train, seed=job.rl.seed)
-    controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
-                            replicas, router, vocab_size=job.model.config.vocab_size, env=job.env)
-    publish_endpoint(ctx.store, "controller", endpoint)
+    setup = ControllerSetup(job.rl, train.problems, train.ids, [ReplicaInfo(r.id, r.share) for r in plan.replicas],
+                            vocab_size=job.model.config.vocab_size, secret=ctx.secret,  # never through the store
+                            host=bind_host(address), advertise=address, env=job.env)
+    controller = ControllerProcess(setup)
+    publish_endpoint(ctx.store, "controller", controller.endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
-    (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
+    (ctx.run_dir / "controller_endpoint").write_text(controller.endpoint + "\n")  # for operators' tools
     return controller
 
 
@@ -151,17 +150,17 @@ def run_trainer(ctx: RankContext, grid) -> None:
     train, heldout = ctx.train_prompts, ctx.heldout_prompts  # the same usable prompts on every trainer rank
     if is_controller and train.skipped:
         print(f"[hexrl] skipped {len(train.skipped)} training prompts: {train.summary()}", flush=True)
-    train, heldout = train.problems, heldout.problems
+    heldout = heldout.problems
     tokenizer = tokenizer if is_controller else None
     start_step = 0
     if ctx.resume is not None:
         extra = trainer.load(ctx.resume)
         start_step = extra.get("step", trainer.version)
     if is_controller:
-        controller = start_controller(ctx, tokenizer, train)
+        controller = start_controller(ctx, train)
         if ctx.resume is not None:
             controller.load_state(extra["controller"])
-            # queued before the thread starts, so replicas load the weights before any prompt
+            # queued before the controller starts, so replicas load the weights before any prompt
             controller.publish_version(trainer.version)
         metrics = MetricsWriter(ctx.run_dir, resume_step=start_step if ctx.resume is not None else None)
         if ctx.resume is not None and (ctx.run_dir / "eval.jsonl").exists():  # evaluations after it are redone
@@ -192,7 +191,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
             metrics.close()
 
 
-def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, metrics, evaluator: HeldoutEval,
+def run_step(ctx: RankContext, trainer: Trainer, controller: ControllerProcess | None, metrics, evaluator: HeldoutEval,
              step: int, dtype, probe: PolicyProbe | None = None) -> None:
     job, t0 = ctx.plan.job, time.perf_counter()
     before = controller.counters() if controller else None

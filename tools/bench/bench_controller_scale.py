@@ -1,9 +1,10 @@
 """The controller's fixed work against the number of rollout replicas R, and its ingest capacity
-with and without a busy Python thread beside it.
+with and without a busy Python thread beside it, as a thread and in its own process.
 
     python tools/bench/bench_controller_scale.py --old /tmp/hexrl-old     # new and old side by side
     python tools/bench/bench_controller_scale.py --replicas 64 1024 --repeats 5
     python tools/bench/bench_controller_scale.py --ingest --tokens 1024 8192 --seconds 5
+    python -m tools.bench.bench_controller_scale --ingest --modes "thread, busy trainer" "process, busy trainer"
 
 Scale (the default): the controller's real methods on R replicas that have all connected, the
 socket's send replaced by a no-op after encoding and sealing (so every message costs what it
@@ -18,15 +19,21 @@ repeats; it holds up on a loaded machine far better than wall time):
 Each code base (this checkout, and with --old another one, e.g. `git worktree add /tmp/hexrl-old
 <commit>`) runs in its own subprocess, one after the other, and the table shows them side by side.
 
-Ingest (--ingest): the real controller thread on a bound RouterChannel, 8 replicas' dealers in a
-second process answering every prompt with its group's trajectories at once (256 prompt tokens,
-`--tokens` generated, list fields as the rollout leader sends them), and the main thread standing
-in for the trainer (next_batch, publish_version). Trajectories/s and tokens/s admitted over
-`--seconds`, the controller thread's CPU per trajectory and its share of one core: alone, beside
-a thread spinning pure Python in the same process (the trainer's Python on rank 0 shares the
-GIL), and the same with the GIL's switch interval cut from 5 ms to 0.5 ms. The modes run back
-to back, `--repeats` times (medians shown). Throughput is wall-clock: on a loaded machine read
-the CPU per trajectory (what one core of its own allows) and the ratios between the modes.
+Ingest (--ingest): the real controller on a bound RouterChannel, 8 replicas' dealers in a second
+process answering every prompt with its group's trajectories at once (256 prompt tokens, `--tokens`
+generated, typed arrays as the rollout leader sends them), and the main thread standing in for the
+trainer (next_batch, publish_version). Trajectories/s and tokens/s admitted over `--seconds`, the
+controller's CPU per trajectory and its share of one core, and the trainer thread's CPU in next_batch
+per trajectory handed over, for each mode (`--modes`): the controller as a thread of this process,
+alone, beside a thread spinning pure Python (the trainer's Python on rank 0 shares the GIL), and the
+same with the GIL's switch interval cut from 5 ms to 0.5 ms; and the controller in its own process
+(what a run uses), alone and beside the spinning thread. The modes run back to back, `--repeats` times
+(medians shown). The spinning thread stands for a trainer always in Python; it never pauses (the worst
+case for a controller thread), except in "process, busy, pauses", where it stops while the main thread
+is in next_batch: a trainer's one thread either runs its Python or receives a batch, where here the
+two would fight over this process's GIL for every group message received. Throughput is wall-clock:
+on a loaded machine read the CPU per trajectory (what one core of its own allows) and the ratios
+between the modes.
 """
 from __future__ import annotations
 
@@ -179,7 +186,8 @@ def sender(endpoint: str, secret_hex: str, replicas: int, tokens: int) -> None:
     import zmq
 
     from hexrl.comm.channel import DealerChannel
-    from hexrl.comm.wire import encode, message
+    from hexrl.comm.wire import encode, message, trajectory_to_msg
+    from hexrl.trajectory import Trajectory
 
     secret = bytes.fromhex(secret_hex)
     dealers = [DealerChannel(f"replica-{i}", secret) for i in range(replicas)]
@@ -199,78 +207,119 @@ def sender(endpoint: str, secret_hex: str, replicas: int, tokens: int) -> None:
             msg = d.recv(0)
             if msg is None or msg["type"] != "prompt":
                 continue
-            traj = message("trajectory", group_id=msg["group_id"], prompt_ids=msg["prompt_ids"],
-                           completion_ids=completion, logprobs=logprobs, versions=[msg["version"]] * tokens,
-                           start_version=msg["version"], reward=1.0, finish_reason="length",
-                           problem_id=msg["problem_id"])
-            payload = encode(traj)
+            traj = Trajectory(msg["group_id"], msg["prompt_ids"], completion, logprobs, [msg["version"]] * tokens,
+                              reward=1.0, finish_reason="length", problem_id=msg["problem_id"],
+                              start_version=msg["version"])
+            payload = encode(trajectory_to_msg(traj))  # typed arrays, as the rollout leader sends them
             for _ in range(msg["n"]):
                 d.sock.send_multipart([d.auth.seal(payload), payload], copy=False)
 
 
-def spin(stop: threading.Event) -> None:
-    """Pure Python, never releasing the GIL of its own accord (a trainer's Python between kernels)."""
+def spin(stop: threading.Event, training: threading.Event) -> None:
+    """Pure Python, never releasing the GIL of its own accord (a trainer's Python between kernels), while
+    `training` is set (a mode clears it while the main thread receives a batch)."""
     x = 0
     while not stop.is_set():
-        x += 1
+        if training.is_set():
+            x += 1
+        else:
+            training.wait(0.1)
 
 
-INGEST_MODES = {"alone": None, "busy thread": 0.005, "busy, switch 0.5 ms": 0.0005}  # mode -> GIL switch interval
+# mode -> (where the controller runs, the GIL switch interval of a busy trainer thread beside it or None,
+# whether that thread pauses while the main thread is in next_batch)
+INGEST_MODES = {"thread, alone": ("thread", None, False), "thread, busy trainer": ("thread", 0.005, False),
+                "thread, busy, switch 0.5 ms": ("thread", 0.0005, False), "process, alone": ("process", None, False),
+                "process, busy trainer": ("process", 0.005, False),
+                "process, busy, pauses": ("process", 0.005, True)}
 
 
-def ingest_run(tokens: int, mode: str, seconds: float, replicas: int = 8) -> dict:
-    """Trajectories/s admitted by the controller thread, alone or beside a spinning thread (under
-    the default GIL switch interval of 5 ms, or a shorter one)."""
+def ingest_controller(where: str, tokens: int, replicas: int):
+    """(controller, the endpoint its replicas connect to): a Controller thread on a bound router, or a
+    ControllerProcess (hexrl/control/controller_process.py), with the same settings."""
     from hexrl.comm.channel import RouterChannel, new_secret
     from hexrl.control.controller import Controller, ReplicaInfo
+    from hexrl.control.controller_process import ControllerProcess, ControllerSetup
     from hexrl.control.dataset import DatasetCursor
     from hexrl.data.problems import Problem
 
     secret = new_secret()
-    router = RouterChannel(secret)
-    endpoint = router.bind("127.0.0.1")
     problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(4096)]
     prompt = list(range(1000, 1000 + PROMPT_TOKENS))
-    ctl = Controller(rl_config(16, 8, 2, tokens), DatasetCursor(problems, seed=0), lambda text: prompt,
-                     [ReplicaInfo(i, 1.0) for i in range(replicas)], router, vocab_size=VOCAB)
+    rl, infos = rl_config(16, 8, 2, tokens), [ReplicaInfo(i, 1.0) for i in range(replicas)]
+    if where == "process":
+        ctl = ControllerProcess(ControllerSetup(rl, problems, [prompt] * len(problems), infos, VOCAB, secret))
+        return ctl, ctl.endpoint, secret
+    router = RouterChannel(secret)
+    endpoint = router.bind("127.0.0.1")
+    return Controller(rl, DatasetCursor(problems, seed=0), lambda text: prompt, infos, router,
+                      vocab_size=VOCAB), endpoint, secret
+
+
+def controller_cpu(ctl):
+    """A function giving the controller's CPU seconds so far: its thread's, or its whole process's."""
+    if hasattr(ctl, "pid"):
+        tick = os.sysconf("SC_CLK_TCK")
+
+        def process_cpu() -> float:
+            fields = open(f"/proc/{ctl.pid}/stat").read().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        return process_cpu
+    clock = time.pthread_getcpuclockid(ctl._thread.ident)
+    return lambda: time.clock_gettime(clock)
+
+
+def ingest_run(tokens: int, mode: str, seconds: float, replicas: int = 8) -> dict:
+    """Trajectories/s admitted by the controller (a thread here or its own process), alone or beside a
+    spinning thread (under the default GIL switch interval of 5 ms, or a shorter one); and the trainer's
+    CPU in next_batch per trajectory handed over."""
+    where, switch, pauses = INGEST_MODES[mode]
+    ctl, endpoint, secret = ingest_controller(where, tokens, replicas)
     proc = subprocess.Popen([sys.executable, __file__, "--sender", endpoint, secret.hex(), str(replicas), str(tokens)],
                             stdin=subprocess.PIPE, env={**os.environ, "PYTHONPATH": str(ROOT)})
     ctl.start()
-    stop, version = threading.Event(), 0
-    spinner = threading.Thread(target=spin, args=(stop,), daemon=True)
+    stop, training, version, handover = threading.Event(), threading.Event(), 0, [0.0, 0]
+    training.set()
+    spinner = threading.Thread(target=spin, args=(stop, training), daemon=True)
 
     def train_until(deadline: float) -> None:
         nonlocal version
         while time.monotonic() < deadline:
-            ctl.next_batch(timeout_s=60)
+            if pauses:
+                training.clear()
+            t0 = time.thread_time()
+            batch = ctl.next_batch(timeout_s=60)
+            handover[0] += time.thread_time() - t0
+            training.set()
+            handover[1] += sum(len(g.trajectories) for g in batch)
             version += 1
             ctl.publish_version(version)
 
     try:
         train_until(time.monotonic() + 2)  # everyone connected and the pipeline full
-        switch = INGEST_MODES[mode]
         if switch is not None:
             sys.setswitchinterval(switch)
             spinner.start()
-        clock = time.pthread_getcpuclockid(ctl._thread.ident)
-        with ctl.lock:
-            tok0 = ctl.completion_tokens
-        cpu0, t0 = time.clock_gettime(clock), time.monotonic()
+        cpu = controller_cpu(ctl)
+        tok0, handover[:] = ctl.counters()["completion_tokens"], [0.0, 0]
+        cpu0, t0 = cpu(), time.monotonic()
         train_until(t0 + seconds)
-        with ctl.lock:
-            got = (ctl.completion_tokens - tok0) / tokens
-        wall, cpu = time.monotonic() - t0, time.clock_gettime(clock) - cpu0
+        got = (ctl.counters()["completion_tokens"] - tok0) / tokens
+        wall, used = time.monotonic() - t0, cpu() - cpu0
         rejected = ctl.counters()["rejected_messages"]
     finally:
         stop.set()
+        training.set()
         sys.setswitchinterval(0.005)
         proc.stdin.close()
         proc.wait(timeout=30)
         ctl.stop()
-        router.close()
+        if where == "thread":
+            ctl.router.close()
     assert rejected == 0, f"{rejected} trajectories rejected: the bench's messages are wrong"
     return {"tokens": tokens, "mode": mode, "traj_s": got / wall, "tok_s": got * tokens / wall,
-            "cpu_us_per_traj": 1e6 * cpu / max(got, 1), "cpu_share": cpu / wall}
+            "cpu_us_per_traj": 1e6 * used / max(got, 1), "cpu_share": used / wall,
+            "handover_us_per_traj": 1e6 * handover[0] / max(handover[1], 1)}
 
 
 # ---------------------------------------------------------------- reports
@@ -297,16 +346,18 @@ def scale_report(results: dict[str, dict], replicas: list[int]) -> None:
 
 
 def ingest_report(rows: list[dict]) -> None:
-    """Medians over repeats; "1-core traj/s" is what the thread's CPU per trajectory allows on a core of its own."""
-    print(f"{'tokens':>7} {'controller thread':>20} {'traj/s':>8} {'M tok/s':>8} {'CPU us/traj':>12} "
-          f"{'CPU share':>10} {'1-core traj/s':>14}")
+    """Medians over repeats; "1-core traj/s" is what the controller's CPU per trajectory allows on a core of
+    its own; "next_batch us/traj" is the trainer thread's CPU per trajectory handed over."""
+    print(f"{'tokens':>7} {'controller':>28} {'traj/s':>8} {'M tok/s':>8} {'CPU us/traj':>12} "
+          f"{'CPU share':>10} {'1-core traj/s':>14} {'next_batch us/traj':>19}")
+    keys = ("traj_s", "tok_s", "cpu_us_per_traj", "cpu_share", "handover_us_per_traj")
     for tokens in dict.fromkeys(r["tokens"] for r in rows):
-        for mode in INGEST_MODES:
+        for mode in dict.fromkeys(r["mode"] for r in rows):
             mine = [r for r in rows if r["tokens"] == tokens and r["mode"] == mode]
-            med = {k: statistics.median(r[k] for r in mine) for k in ("traj_s", "tok_s", "cpu_us_per_traj",
-                                                                       "cpu_share")}
-            print(f"{tokens:>7} {mode:>20} {med['traj_s']:>8.0f} {med['tok_s'] / 1e6:>8.2f} "
-                  f"{med['cpu_us_per_traj']:>12.0f} {med['cpu_share']:>10.0%} {1e6 / med['cpu_us_per_traj']:>14.0f}")
+            med = {k: statistics.median(r[k] for r in mine) for k in keys}
+            print(f"{tokens:>7} {mode:>28} {med['traj_s']:>8.0f} {med['tok_s'] / 1e6:>8.2f} "
+                  f"{med['cpu_us_per_traj']:>12.0f} {med['cpu_share']:>10.0%} {1e6 / med['cpu_us_per_traj']:>14.0f} "
+                  f"{med['handover_us_per_traj']:>19.1f}")
 
 
 def run_code(code: Path, args) -> dict:
@@ -327,6 +378,8 @@ def main() -> None:
     ap.add_argument("--ingest", action="store_true", help="measure ingest capacity instead")
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--modes", nargs="+", choices=list(INGEST_MODES), default=list(INGEST_MODES),
+                    help="--ingest: which controller placements to run (default all)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--sender", nargs=4, help=argparse.SUPPRESS)
@@ -338,7 +391,7 @@ def main() -> None:
         return print(json.dumps(scale_run(args.replicas, args.repeats, args.groups)))
     if args.ingest:  # this process's hexrl: run from the repository's root (python -m tools.bench...)
         rows = [ingest_run(t, mode, args.seconds) for t in args.tokens for _ in range(args.repeats)
-                for mode in INGEST_MODES]  # the modes back to back, so the machine's load hits each alike
+                for mode in args.modes]  # the modes back to back, so the machine's load hits each alike
         ingest_report(rows)
         results = {"ingest": rows}
     else:
