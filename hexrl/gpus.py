@@ -35,9 +35,6 @@ class GPU:
     # per finished sample, between decode steps: detokenize, hand to the reward workers, send the
     # trajectory (the rollout leader's host work; tools/bench/bench_kernels.py measures it)
     host_s_per_sample: float = 2e-4
-    # per trajectory the controller receives (seal checked, decoded, admitted, filed), as bench_kernels
-    # measures it beside the GPU; the planner and the simulator price the controller from Host below
-    control_s_per_sample: float = 5e-5
     # fixed seconds of one training micro-batch, beside its FLOPs (launches, small-batch idle): the
     # intercept of fwd+bwd time vs tokens, and of a forward-only pass, fitted by bench_kernels. Optional
     # profile keys: absent -> 0, so the shipped H100.json and every plan priced without them are unchanged
@@ -160,19 +157,22 @@ class Host:
     tools/bench/bench_host_path.py measures the controller's terms there, of
     bench_trainer_handoff.py the hand-off's), a job's `workload.host` replaces that."""
 
-    # the controller's receive path per trajectory and per generated token (tools/bench/bench_host_path.py)
-    controller_us_per_traj: float = 30.0
-    controller_ns_per_token: float = 10.1
+    # the controller process's CPU per trajectory and per generated token taken in, handing the batch
+    # to the trainer included (tools/bench/bench_controller_scale.py --ingest; its receive path alone,
+    # tools/bench/bench_host_path.py, is 30 us + 10.1 ns)
+    controller_us_per_traj: float = 75.0
+    controller_ns_per_token: float = 21.0
     # handing out one prompt group (message, seal, pick) and publishing a version to one replica
     # (tools/bench/bench_controller_scale.py)
     controller_us_per_group: float = 24.3
     publish_us_per_replica: float = 2.2
     # the trainer's batch hand-off per batch token, serial before the first forward: the controller
-    # rank packs every DP rank's share, then each rank unpacks its own (tools/bench/bench_trainer_handoff.py)
-    handoff_ns_per_token_rank0: float = 21.0
+    # rank takes the batch from the controller process (8.5 ns, bench_controller_scale.py --ingest) and
+    # packs every DP rank's share (21 ns), then each rank unpacks its own (tools/bench/bench_trainer_handoff.py)
+    handoff_ns_per_token_rank0: float = 29.5
     handoff_ns_per_token_other: float = 3.0
-    # the share of one core the controller gets: 1 with a core to itself; as a thread beside trainer
-    # rank 0 running Python it measured 0.05-0.12 (the trainer holds the GIL)
+    # the share of one core the controller process gets: 1 with a core to itself; below 1 where it
+    # shares trainer rank 0's cores (as a thread beside the trainer's Python it measured 0.05-0.12)
     controller_core_share: float = 1.0
 
 

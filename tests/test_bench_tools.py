@@ -22,7 +22,7 @@ from tools.bench.bench_rollout import model_config
 TOOLS = Path(__file__).resolve().parents[1] / "tools" / "bench"
 
 PLANNER_KEYS = {"hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu", "decode_overhead_s", "prefill_mfu",
-                "train_mfu", "host_s_per_sample", "control_s_per_sample", "train_overhead_s", "train_fwd_overhead_s",
+                "train_mfu", "host_s_per_sample", "train_overhead_s", "train_fwd_overhead_s",
                 "optimizer_overhead_s"}
 
 
@@ -58,8 +58,6 @@ def test_bench_kernels_writes_a_profile_the_planner_reads(cpu_profile, monkeypat
         profile["train_mfu"])
     assert planned.host_s_per_sample == pytest.approx(profile["host"]["s_per_sample"])
     assert 0 < planned.host_s_per_sample < 0.1 and profile["host"]["samples"] == 512
-    assert planned.control_s_per_sample == pytest.approx(profile["control"]["s_per_sample"])
-    assert 0 < planned.control_s_per_sample < 0.01 and profile["control"]["samples"] == 1024
     assert gpu("cpu", use_profiles=False) == CATALOGUE["cpu"]
     # a training micro-batch's fixed cost: the intercepts of time vs tokens over the grid's points
     fit = profile["train_overhead"]

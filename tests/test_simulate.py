@@ -189,14 +189,15 @@ def test_host_work_per_sample_holds_up_the_replica():
     assert 0.5 * per_replica * 2e-3 < b.step_time_s - a.step_time_s < 1.5 * per_replica * 2e-3
 
 
-def test_controller_work_takes_the_trainers_core_only_while_it_trains():
-    """The controller thread takes arriving groups in one after another (its own lane) on trainer
-    rank 0's core: trajectories it takes in during a training step make that step longer by
-    control_s_per_sample each (eta = 2); at eta = 0 none arrive while the trainer trains (the gate
-    is shut), so no training step is lengthened."""
-    def run(eta, control_s):
+def test_controller_work_takes_the_trainers_core_only_while_it_trains_and_shares_it():
+    """The controller process takes arriving groups in one after another (its own lane). Sharing
+    trainer rank 0's cores (a core share below 1), the trajectories it takes in during a training
+    step make that step longer by their work each (eta = 2); at eta = 0 none arrive while the
+    trainer trains (the gate is shut), so no training step is lengthened; with a core of its own
+    (share 1) it never lengthens one."""
+    def run(eta, control_s, share=0.5):
         sim = Simulation(plan_job(load_job(hetero_job(eta)), use_profiles=False), use_profiles=False)
-        sim.control_s = control_s  # per trajectory, the controller's only cost here
+        sim.control_s, sim.control_share = control_s, share  # per trajectory, the controller's only cost here
         sim.control_token_s = sim.group_s = sim.handoff_token_s = 0.0
         arrivals = []  # when each scored group reaches the controller
         arrive = sim.arrive
@@ -224,6 +225,8 @@ def test_controller_work_takes_the_trainers_core_only_while_it_trains():
     control = spans[("controller", "control")]
     assert not spans[("trainer", "control")] and len(control) >= 6 * sim.B  # every group, one at a time
     assert all(b0 >= a1 - 1e-12 for (_, a1), (b0, _) in zip(control, control[1:]))
+    own_core, spans, _, _ = run(2, 2e-3, share=1.0)
+    assert not spans[("trainer", "control")] and own_core < busy  # the trainer is never charged
 
 
 def test_filtered_groups_are_generated_again():

@@ -111,7 +111,7 @@ def test_the_rollout_trace_is_cut_into_windows_by_trajectories_sent(tmp_path):
 def test_a_window_measured_slower_than_its_profile_is_simulated_that_much_slower(tmp_path):
     """The engine took twice what the profile predicts for its measured steps, the host work 3x,
     training 1.5x: the profile slowed by those factors predicts exactly that."""
-    prof = profiles(tmp_path, "p", host_s_per_sample=1e-4, control_s_per_sample=5e-5)
+    prof = profiles(tmp_path, "p", host_s_per_sample=1e-4)
     run = tiny_run(tmp_path, "r", 0)
     sim = ls.simulate(run, prof, 7, 4, 0.0, 8, tag="-w0")
     cm = ls.cost_model(run / "plan_simulated-w0.json", prof)

@@ -209,5 +209,5 @@ def test_the_bench_writes_the_hand_off_into_the_host_profile(tmp_path, monkeypat
     assert f"wrote {tmp_path / 'host.json'}" in capsys.readouterr().out
     h = host_costs()  # the planner's host costs now carry this machine's hand-off
     assert h.handoff_ns_per_token_rank0 > 0 and h.handoff_ns_per_token_other > 0
-    assert h.controller_us_per_traj == 30.0  # the defaults where nothing was measured
+    assert h.controller_us_per_traj == 75.0  # the defaults where nothing was measured
 

@@ -16,10 +16,11 @@ replica stops at its next step boundary, joins the broadcast (C_sync), recompute
 its running sequences, and decodes on. The controller thread handles arriving groups one after
 another, at the host costs' service time (hexrl.gpus.Host: per trajectory, per generated token and
 per group, on its share of a core; publishing a version takes it per replica), so a burst of finished
-groups reaches the buffer, and their replacements reach the replicas, spread out; it runs on
-trainer rank 0's core: what it handles while the trainer trains makes the training step that much
-longer. Each training step starts with the batch's hand-off to the trainer ranks (per token). With rl.eta "auto" the
-runtime's own AutoEta (hexrl/control/auto_eta.py) chooses the bound after every step from the
+groups reaches the buffer, and their replacements reach the replicas, spread out. It is a process
+of its own: with a core to itself (share 1) it costs the trainer nothing; with a share below 1 it
+shares trainer rank 0's cores, and what it handles while the trainer trains makes that step longer.
+Each training step starts with the batch's hand-off to the trainer ranks (per token). With rl.eta
+"auto" the runtime's own AutoEta (hexrl/control/auto_eta.py) chooses the bound after every step from the
 trainer's wait and a w_std that the simulation assumes grows by `w_spread` per version of lag.
 Episodes (a job env, workload.turns > 1): a sampled output length is split into turns; between
 two turns the episode leaves the batch (it holds no decode slot) for an environment latency
@@ -217,7 +218,7 @@ class Simulation:
         start = max(t, self.control_free)
         self.control_free = start + work / self.control_share
         self.mark("controller", "control", start, self.control_free)
-        if self.training:  # the controller thread receives them on the trainer's core
+        if self.training and self.control_share < 1:  # it shares the trainer's cores
             self.control_debt += work
         self.push(self.control_free, "accept", gid)
 

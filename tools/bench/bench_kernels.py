@@ -466,9 +466,6 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     host = optional("host", host_point, errors, log)
     if host:
         log(f"host work per finished sample (reward round trip, trajectory send): {host['s_per_sample'] * 1e6:.0f} us")
-    control = optional("control", control_point, errors, log)
-    if control:
-        log(f"controller work per received trajectory: {control['s_per_sample'] * 1e6:.0f} us")
     prefill = optional("prefill", lambda: [prefill_point(rollout, b, p, grid, attention) for b, p in grid.prefill],
                        errors, log)
     sampling = optional("sampling", lambda: sampling_points(grid.sample_batches, cfg.vocab_size, dtype, device),
@@ -476,7 +473,7 @@ def measure(model: Decoder, grid: Grid, device: torch.device, dtype: torch.dtype
     logprob = optional("logprob", lambda: logprob_points(grid.logprob_tokens, cfg.vocab_size, dtype, device),
                        errors, log)
     return {"copy_Bps": bw, "matmul_flops": peak, "decode": decode, "prefill": prefill, "train": train,
-            "overhead": overhead[0] if overhead else None, "optimizer": optimizer, "host": host, "control": control,
+            "overhead": overhead[0] if overhead else None, "optimizer": optimizer, "host": host,
             "sampling": sampling, "logprob": logprob,
             "errors": errors}
 
@@ -516,60 +513,6 @@ def table(m: dict, cfg: ModelConfig, elem: int, datasheet) -> list[tuple[str, st
     return rows
 
 
-def control_point(groups: int = 128, group: int = 8, prompt_len: int = 12, out_len: int = 5) -> dict:
-    """Seconds per received trajectory of the controller thread's work, which shares trainer rank 0's
-    core: through the controller's own receive loop, each message is taken off the ZeroMQ socket, its
-    seal checked, decoded, validated, admitted and filed in the replay buffer. Median of 3 runs."""
-    seconds = statistics.median(_control_seconds(groups, group, prompt_len, out_len) for _ in range(3))
-    return {"samples": groups * group, "seconds": seconds, "s_per_sample": seconds / (groups * group)}
-
-
-def _control_seconds(groups: int, group: int, prompt_len: int, out_len: int) -> float:
-    """One control_point run: a stand-in replica in this process takes the prompts and sends the
-    trajectories before the clock starts."""
-    from types import SimpleNamespace
-
-    from hexrl.comm.channel import DealerChannel, RouterChannel, new_secret
-    from hexrl.comm.wire import message
-    from hexrl.control.controller import Controller, ReplicaInfo
-    from hexrl.control.dataset import DatasetCursor
-    from hexrl.data.problems import Problem
-    from hexrl.rollout.rollout_rank import trajectory_messages
-
-    secret = new_secret()
-    router, dealer = RouterChannel(secret), DealerChannel("replica-0", secret)
-    dealer.connect(router.bind("127.0.0.1"))
-    rl = SimpleNamespace(batch_size=groups, group_size=group, eta=0, max_concurrent_rollouts=None,
-                         filter_equal_groups=True, temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=out_len, seed=0,
-                         reward_bound=1e6)
-    problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(groups)]
-    prompt = list(range(3, 3 + prompt_len))
-    ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: prompt, [ReplicaInfo(0, 1.0)], router,
-                     vocab_size=64)
-    try:
-        dealer.send(message("heartbeat", rank=1, time=0.0))
-        deadline = time.monotonic() + 10
-        while "replica-0" not in router.peers and time.monotonic() < deadline:
-            ctl._receive(timeout_s=0.1)
-        ctl._dispatch()  # eta 0, B = groups: every group handed out once
-        for _ in range(groups):
-            msg = dealer.recv(timeout_s=10)
-            for m in trajectory_messages(finished(msg["group_id"], msg, out_len), [i % 2 for i in range(group)], 1):
-                dealer.send(m, timeout_s=60)
-        time.sleep(0.5)  # ZeroMQ's I/O thread moves them across
-        t0 = time.perf_counter()
-        while ctl.buffer.produced < groups * group and time.perf_counter() - t0 < 30:
-            ctl._receive(timeout_s=0.1)
-        seconds = time.perf_counter() - t0
-        if ctl.buffer.accepted != groups * group:
-            raise RuntimeError(f"the controller accepted {ctl.buffer.accepted} of {groups * group} trajectories: "
-                               f"{ctl.counters()}")
-    finally:
-        dealer.close()
-        router.close()
-    return seconds
-
-
 def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelConfig, dtype_name: str,
                   grid_name: str, total_GB: float | None) -> dict:
     """The profile: identity, versions, measured peaks (planner keys), raw tables."""
@@ -580,7 +523,7 @@ def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelCon
         # planner keys (hexrl/plan/catalogue.py GPU fields): measured peaks ...
         "hbm_TBps": m["copy_Bps"] / 1e12, "bf16_tflops": m["matmul_flops"] / 1e12,
         "decode": m["decode"], "prefill": m["prefill"], "train": m["train"], "optimizer": m["optimizer"],
-        "host": m["host"], "control": m["control"],
+        "host": m["host"],
         "train_s_per_token": statistics.median(r["s_per_token"] for r in m["train"]),
         "prefill_tokens_per_s": statistics.median(r["tokens_per_s"] for r in m["prefill"]) if m["prefill"] else None,
         "sampling": m["sampling"], "logprob": m["logprob"], "errors": m["errors"],
@@ -593,8 +536,6 @@ def build_profile(m: dict, gpu: str, device_name: str, shape: str, cfg: ModelCon
         profile["optimizer_overhead_s"] = optimizer_fit(m["optimizer"])
     if m["host"]:
         profile["host_s_per_sample"] = m["host"]["s_per_sample"]
-    if m["control"]:
-        profile["control_s_per_sample"] = m["control"]["s_per_sample"]
     if total_GB:
         profile["hbm_GB"] = total_GB
     profile.update(calibrate(profile))  # ... and efficiencies fitted through the planner's cost model
@@ -647,8 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{what:<18}{point:<22}{meas:>18}{roof:>26}{ratio:>9.1%}")
     keys = {k: profile[k] for k in ("hbm_GB", "hbm_TBps", "bf16_tflops", "hbm_efficiency", "decode_mfu",
                                     "decode_overhead_s", "prefill_mfu", "train_mfu", "train_overhead_s",
-                                    "train_fwd_overhead_s", "optimizer_overhead_s", "host_s_per_sample",
-                                    "control_s_per_sample")
+                                    "train_fwd_overhead_s", "optimizer_overhead_s", "host_s_per_sample")
             if k in profile}
     print("planner keys: " + ", ".join(f"{k}={v:.4g}" for k, v in keys.items()))
     out = args.out or ("profiles" if cuda else None)

@@ -227,15 +227,14 @@ def speeds(run: Path, profiles: Path, prompt: float, w: dict, sim: dict) -> dict
 
 def at_speeds(profiles: Path, k: dict, out: Path) -> Path:
     """A copy of the profile slowed by the measured factors `k` (speeds()), in out/cpu.json: the
-    rollout's decode and prefill fields by k["rollout"], its host work by k["host"], training and
-    the controller (on the trainer's core) by k["train"]."""
+    rollout's decode and prefill fields by k["rollout"], its host work by k["host"], training by
+    k["train"] (the controller's costs are hexrl.gpus.Host's, in host.json, not scaled here)."""
     d = json.loads((profiles / "cpu.json").read_text())
     for key in ("hbm_efficiency", "decode_mfu", "prefill_mfu"):
         d[key] /= k["rollout"]
     d["decode_overhead_s"] *= k["rollout"]
     d["host_s_per_sample"] *= k["host"]
     d["train_mfu"] /= k["train"]
-    d["control_s_per_sample"] *= k["train"]
     out.mkdir(parents=True, exist_ok=True)
     (out / "cpu.json").write_text(json.dumps(d, indent=1))
     return out
