@@ -26,24 +26,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-HINT_FIELD = "length_hint"  # the problem record's optional field: an expected output length in tokens
+from hexrl.data.problems import check_length
+
 BINS_PER_OCTAVE = 8  # the median's histogram resolves lengths to about 9%
 OCTAVES = 24  # ... up to 2**24 tokens; longer lengths count in the last bin
-
-
-def _check_length(value, what: str) -> float:
-    """`value` as a float if it is a finite non-negative number (numpy's too, not a bool), else
-    ValueError naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be a non-negative number of tokens, got {value!r}")
-    return float(value)
-
-
-def length_hint(record: dict) -> float | None:
-    """The problem record's `length_hint` (None when absent); ValueError naming the field when it is
-    not a non-negative number. A data loader calls it on each record it parses."""
-    value = record.get(HINT_FIELD)
-    return None if value is None else _check_length(value, f"'{HINT_FIELD}'")
 
 
 @dataclass
@@ -106,7 +92,7 @@ class LengthPredictor:
 
     def record(self, prompt: Hashable, lengths: Sequence[float]) -> None:
         """Remember a completed group of `prompt`: its samples' output lengths in tokens."""
-        values = [_check_length(v, f"lengths of prompt {prompt!r}") for v in lengths]
+        values = [check_length(v, f"lengths of prompt {prompt!r}") for v in lengths]
         if not values:
             return
         for v in values:
@@ -135,12 +121,12 @@ class LengthPredictor:
         that many samples of evidence, blended with the prompt's past, and is a floor for every
         sample still running (they started with the finished ones).
         """
-        prior = self.seen.quantile(0.5) if hint is None else _check_length(hint, "hint")
+        prior = self.seen.quantile(0.5) if hint is None else check_length(hint, "hint")
         h = self.prompts.get(prompt) or PromptHistory(mean=0.0, weight=0.0)
         weight = self.prior_weight + h.weight
         guess = (self.prior_weight * prior + h.weight * h.mean) / weight
-        done = [_check_length(v, "finished lengths") for v in finished]
-        floor = max([_check_length(generated, "generated"), *done])
+        done = [check_length(v, "finished lengths") for v in finished]
+        floor = max([check_length(generated, "generated"), *done])
         running = max(floor, (weight * guess + len(done) * floor) / (weight + len(done)))
         if not done:
             return running
