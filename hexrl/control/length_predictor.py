@@ -20,9 +20,10 @@ and `record` is O(1) per sample, `predict` O(1) per call.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
@@ -149,6 +150,49 @@ def is_long(predicted: Sequence[float], alpha: float = 0.2) -> list[bool]:
     for i in rank(predicted)[:int(alpha * len(predicted) + 0.5)]:
         marked[i] = True
     return marked
+
+
+@dataclass
+class LongTailWindow:
+    """Marks groups long one at a time as they are dispatched, over a sliding window: a group is
+    long when its prediction ranks among the round(alpha x n) longest of the last `size` groups
+    dispatched (n of them, itself included; `size` is a batch's worth), with at most that many of
+    the window marked: the longest first, and among equal predictions the earliest (as `is_long`
+    breaks ties by batch order). A group predicted no longer than every other in the window is
+    never long: where all predictions tie (nothing recorded yet, no hints) nothing is known, and
+    nothing is marked. O(log size) to decide, O(size) memory moves to add."""
+
+    alpha: float
+    size: int
+    recent: deque = field(default_factory=deque, repr=False)  # (prediction, marked), oldest first
+    ranked: list = field(default_factory=list, repr=False)  # the window's predictions, sorted
+    ranked_long: list = field(default_factory=list, repr=False)  # ... of the groups marked long
+
+    def __post_init__(self):
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not 0 <= self.alpha < 1:
+            raise ValueError(f"alpha must be in [0, 1), got {self.alpha!r}")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"size must be an int >= 1 (groups in the window), got {self.size!r}")
+
+    def is_long(self, predicted: float) -> bool:
+        """Whether a group predicted `predicted` long, dispatched next, is in the long tail."""
+        quota = int(self.alpha * (len(self.recent) + 1) + 0.5)  # the window with this group in it
+        longer = len(self.ranked) - bisect.bisect_right(self.ranked, predicted)
+        long_ahead = len(self.ranked_long) - bisect.bisect_left(self.ranked_long, predicted)
+        return longer < quota and long_ahead < quota and bool(self.ranked) and predicted > self.ranked[0]
+
+    def add(self, predicted: float, long: bool) -> None:
+        """The group went out (marked `long` or not): it enters the window, the oldest leaves when full."""
+        if len(self.recent) == self.size - 1:  # the window holds size - 1 earlier groups and the next one
+            old, was_long = self.recent.popleft()
+            self.ranked.pop(bisect.bisect_left(self.ranked, old))
+            if was_long:
+                self.ranked_long.pop(bisect.bisect_left(self.ranked_long, old))
+        if self.size > 1:
+            self.recent.append((predicted, long))
+            bisect.insort(self.ranked, predicted)
+            if long:
+                bisect.insort(self.ranked_long, predicted)
 
 
 def recall(predicted: Sequence[float], actual: Sequence[float], alpha: float = 0.2) -> float:

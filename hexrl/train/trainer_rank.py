@@ -55,10 +55,11 @@ def start_controller(ctx: RankContext, tokenizer, train: list) -> Controller:
     router = RouterChannel(ctx.secret)  # never through the store (hexrl.comm.secret)
     address = job.cluster.nodes[ctx.info.node].address
     endpoint = router.bind(bind_host(address), advertise=address)
-    replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
+    replicas = [ReplicaInfo(r.id, r.share, r.long_tail) for r in plan.replicas]
     cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
-                            replicas, router, vocab_size=job.model.config.vocab_size, env=job.env)
+                            replicas, router, vocab_size=job.model.config.vocab_size, env=job.env,
+                            long_tail_alpha=job.long_tail.alpha)
     publish_endpoint(ctx.store, "controller", endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
