@@ -135,6 +135,8 @@ class Arm:
         self.lags: dict[bool, list[int]] = {True: [], False: []}  # long problem? -> trained tokens' lags
         self.ages: dict[bool, list[float]] = {True: [], False: []}  # long problem? -> seconds, dispatch to trained
         self.sent_at: dict[int, float] = {}  # group id -> when it was dispatched
+        self.routed: Counter = Counter()  # (long problem?, to a long-tail replica?) -> groups
+        self.regular, self.short = args.regular, min(p.length_hint for p in problems)
         self.steps_done, self.steps_s = 0, 0.0
 
     @staticmethod
@@ -149,6 +151,7 @@ class Arm:
             return
         self.sent[msg["group_id"]], self.sent_at[msg["group_id"]] = msg, self.now
         problem = self.problems[msg["problem_id"]]
+        self.routed[problem.length_hint > self.short, replica >= self.regular] += 1
         for i in range(msg["n"]):
             r.inbox.append((self.now, Request((msg["group_id"], i), list(msg["prompt_ids"]), ignore_eos=True,
                                               max_new_tokens=sample_length(problem, msg["group_id"], i),
@@ -186,14 +189,18 @@ class Arm:
                 batch = self.ctl.next_batch(timeout_s=0)
             except TimeoutError:
                 return
-            version, short = self.ctl.version, min(p.length_hint for p in self.problems.values())
+            version = self.ctl.version
             for g in batch:
-                long = self.problems[g.problem_id].length_hint > short
+                long = self.problems[g.problem_id].length_hint > self.short
                 self.ages[long].append(self.now - self.sent_at[g.group_id])
                 for t in g.trajectories:
                     self.lags[long].extend((version - t.versions).tolist())
             self.steps_done, self.steps_s = self.steps_done + 1, self.now
             self.ctl.publish_version(version + 1)
+
+    def share_to_tail(self, long: bool) -> float:
+        """The share of the long (or short) problems' groups dispatched to long-tail replicas."""
+        return self.routed[long, True] / max(1, self.routed[long, True] + self.routed[long, False])
 
     def report(self) -> dict:
         tokens = sum(r.engine.stats.generated_tokens for r in self.replicas)
@@ -203,6 +210,7 @@ class Arm:
                 "tail_lag": mean(tail),
                 "tail_stale": mean([x >= 1 for x in tail]), "short_lag": mean(rest), "tail_tokens": len(tail),
                 "tail_age_s": mean(self.ages[True]), "short_age_s": mean(self.ages[False]),
+                "long_to_tail": self.share_to_tail(True), "short_to_tail": self.share_to_tail(False),
                 "busy": [r.engine.stats.seconds / self.now for r in self.replicas]}
 
 
@@ -284,11 +292,13 @@ def main() -> None:
         t0 = time.perf_counter()
         rows = run_arms(args)
         print(f"{'arm':<14}{'time s':>8}{'tok/s':>9}{'steps/min':>10}{'tail lag':>9}{'tail >=1':>9}"
-              f"{'short lag':>10}{'tail age s':>11}{'short age s':>12}  busy per replica")
+              f"{'short lag':>10}{'tail age s':>11}{'short age s':>12}{'long->tail':>11}{'short->tail':>12}"
+              "  busy per replica")
         for r in rows:
             print(f"{r['arm']:<14}{r['time_s']:>8.1f}{r['tokens_per_s']:>9.0f}{r['steps_per_min']:>10.1f}"
                   f"{r['tail_lag']:>9.2f}{r['tail_stale']:>9.0%}{r['short_lag']:>10.2f}{r['tail_age_s']:>11.2f}"
-                  f"{r['short_age_s']:>12.2f}  " + " ".join(f"{b:.0%}" for b in r["busy"]))
+                  f"{r['short_age_s']:>12.2f}{r['long_to_tail']:>11.0%}{r['short_to_tail']:>12.0%}  "
+                  + " ".join(f"{b:.0%}" for b in r["busy"]))
         print(f"(wall {time.perf_counter() - t0:.0f} s)")
     move_costs(args)
 
