@@ -170,3 +170,37 @@ def test_the_window_marks_the_longest_alpha_of_the_last_batch_and_nothing_when_a
     assert rising == [False, True, True, True, True, True]  # each beats the window it enters
     with pytest.raises(ValueError, match="alpha must be in"):
         LongTailWindow(1.0, 8)
+
+
+class Store:
+    """A torch.distributed Store stand-in: what start_controller publishes."""
+
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+
+@pytest.mark.parametrize("alpha", [0.25, 0.0])
+def test_a_plans_long_tail_replicas_and_the_jobs_alpha_reach_the_controller(tmp_path, alpha):
+    from hexrl.plan.planner import plan_job
+    from hexrl.schema import load_job, load_plan
+    from hexrl.train.trainer_rank import start_controller
+
+    job = {"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 16}},
+           "rl": {"batch_size": 4, "group_size": 2, "max_new_tokens": 32}, "long_tail": {"alpha": alpha},
+           "cluster": {"nodes": [{"name": "a", "gpu_type": "cpu", "gpus": 4}]}}
+    plan = plan_job(load_job(job, check_paths=False)).to_dict()
+    for r in plan["rollout"]["replicas"]:  # marked by hand: the last replica serves the long tail, with a small cap
+        r["long_tail"], r["max_running"] = r is plan["rollout"]["replicas"][-1], 4
+    plan = load_plan(plan, check_paths=False)
+    ctx = SimpleNamespace(plan=plan, secret=b"k" * 32, store=Store(), run_dir=tmp_path,
+                          info=next(info for info in plan.ranks if info.role == "train"))
+    ctl = start_controller(ctx, tokenizer=None, train=[Problem("q", "1", id=0, kind="synthetic")])
+    try:
+        tail = {plan.replicas[-1].id}
+        assert ctl.dispatcher.long_tail == (tail if alpha else set())
+        assert (ctl.window.alpha if ctl.window else 0.0) == alpha
+    finally:
+        ctl.router.close()
