@@ -9,10 +9,10 @@ group predicted long goes to the long-tail replica with the lowest in-flight / s
 group to the regular replica with the lowest. A pool with no live replica left hands its groups to
 the other. Without long-tail replicas there is one pool and every pick is as above.
 
-The replicas of each pool sit in a heap of (load, id) entries, one pushed whenever a replica's load changes;
-an entry whose load is no longer its replica's (or whose replica died) is dropped when it
-reaches the top. Picking costs O(log R) (amortized) instead of a scan of all R replicas, and
-picks exactly what the scan would: the smallest (load, id) over the live replicas.
+The replicas of each pool sit in a heap of (load, id) entries, one pushed whenever a replica's
+load changes; an entry whose load is no longer its replica's (or whose replica died) is dropped
+when it reaches the top. Picking costs O(log R) (amortized) instead of a scan of all R replicas,
+and picks exactly what the scan would: the smallest (load, id) over the pool's live replicas.
 """
 from __future__ import annotations
 

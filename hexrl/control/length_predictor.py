@@ -14,6 +14,9 @@ regular samples at).
     predictor.record("p7", [812, 1430, 655, 2010])       # a completed group's lengths, in tokens
     guesses = [predictor.predict("p7"), predictor.predict("p9", finished=[3100], group_size=4)]
     long = is_long(guesses, alpha=0.2)                  # the predicted longest 20% of the batch
+    window = LongTailWindow(alpha=0.2, size=64)         # ... or of the last 64 groups, one at a time:
+    mark = window.is_long(guesses[1])                   # at dispatch, then once it went out:
+    window.add(guesses[1], mark)
 
 Memory is bounded (the `capacity` prompts recorded most recently; a fixed histogram for the median),
 and `record` is O(1) per sample, `predict` O(1) per call.
