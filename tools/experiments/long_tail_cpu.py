@@ -211,7 +211,8 @@ class Arm:
                 "tail_stale": mean([x >= 1 for x in tail]), "short_lag": mean(rest), "tail_tokens": len(tail),
                 "tail_age_s": mean(self.ages[True]), "short_age_s": mean(self.ages[False]),
                 "long_to_tail": self.share_to_tail(True), "short_to_tail": self.share_to_tail(False),
-                "busy": [r.engine.stats.seconds / self.now for r in self.replicas]}
+                "busy": [r.engine.stats.seconds / self.now for r in self.replicas],
+                "batch": [r.engine.stats.generated_tokens / max(1, r.engine.stats.steps) for r in self.replicas]}
 
 
 def mean(values: list) -> float:
@@ -293,12 +294,12 @@ def main() -> None:
         rows = run_arms(args)
         print(f"{'arm':<14}{'time s':>8}{'tok/s':>9}{'steps/min':>10}{'tail lag':>9}{'tail >=1':>9}"
               f"{'short lag':>10}{'tail age s':>11}{'short age s':>12}{'long->tail':>11}{'short->tail':>12}"
-              "  busy per replica")
+              "  busy, mean batch per replica")
         for r in rows:
             print(f"{r['arm']:<14}{r['time_s']:>8.1f}{r['tokens_per_s']:>9.0f}{r['steps_per_min']:>10.1f}"
                   f"{r['tail_lag']:>9.2f}{r['tail_stale']:>9.0%}{r['short_lag']:>10.2f}{r['tail_age_s']:>11.2f}"
                   f"{r['short_age_s']:>12.2f}{r['long_to_tail']:>11.0%}{r['short_to_tail']:>12.0%}  "
-                  + " ".join(f"{b:.0%}" for b in r["busy"]))
+                  + " ".join(f"{b:.0%} {n:.0f}" for b, n in zip(r["busy"], r["batch"])))
         print(f"(wall {time.perf_counter() - t0:.0f} s)")
     move_costs(args)
 
