@@ -71,6 +71,23 @@ def test_all_bad_empty_and_missing_files(tmp_path):
         load_jsonl(bad, kind="poetry")
 
 
+def test_a_length_hint_is_read_and_a_bad_one_skips_its_line_naming_the_field(tmp_path):
+    path = _write_lines(tmp_path / "d.jsonl", [
+        {"prompt": "prove it", "answer": "1", "length_hint": 4000},  # a hard problem: expect long answers
+        {"prompt": "1+1?", "answer": "2"},  # no hint: the predictor starts it at the running median
+        {"prompt": "x", "answer": "3", "length_hint": "long"},
+        {"prompt": "y", "answer": "4", "length_hint": -5},
+        {"prompt": "z", "answer": "5", "length_hint": 12.5},
+    ])
+    with pytest.warns(UserWarning, match="skipped 2 malformed"):
+        result = load_jsonl(path)
+    assert [p.length_hint for p in result.problems] == [4000.0, None, 12.5]
+    assert dict(result.skipped) == {3: "'length_hint' must be a non-negative number of tokens, got 'long'",
+                                    4: "'length_hint' must be a non-negative number of tokens, got -5"}
+    again = load_jsonl(write_jsonl(result.problems, tmp_path / "out.jsonl"))
+    assert again.problems == result.problems  # written back with its hint
+
+
 def test_code_records(tmp_path):
     path = _write_lines(tmp_path / "c.jsonl", [
         {"prompt": "read two ints, print the sum", "tests": [{"input": "1 2", "output": "3"}, "assert add(1, 2) == 3"]},

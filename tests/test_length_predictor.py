@@ -11,7 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from hexrl.control.length_predictor import LengthPredictor, is_long, length_hint, rank, recall
+from hexrl.control.length_predictor import LengthPredictor, is_long, rank, recall
+from hexrl.data.problems import length_hint
 
 GROUP = 8
 

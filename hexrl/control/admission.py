@@ -11,7 +11,7 @@ its token fields 1-D arrays of known dtypes, so each check is one vectorized pas
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,6 +23,8 @@ class Dispatched:
     replica: int
     problem_id: object
     prompt_ids: np.ndarray  # of hexrl.trajectory.ID_DTYPE, as a trajectory message carries it
+    long: bool = False  # routed as the long tail (predicted among the longest of its window)
+    lengths: list[int] = field(default_factory=list)  # sampled tokens of each sample back so far
 
 
 @dataclass

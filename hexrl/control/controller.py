@@ -1,11 +1,12 @@
 """The controller: a thread that feeds prompts and collects trajectories.
 
 It hands out prompt groups while the staleness gate allows, spreads them over the rollout
-replicas, files returning trajectories into the replay buffer, and gives the trainer thread
-batches of B complete groups. Only this thread touches the ZeroMQ socket; the trainer thread
-talks to it through `next_batch`, `publish_version` and `state` under one lock. A run keeps it
-off the trainer's GIL: it runs in a process of its own, whose main thread makes the trainer's
-calls (hexrl/control/controller_process.py).
+replicas (with a long-tail class: the groups predicted longest to the long-tail replicas), files
+returning trajectories into the replay buffer, and gives the trainer thread batches of B complete
+groups. Only this thread touches the ZeroMQ socket; the trainer thread talks to it through
+`next_batch`, `publish_version` and `state` under one lock. A run keeps it off the trainer's GIL: it
+runs in a process of its own, whose main thread makes the trainer's calls
+(hexrl/control/controller_process.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
+from hexrl.control.length_predictor import LengthPredictor, LongTailWindow
 from hexrl.control.progress_watch import ProgressWatch
 from hexrl.trajectory import ID_DTYPE, to_array
 
@@ -34,6 +36,7 @@ from hexrl.trajectory import ID_DTYPE, to_array
 class ReplicaInfo:
     id: int
     share: float
+    long_tail: bool = False  # serves the groups predicted longest (the plan's replica mark)
 
     @property
     def name(self) -> str:  # the ZeroMQ identity its leader connects with
@@ -48,8 +51,12 @@ class Controller:
     """Prompt dispatch, staleness gate, replay buffer and version bookkeeping (see module doc)."""
 
     def __init__(self, rl, cursor: DatasetCursor, encode_prompt, replicas: list[ReplicaInfo],
-                 router: RouterChannel, vocab_size: int, heartbeat_timeout_s: float = 60.0, env=None):
-        """`env` (the job's EnvSpec, or None): trajectories are episodes of that environment."""
+                 router: RouterChannel, vocab_size: int, heartbeat_timeout_s: float = 60.0, env=None,
+                 long_tail_alpha: float = 0.0):
+        """`env` (the job's EnvSpec, or None): trajectories are episodes of that environment.
+        `long_tail_alpha` (the job's long_tail.alpha): with it above 0 and a replica marked long_tail,
+        the groups predicted among the longest alpha of the last batch's worth dispatched go to the
+        long-tail replicas; otherwise (alpha 0, or none marked) every group is dispatched by share."""
         self.rl, self.cursor, self.encode_prompt, self.router = rl, cursor, encode_prompt, router
         self.limits = token_limits(rl, env)
         self.vocab_size = vocab_size  # token ids at or above it are refused (the trainer has no row for them)
@@ -60,7 +67,10 @@ class Controller:
                                   max_lag=rl.eta_max if self.auto else None)
         self.buffer = ReplayBuffer(self.gate, rl.filter_equal_groups)
         self.progress = ProgressWatch(rl.batch_size, rl.group_size, env)  # says when the run makes no progress
-        self.dispatcher = Dispatcher({r.id: r.share for r in replicas})
+        tail = frozenset(r.id for r in replicas if r.long_tail) if long_tail_alpha > 0 else frozenset()
+        self.dispatcher = Dispatcher({r.id: r.share for r in replicas}, long_tail=tail)
+        self.lengths = LengthPredictor() if tail else None  # learns each completed group's lengths
+        self.window = LongTailWindow(long_tail_alpha, rl.batch_size) if tail else None
         self.heartbeats = Heartbeats(heartbeat_timeout_s)
         self.version = 0
         self.next_group = 0
@@ -228,10 +238,9 @@ class Controller:
         # behind the weights message, so none is sampled by older weights and dropped as stale
         version = min(self.version, self.delivered)
         while self.gate.capacity(version) > 0:
-            replica = self.dispatcher.pick()
-            if replica is None or self.replicas[replica].name not in self.router.peers:
-                return  # no live replica has connected yet
-            index = self.redo.popleft() if self.redo else self.cursor.next_indexed()[0]
+            index, replica, long, guess = self._route()
+            if index is None:
+                return  # no live replica (of the group's class) has connected yet
             problem = self.cursor.problems[index]
             gid, prompt_ids = self.next_group, self.encode_prompt(problem.prompt)
             msg = message("prompt", group_id=gid, problem_id=problem.id, prompt_ids=prompt_ids,
@@ -242,12 +251,40 @@ class Controller:
                 return
             self.gate.try_acquire(version)
             self.buffer.expect(gid, self.rl.group_size, problem.id)
-            self.dispatcher.assign(gid)
+            self.dispatcher.assign(gid, long)
+            if self.window is not None:
+                self.window.add(guess, long)
             prompt = to_array(prompt_ids, ID_DTYPE, "prompt_ids")
             prompt.flags.writeable = False  # the group's trajectories will share it, read-only like their own arrays
-            self.dispatched[gid] = Dispatched(replica, problem.id, prompt)
+            self.dispatched[gid] = Dispatched(replica, problem.id, prompt, long)
             self.in_flight[gid] = index
             self.next_group += 1
+
+    def _route(self) -> tuple[int | None, int | None, bool, float]:
+        """The next problem's dataset index, its replica, whether it goes as the long tail, and its
+        predicted length; index None (and no problem taken) while that replica has not connected.
+        One class: the replica first. Two classes: the problem first, its predicted length chooses
+        the pool."""
+        if self.window is None:
+            replica = self.dispatcher.pick()
+            return (self._next_index() if self._connected(replica) else None), replica, False, 0.0
+        index = self._next_index()
+        problem = self.cursor.problems[index]
+        guess = self.lengths.predict(problem.id, hint=problem.length_hint)
+        long = self.window.is_long(guess)
+        replica = self.dispatcher.pick(long)
+        if not self._connected(replica):
+            self.redo.appendleft(index)  # handed out first once it has
+            return None, replica, long, guess
+        return index, replica, long, guess
+
+    def _connected(self, replica: int | None) -> bool:
+        """A live replica whose leader has connected (None: every replica is dead)."""
+        return replica is not None and self.replicas[replica].name in self.router.peers
+
+    def _next_index(self) -> int:
+        """The dataset index of the next problem to hand out: one to redo first, else the cursor's next."""
+        return self.redo.popleft() if self.redo else self.cursor.next_indexed()[0]
 
     def _sampling(self, gid: int) -> dict:
         rl = self.rl
@@ -294,7 +331,10 @@ class Controller:
             traj.reward = math.copysign(self.rl.reward_bound, traj.reward)
             self.rewards_clipped += 1
         self.completion_tokens += traj.num_generated  # sampled tokens (an episode's observations are not)
+        sent.lengths.append(traj.num_generated)
         status = self.buffer.add(traj)
+        if self.lengths is not None and status in ("accepted", "filtered"):  # complete: all n lengths known
+            self.lengths.record(sent.problem_id, sent.lengths)
         if status != "pending":
             self._group_done(gid, trained=status == "accepted")
         self._watch_progress(traj.finish_reason, status)

@@ -76,6 +76,7 @@ class ControllerSetup:
     advertise: str | None = None  # the address replicas connect to (default: host)
     env: object | None = None  # the job's EnvSpec, or None
     heartbeat_timeout_s: float = 60.0
+    long_tail_alpha: float = 0.0  # the job's long_tail.alpha (0: length-blind dispatch)
 
 
 # ---------------------------------------------------------------- the controller process
@@ -120,8 +121,9 @@ def _build(s: dict) -> tuple[Controller, RouterChannel]:
     encode = PromptIds(problems, np.frombuffer(s["prompt_ids"], ID_DTYPE), s["prompt_offsets"])
     env = SimpleNamespace(**s["env"]) if s["env"] is not None else None
     controller = Controller(SimpleNamespace(**s["rl"]), DatasetCursor(problems, seed=s["rl"]["seed"]),
-                            encode, [ReplicaInfo(i, share) for i, share in s["replicas"]], router,
-                            vocab_size=s["vocab_size"], heartbeat_timeout_s=s["heartbeat_timeout_s"], env=env)
+                            encode, [ReplicaInfo(i, share, tail) for i, share, tail in s["replicas"]], router,
+                            vocab_size=s["vocab_size"], heartbeat_timeout_s=s["heartbeat_timeout_s"], env=env,
+                            long_tail_alpha=s["long_tail_alpha"])
     link = RouterChannel(s["link_secret"])
     link.bind("127.0.0.1")
     return controller, link
@@ -375,9 +377,9 @@ def _setup_bytes(s: ControllerSetup, link_secret: bytes) -> bytes:
         "rl": dict(vars(s.rl)), "env": None if s.env is None else dict(vars(s.env)),
         "problems": [p.to_dict() for p in s.problems], "prompt_ids": flat.tobytes(),
         "prompt_offsets": np.concatenate([[0], np.cumsum(lengths)]).tolist(),
-        "replicas": [(r.id, r.share) for r in s.replicas], "vocab_size": s.vocab_size,
+        "replicas": [(r.id, r.share, r.long_tail) for r in s.replicas], "vocab_size": s.vocab_size,
         "secret": s.secret, "link_secret": link_secret, "host": s.host, "advertise": s.advertise,
-        "heartbeat_timeout_s": s.heartbeat_timeout_s}, use_bin_type=True)
+        "heartbeat_timeout_s": s.heartbeat_timeout_s, "long_tail_alpha": s.long_tail_alpha}, use_bin_type=True)
 
 
 def _end_process(proc: subprocess.Popen, conn: Connection) -> None:

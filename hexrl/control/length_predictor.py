@@ -14,36 +14,26 @@ regular samples at).
     predictor.record("p7", [812, 1430, 655, 2010])       # a completed group's lengths, in tokens
     guesses = [predictor.predict("p7"), predictor.predict("p9", finished=[3100], group_size=4)]
     long = is_long(guesses, alpha=0.2)                  # the predicted longest 20% of the batch
+    window = LongTailWindow(alpha=0.2, size=64)         # ... or of the last 64 groups, one at a time:
+    mark = window.is_long(guesses[1])                   # at dispatch, then once it went out:
+    window.add(guesses[1], mark)
 
 Memory is bounded (the `capacity` prompts recorded most recently; a fixed histogram for the median),
 and `record` is O(1) per sample, `predict` O(1) per call.
 """
 from __future__ import annotations
 
+import bisect
 import math
 import numbers
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
-HINT_FIELD = "length_hint"  # the problem record's optional field: an expected output length in tokens
+from hexrl.data.problems import check_length
+
 BINS_PER_OCTAVE = 8  # the median's histogram resolves lengths to about 9%
 OCTAVES = 24  # ... up to 2**24 tokens; longer lengths count in the last bin
-
-
-def _check_length(value, what: str) -> float:
-    """`value` as a float if it is a finite non-negative number (numpy's too, not a bool), else
-    ValueError naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be a non-negative number of tokens, got {value!r}")
-    return float(value)
-
-
-def length_hint(record: dict) -> float | None:
-    """The problem record's `length_hint` (None when absent); ValueError naming the field when it is
-    not a non-negative number. A data loader calls it on each record it parses."""
-    value = record.get(HINT_FIELD)
-    return None if value is None else _check_length(value, f"'{HINT_FIELD}'")
 
 
 @dataclass
@@ -106,7 +96,7 @@ class LengthPredictor:
 
     def record(self, prompt: Hashable, lengths: Sequence[float]) -> None:
         """Remember a completed group of `prompt`: its samples' output lengths in tokens."""
-        values = [_check_length(v, f"lengths of prompt {prompt!r}") for v in lengths]
+        values = [check_length(v, f"lengths of prompt {prompt!r}") for v in lengths]
         if not values:
             return
         for v in values:
@@ -135,12 +125,12 @@ class LengthPredictor:
         that many samples of evidence, blended with the prompt's past, and is a floor for every
         sample still running (they started with the finished ones).
         """
-        prior = self.seen.quantile(0.5) if hint is None else _check_length(hint, "hint")
+        prior = self.seen.quantile(0.5) if hint is None else check_length(hint, "hint")
         h = self.prompts.get(prompt) or PromptHistory(mean=0.0, weight=0.0)
         weight = self.prior_weight + h.weight
         guess = (self.prior_weight * prior + h.weight * h.mean) / weight
-        done = [_check_length(v, "finished lengths") for v in finished]
-        floor = max([_check_length(generated, "generated"), *done])
+        done = [check_length(v, "finished lengths") for v in finished]
+        floor = max([check_length(generated, "generated"), *done])
         running = max(floor, (weight * guess + len(done) * floor) / (weight + len(done)))
         if not done:
             return running
@@ -163,6 +153,49 @@ def is_long(predicted: Sequence[float], alpha: float = 0.2) -> list[bool]:
     for i in rank(predicted)[:int(alpha * len(predicted) + 0.5)]:
         marked[i] = True
     return marked
+
+
+@dataclass
+class LongTailWindow:
+    """Marks groups long one at a time as they are dispatched, over a sliding window: a group is
+    long when its prediction ranks among the round(alpha x n) longest of the last `size` groups
+    dispatched (n of them, itself included; `size` is a batch's worth), with at most that many of
+    the window marked: the longest first, and among equal predictions the earliest (as `is_long`
+    breaks ties by batch order). A group predicted no longer than every other in the window is
+    never long: where all predictions tie (nothing recorded yet, no hints) nothing is known, and
+    nothing is marked. O(log size) to decide, O(size) memory moves to add."""
+
+    alpha: float
+    size: int
+    recent: deque = field(default_factory=deque, repr=False)  # (prediction, marked), oldest first
+    ranked: list = field(default_factory=list, repr=False)  # the window's predictions, sorted
+    ranked_long: list = field(default_factory=list, repr=False)  # ... of the groups marked long
+
+    def __post_init__(self):
+        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not 0 <= self.alpha < 1:
+            raise ValueError(f"alpha must be in [0, 1), got {self.alpha!r}")
+        if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
+            raise ValueError(f"size must be an int >= 1 (groups in the window), got {self.size!r}")
+
+    def is_long(self, predicted: float) -> bool:
+        """Whether a group predicted `predicted` long, dispatched next, is in the long tail."""
+        quota = int(self.alpha * (len(self.recent) + 1) + 0.5)  # the window with this group in it
+        longer = len(self.ranked) - bisect.bisect_right(self.ranked, predicted)
+        long_ahead = len(self.ranked_long) - bisect.bisect_left(self.ranked_long, predicted)
+        return longer < quota and long_ahead < quota and bool(self.ranked) and predicted > self.ranked[0]
+
+    def add(self, predicted: float, long: bool) -> None:
+        """The group went out (marked `long` or not): it enters the window, the oldest leaves when full."""
+        if len(self.recent) == self.size - 1:  # the window holds size - 1 earlier groups and the next one
+            old, was_long = self.recent.popleft()
+            self.ranked.pop(bisect.bisect_left(self.ranked, old))
+            if was_long:
+                self.ranked_long.pop(bisect.bisect_left(self.ranked_long, old))
+        if self.size > 1:
+            self.recent.append((predicted, long))
+            bisect.insort(self.ranked, predicted)
+            if long:
+                bisect.insort(self.ranked_long, predicted)
 
 
 def recall(predicted: Sequence[float], actual: Sequence[float], alpha: float = 0.2) -> float:

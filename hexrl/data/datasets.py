@@ -6,8 +6,9 @@ Accepted JSONL record shapes (one JSON object per line):
 - `{"problem": ..., "solution": "... \\boxed{x}"}` MATH: the answer is the last \\boxed{} (an
   "answer" field, when present, wins)
 - code tasks add `"tests": [{"input": ..., "output": ...} | "assert ..."]`; the answer is optional.
-Optional fields: `"id"` (int or str; default the line number) and `"kind"` (overrides the
-`kind` argument of `load_jsonl`).
+Optional fields: `"id"` (int or str; default the line number), `"kind"` (overrides the
+`kind` argument of `load_jsonl`) and `"length_hint"` (the problem's expected output length in tokens,
+a non-negative number: the length predictor's prior, docs/long-tail.md).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Iterable
 
 from hexrl.data.code_data import load_code_tasks
-from hexrl.data.problems import KINDS, Problem
+from hexrl.data.problems import KINDS, Problem, length_hint
 from hexrl.input_files import TooDeepError, loads_json, open_input
 from hexrl.rewards.code import validate_tests
 from hexrl.rewards.math import find_boxed
@@ -83,7 +84,7 @@ def parse_record(rec, line_no: int, kind: str = "math") -> Problem:
     pid = rec.get("id", line_no)
     if isinstance(pid, bool) or not isinstance(pid, (int, str)):
         raise ValueError(f"'id' must be an int or string, got {type(pid).__name__}")
-    return Problem(prompt=prompt, answer=answer, id=pid, tests=tests, kind=kind)
+    return Problem(prompt=prompt, answer=answer, id=pid, tests=tests, kind=kind, length_hint=length_hint(rec))
 
 
 def _summary(skipped: list[tuple[int, str]]) -> str:

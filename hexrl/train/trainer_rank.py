@@ -54,9 +54,11 @@ def start_controller(ctx: RankContext, train: Prompts) -> ControllerProcess:
     through the store."""
     plan, job = ctx.plan, ctx.plan.job
     address = job.cluster.nodes[ctx.info.node].address
-    setup = ControllerSetup(job.rl, train.problems, train.ids, [ReplicaInfo(r.id, r.share) for r in plan.replicas],
-                            vocab_size=job.model.config.vocab_size, secret=ctx.secret,  # never through the store
-                            host=bind_host(address), advertise=address, env=job.env)
+    replicas = [ReplicaInfo(r.id, r.share, r.long_tail) for r in plan.replicas]
+    setup = ControllerSetup(job.rl, train.problems, train.ids, replicas, vocab_size=job.model.config.vocab_size,
+                            secret=ctx.secret,  # never through the store
+                            host=bind_host(address), advertise=address, env=job.env,
+                            long_tail_alpha=job.long_tail.alpha)
     controller = ControllerProcess(setup)
     publish_endpoint(ctx.store, "controller", controller.endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
