@@ -19,7 +19,14 @@ from hexrl.comm.store import publish_endpoint
 from hexrl.comm.weights import IpcSender, ShardSender, SyncLink, shard_layout, stage_specs
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
-from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
+from hexrl.control.metrics import (
+    MetricsWriter,
+    equal_reward_share,
+    length_stats,
+    replica_rates,
+    staleness_histogram,
+    truncate_after,
+)
 from hexrl.data.heldout import greedy_accuracy
 from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
 from hexrl.model.hf_checkpoint import load_pretrained
@@ -222,7 +229,7 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             controller.wait_delivered(trainer.version)  # wakes, and raises, on a controller failure
         sync_s = sync_weights(ctx, trainer, dtype)
     if controller:
-        c = controller.counters()
+        c, lengths = controller.counters(), [t.num_generated for t in batch]
         elapsed = time.perf_counter() - t0
         metrics.log({
             "step": step + 1, "version": trainer.version,
@@ -238,6 +245,7 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             "rejected_messages": c["rejected_messages"],
             "rejected_reasons": c["rejected_reasons"],
             "rollout_tokens_per_s": (c["completion_tokens"] - before["completion_tokens"]) / elapsed,
+            "replica_tokens_per_s": replica_rates(before["replica_tokens"], c["replica_tokens"], elapsed),
             "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
             "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"],
@@ -252,10 +260,10 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             # how the batch's samples ended (an episode: its environment's reason, or why it was cut)
             "finish_reasons": dict(Counter(t.finish_reason for t in batch)),
             "turns_mean": sum(t.meta.get("turns", 1) for t in batch) / len(batch),
+            **length_stats(lengths),  # what re-planning measures the workload by
             "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),
         })
-        metrics.log_lengths(step + 1, [t.problem_id for t in batch], [t.group_id for t in batch],
-                            [t.num_generated for t in batch])
+        metrics.log_lengths(step + 1, [t.problem_id for t in batch], [t.group_id for t in batch], lengths)
     # The step's metrics row is written before its checkpoint: a kill between the two then redoes the
     # step on resume (its row is replaced), instead of resuming past a step whose row was never written.
     every = job.rl.checkpoint_every
