@@ -40,7 +40,7 @@ from .checkpoint import full_param, shard_dims
 from .export import write_model_files
 from .handoff import Stop, share_batch
 from .probe import PolicyProbe, probe_batch
-from .replanning import Replanner
+from .replanning import Replanner, start_replanning
 from .trainer import DTYPES, TrainConfig, Trainer
 
 
@@ -185,9 +185,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
     if is_controller:  # after the untimed evaluation: the rollout starts with the run's clock
         evaluator.start_clock()
         controller.start()
-        if job.replan.on:
-            last_switch = (extra.get("replan") or {}).get("last_switch_s") if ctx.resume is not None else None
-            replanner = Replanner(ctx.plan, ctx.run_dir, metrics, ctx.restarts_left, start_step, last_switch)
+        replanner = start_replanning(ctx, metrics, start_step, extra if ctx.resume is not None else None)
     rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
