@@ -323,12 +323,15 @@ def same_plan_problems(store, rank: int, digest: str, describe: dict[int, str]) 
     if first == digest:
         return []
     return [f"rank {rank} ({describe[rank]}) read a plan different from rank 0's ({describe[0]}): digest "
-            f"{digest} vs {first}; give every node the same plan.json and the same hexrl.main flags"]
+            f"{digest} vs {first}; give every node the same plan.json, the same hexrl.main flags and the same "
+            "run directory (a restarted attempt runs the newest plan in RUN_DIR/plans)"]
 
 
-def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdog: Watchdog) -> None:
-    """End the job (exit 2, every rank told why) if this rank is not where the plan puts it."""
-    digest = plan_digest(args.plan, args.steps)
+def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdog: Watchdog,
+                    running: dict | None = None) -> None:
+    """End the job (exit 2, every rank told why) if this rank is not where the plan puts it, or another
+    rank runs another plan (`running`: the plan this attempt runs, where it is not plan.json)."""
+    digest = plan_digest(args.plan, args.steps, running)
     problems = placement_problems(plan, rank, local_rank, node_rank_from_env(), args.node_name)
     if not problems:
         problems = same_plan_problems(store, rank, digest, watchdog.describe)
@@ -377,7 +380,7 @@ def main(argv=None) -> None:
     describe = {r.rank: f"{r.role} on {node_label(plan, r.node)}, local rank {r.local_rank}" for r in plan.ranks}
     nodes = {r.rank: node_label(plan, r.node) for r in plan.ranks}
     watchdog = Watchdog(store, rank, world, describe, nodes=nodes).start()
-    check_placement(args, plan, store, rank, local_rank, watchdog)
+    check_placement(args, plan, store, rank, local_rank, watchdog, agreed)
     role = plan.ranks[rank].role
     try:
         from hexrl.train.grid import build_grid

@@ -17,6 +17,7 @@ restart counts against the horizon.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -37,6 +38,10 @@ class Decision:
     def __init__(self, cmd: list[str]):
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, stdin=subprocess.DEVNULL)
+        try:  # it inherits the rank's cores: the controller thread and the trainer come first
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, 19)
+        except OSError:  # already ended
+            pass
 
     def done(self) -> bool:
         return self.proc.poll() is not None
