@@ -341,18 +341,6 @@ def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdo
         os._exit(2)
 
 
-def switch_target(store, rank: int) -> str | None:
-    """The plan the job switches to (its RUN_DIR/plans file) when the controller rank ended the run to
-    switch plans; None when the run is done. Every rank then exits with elastic.SWITCH_EXIT, and torchrun
-    restarts them into that plan (`recorded_plan`; an elastic round keeps it)."""
-    if not store.check([elastic.SWITCH_KEY]):
-        return None
-    path = store.get(elastic.SWITCH_KEY).decode()
-    errors.record_message(f"hexrl.main (rank {rank}): left to switch plans into {path}; torchrun restarts the "
-                          "workers into it (launch with --max-restarts K)")
-    return path
-
-
 def is_peer_loss(e: BaseException) -> bool:
     """A collective broken from the other side (a peer's process or node died), not a bug here."""
     text = str(e)
@@ -381,7 +369,7 @@ def main(argv=None) -> None:
     nodes = {r.rank: node_label(plan, r.node) for r in plan.ranks}
     watchdog = Watchdog(store, rank, world, describe, nodes=nodes).start()
     check_placement(args, plan, store, rank, local_rank, watchdog, agreed)
-    role = plan.ranks[rank].role
+    role, leaving = plan.ranks[rank].role, False
     try:
         from hexrl.train.grid import build_grid
 
@@ -403,7 +391,7 @@ def main(argv=None) -> None:
         if role == "train":
             from hexrl.train.trainer_rank import run_trainer
 
-            run_trainer(ctx, grid)
+            leaving = run_trainer(ctx, grid) is not None  # the trainer ranks left to switch plans
         else:
             from hexrl.rollout.rollout_rank import run_rollout
 
@@ -424,10 +412,14 @@ def main(argv=None) -> None:
         watchdog.report_failure(cause)
         os._exit(1)  # skip destructors that could block in a collective
     # Every rank done with its collectives before any tears gloo down (else it can SIGABRT); a CPU
-    # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL.
+    # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL. Its sum tells
+    # every rank whether the trainer ranks left to switch plans: then all exit for torchrun to restart them.
     with dist_rules.host_collective():
-        dist.all_reduce(torch.zeros(1))
-    switch = switch_target(store, rank)  # after the barrier: the controller rank has said so if at all
+        switching = torch.tensor([float(leaving)])
+        dist.all_reduce(switching)
+    if switching.item() > 0:
+        errors.record_message(f"hexrl.main (rank {rank}): left to switch plans into the newest RUN_DIR/plans; "
+                              "torchrun restarts the workers into it (launch with --max-restarts K)")
     watchdog.finish()
     dist.destroy_process_group()
     # Skip interpreter finalization: a gloo worker thread may still be dropping its last finished
@@ -436,7 +428,7 @@ def main(argv=None) -> None:
     # Every resource was closed above, so there is nothing left for finalization to do.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(elastic.SWITCH_EXIT if switch else 0)
+    os._exit(elastic.SWITCH_EXIT if switching.item() > 0 else 0)
 
 
 if __name__ == "__main__":

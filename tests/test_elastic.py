@@ -195,11 +195,11 @@ def env() -> dict:
 
 
 def elastic_cmd(plan: Path, run: Path, address: str, rdzv: str, name: str, nnodes: str = "1:2",
-                restarts: int = 3, last_call_s: int = 5) -> list[str]:
+                restarts: int = 3, last_call_s: int = 5, nproc: int = 2) -> list[str]:
     """One node's launcher of an elastic job (the command docs/multinode.md gives). On loopback every
     launcher's address is this machine's, so only the endpoint's node may host the rendezvous store."""
     host = int(address == rdzv.split(":")[0])
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}", f"--local-addr={address}",
             f"--rdzv-conf=last_call_timeout={last_call_s},is_host={host}", f"--max-restarts={restarts}",
             "-m", "hexrl.main", str(plan), "--run-dir", str(run), "--node-name", name]

@@ -12,15 +12,15 @@ from types import SimpleNamespace as NS
 
 import pytest
 import torch
+from dist_utils import free_port
 from runtime_utils import ROOT, metrics, torchrun, write_job
-from test_elastic import check_finished, plans
+from test_elastic import A, B, check_finished, elastic_cmd, plans, start
 from test_replan import paper_job, rows_at
 
 from hexrl import main as hexrl_main
 from hexrl.control.metrics import MetricsWriter, read_events
 from hexrl.plan.__main__ import main as plan_cli
 from hexrl.plan.planner import plan_job
-from hexrl.runtime import elastic
 from hexrl.schema import load_job, load_plan
 from hexrl.schema.replan_spec import ReplanSpec
 from hexrl.train import replanning
@@ -128,12 +128,10 @@ def test_a_switch_is_the_runs_next_round_and_its_time_survives_the_restart(short
     stop = r.at_boundary(4)
     assert stop.reason.startswith("drift: at step 4, amortised gain") and "mean output 5000 tokens" in stop.reason
     # every trainer rank checkpoints at this boundary; the controller rank records the plan and tells every rank
-    saved, store = [], {}
-    switch = NS(run_dir=run, store=NS(set=store.__setitem__))
-    worker.switch_plans(switch, NS(save=lambda root, extra: saved.append(extra)), None, r, 4, stop)
+    saved = []
+    path = worker.switch_plans(NS(run_dir=run), NS(save=lambda root, extra: saved.append(extra)), None, r, 4, stop)
     assert saved == [{"step": 4, "controller": None, "replan": {"last_switch_s": T0 + 100}}]
-    path = run / "plans" / "0.json"
-    assert store == {elastic.SWITCH_KEY: str(path)}
+    assert path == run / "plans" / "0.json"
     recorded = json.loads(path.read_text())
     assert recorded["predicted"]["elastic"] == {"round": 0, "nodes": [n.name for n in short_plan.job.cluster.nodes],
                                                 "reason": stop.reason, "switched_at_s": T0 + 100}
@@ -217,10 +215,11 @@ def test_a_step_row_holds_each_replicas_rate_and_the_output_lengths(monkeypatch,
 # ------------------------------------------------------------------ a CPU job that switches plans
 
 
-def drifting_job(tmp_path: Path, steps: int) -> Path:
+def drifting_job(tmp_path: Path, steps: int, nodes: list[dict] | None = None) -> Path:
     """A 3-rank CPU job planned for rewards of 50 ms a sample (so 1 trainer, 2 rollout ranks), whose
-    rewards take no time: its training is the bottleneck, and the first decision moves a rank to it."""
-    plan = write_job(tmp_path, steps=steps)
+    rewards take no time: its training is the bottleneck, and the first decision moves a rank to it.
+    `nodes`: its cluster (default one node of 3)."""
+    plan = write_job(tmp_path, steps=steps, nodes=nodes)
     job = json.loads((tmp_path / "job.json").read_text())
     del job["layout"]  # the planner chooses the split
     job["workload"] = {"prompt_len": 256, "output_len": {"mean": 2, "max": 3}, "reward_s_per_sample": 0.05}
@@ -256,6 +255,24 @@ def test_a_cpu_job_switches_plans_through_a_torchrun_restart(tmp_path, restarts)
     assert f"resuming from {run / 'checkpoints'}" in out and "the run's newest recorded plan" in out
     assert all(not d["taken"] for d in decisions[1:])  # the new plan is the running one, or within the horizon
     assert len(metrics(run)) == 60
+
+
+@pytest.mark.slow
+def test_an_elastic_job_switches_plans_and_its_next_round_keeps_the_switched_plan(tmp_path):
+    """Node A of a two-node elastic job runs alone: round 0 plans A (1 + 2), a decision switches it to
+    2 + 1 (recorded as round 1), and the round of the restart, on the same node, keeps that plan."""
+    nodes = [{"name": name, "gpu_type": "cpu", "gpus": 3, "address": address} for name, address in (("A", A), ("B", B))]
+    plan, run = drifting_job(tmp_path, steps=60, nodes=nodes), tmp_path / "run"
+    launcher = start(elastic_cmd(plan, run, A, f"{A}:{free_port()}", "A", restarts=1, nproc=3))
+    out, _ = launcher.communicate(timeout=900)
+    assert launcher.returncode == 0, out[-5000:]
+    check_finished(run, 60)
+    first, switched, kept = plans(run)
+    assert replanning_split(load_plan(first)) == (1, 2)
+    assert switched["predicted"]["elastic"]["reason"].startswith("drift: at step ")
+    assert replanning_split(load_plan(switched)) == (2, 1)
+    assert kept["predicted"]["elastic"]["reason"].endswith("no node left or joined; the plan of round 1 kept")
+    assert kept["ranks"] == switched["ranks"]
 
 
 def replanning_split(plan) -> tuple[int, int]:
