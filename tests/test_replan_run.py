@@ -106,7 +106,7 @@ def test_a_decision_every_every_s_is_one_metrics_line_with_what_was_measured(sho
     # a switch is worth it, but this launch has no torchrun restart to make it
     assert not e["taken"] and e["why"].startswith("not taken: the launch cannot restart")
     assert "is above replan.min_gain 10%" in e["why"]
-    assert stops == [None] * 7 and r.last_switch_s is None
+    assert stops == [None] * 7 and r.switches == replanning.Switches()  # no switch, none measured
 
 
 def test_a_planner_that_fails_is_a_decision_not_taken(short_plan, run):
@@ -130,7 +130,8 @@ def test_a_switch_is_the_runs_next_round_and_its_time_survives_the_restart(short
     # every trainer rank checkpoints at this boundary; the controller rank records the plan and tells every rank
     saved = []
     path = worker.switch_plans(NS(run_dir=run), NS(save=lambda root, extra: saved.append(extra)), None, r, 4, stop)
-    assert saved == [{"step": 4, "controller": None, "replan": {"last_switch_s": T0 + 100}}]
+    assert saved == [{"step": 4, "controller": None,
+                      "replan": {"last_switch_s": T0 + 100, "left_s": T0 + 100, "switch_s": None}}]
     assert path == run / "plans" / "0.json"
     recorded = json.loads(path.read_text())
     assert recorded["predicted"]["elastic"] == {"round": 0, "nodes": [n.name for n in short_plan.job.cluster.nodes],
@@ -162,6 +163,10 @@ def test_a_switch_is_the_runs_next_round_and_its_time_survives_the_restart(short
     last = read_events(run / "metrics.jsonl", "replan")[-1]
     assert not last["taken"] and last["why"] == "switched 600 s ago, within replan.horizon_s 36000 s"
     assert last["measured"]["rows"] == 5  # the steps after 4 only
+    # the first step in the new plan ended 600 s after the ranks left the old one: what the switch cost,
+    # which the decision prices in place of replan.switch_s (300 s), and later checkpoints keep
+    assert last["switch_s"] == 600.0 and fresh.switches.switch_s is None
+    assert after.state() == {"last_switch_s": T0 + 100, "left_s": None, "switch_s": 600.0}
 
 
 def test_replan_off_starts_no_decision_and_writes_no_row(tmp_path):

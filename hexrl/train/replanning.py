@@ -11,8 +11,10 @@ boundary, the job checkpoints, the new plan is recorded as the run's next round
 that torchrun restarts them into it (hexrl/main.py). A launch without a torchrun restart left logs the
 decision as not taken.
 
-Time is Unix seconds (`time.time()`): the last switch is kept in the checkpoint and a switch's own
-restart counts against the horizon.
+Time is Unix seconds (`time.time()`): what the run knows of its switches (`Switches`) is kept in the
+checkpoint, and a switch's own restart counts against the horizon. The first step after a switch
+measures what it cost: from leaving the old plan to the end of that step (checkpoint, restart, reload,
+warm-up); later decisions price a switch at that, in place of replan.switch_s.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable
 
@@ -30,6 +33,20 @@ from hexrl.runtime.context import RankContext
 from hexrl.schema import Plan
 
 from .handoff import Stop
+
+
+@dataclass
+class Switches:
+    """What the run knows of its switches of plans (kept in every checkpoint; Unix seconds)."""
+
+    last_switch_s: float | None = None  # when the last decision to switch started: the horizon runs from it
+    left_s: float | None = None  # when the ranks left the old plan, until the new plan's first step measures
+    switch_s: float | None = None  # what the last switch cost, measured (None: replan.switch_s)
+
+    @classmethod
+    def from_state(cls, state: dict | None) -> "Switches":
+        """From a checkpoint's `replan` (None: no switch yet)."""
+        return cls(**{f.name: (state or {}).get(f.name) for f in fields(cls)})
 
 
 class Decision:
@@ -77,10 +94,10 @@ class Replanner:
     """
 
     def __init__(self, plan: Plan, run_dir: Path, metrics, restarts_left: int, since_step: int,
-                 last_switch_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 switches: Switches | None = None, clock: Callable[[], float] = time.monotonic,
                  now: Callable[[], float] = time.time, start: Callable[[list[str]], Decision] = Decision):
         self.spec, self.run_dir, self.metrics = plan.job.replan, Path(run_dir), metrics
-        self.restarts_left, self.since_step, self.last_switch_s = restarts_left, since_step, last_switch_s
+        self.restarts_left, self.since_step, self.switches = restarts_left, since_step, switches or Switches()
         self.clock, self.now, self.start = clock, now, start
         self.dir = self.run_dir / "replan"
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -93,19 +110,23 @@ class Replanner:
         self.switch_to: dict | None = None  # the plan a Stop restarts into (plan.json as a dict)
 
     def state(self) -> dict:
-        """What a checkpoint keeps: when the run last switched (hysteresis across restarts)."""
-        return {"last_switch_s": self.last_switch_s}
+        """What a checkpoint keeps: the run's switches (hysteresis and the measured cost across restarts)."""
+        return asdict(self.switches)
 
     def command(self, now: float) -> list[str]:
+        sw = self.switches
         cmd = [sys.executable, "-m", "hexrl.plan", "replan", str(self.run_dir), "--plan", str(self.running),
                "--now-s", repr(now), "--since-step", str(self.since_step), "--new-plan", str(self.new_plan),
                "--json"]
-        return cmd + (["--last-switch-s", repr(self.last_switch_s)] if self.last_switch_s is not None else [])
+        return (cmd + (["--last-switch-s", repr(sw.last_switch_s)] if sw.last_switch_s is not None else [])
+                + (["--switch-s", repr(sw.switch_s)] if sw.switch_s is not None else []))
 
     def at_boundary(self, step: int) -> Stop | None:
         """At the step boundary after `step` trained steps: write the decision that finished since the last
         boundary, if any; start the next one when it is due. A Stop when the job is to switch now."""
-        stop = None
+        sw, stop = self.switches, None
+        if sw.left_s is not None and step > self.since_step:  # the new plan's first step: the switch is over
+            sw.switch_s, sw.left_s = round(max(0.0, self.now() - sw.left_s), 3), None
         if self.pending is not None and self.pending.done():
             stop = self._finish(self.pending.result(), step)
             self.pending = None
@@ -126,7 +147,8 @@ class Replanner:
         errors.say(log_line(row))
         if plan is None:
             return None
-        self.last_switch_s, self.switch_to = row["time_s"], plan
+        self.switch_to = plan
+        self.switches.last_switch_s, self.switches.left_s = row["time_s"], self.now()
         return Stop(drift_reason(row))
 
     def _switchable(self, row: dict) -> dict | None:
@@ -169,9 +191,9 @@ def drift_reason(row: dict) -> str:
 
 def start_replanning(ctx: RankContext, metrics, start_step: int, resumed: dict | None, **clocks) -> Replanner | None:
     """The controller rank's re-planning for this attempt, from step `start_step` (`resumed`: the extra
-    of the checkpoint it resumed from, which keeps the last switch; `clocks`: Replanner's clock, now and
-    start); None when replan.every_s is 0: then no decision is ever started and no row written."""
+    of the checkpoint it resumed from, which keeps the run's switches; `clocks`: Replanner's clock, now
+    and start); None when replan.every_s is 0: then no decision is ever started and no row written."""
     if not ctx.plan.job.replan.on:
         return None
-    last_switch = ((resumed or {}).get("replan") or {}).get("last_switch_s")
-    return Replanner(ctx.plan, ctx.run_dir, metrics, ctx.restarts_left, start_step, last_switch, **clocks)
+    switches = Switches.from_state((resumed or {}).get("replan"))
+    return Replanner(ctx.plan, ctx.run_dir, metrics, ctx.restarts_left, start_step, switches, **clocks)

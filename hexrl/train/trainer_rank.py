@@ -230,7 +230,7 @@ def switch_plans(ctx: RankContext, trainer: Trainer, controller: Controller | No
         return None
     plans = ctx.run_dir / "plans"
     path = elastic.record_plan(plans, replanner.switch_to, elastic.next_round(plans), stop.reason,
-                               switched_at_s=replanner.last_switch_s)
+                               switched_at_s=replanner.switches.last_switch_s)
     errors.say(f"[hexrl] switching plans ({stop.reason}): step {step} checkpointed; torchrun restarts every "
                f"rank into {path}")
     return path
