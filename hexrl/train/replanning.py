@@ -55,8 +55,9 @@ class Decision:
     def __init__(self, cmd: list[str]):
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, stdin=subprocess.DEVNULL)
-        try:  # it inherits the rank's cores: the controller thread and the trainer come first
-            os.setpriority(os.PRIO_PROCESS, self.proc.pid, 19)
+        try:  # it inherits the rank's cores: the controller thread and the trainer come first (a lower
+            # priority still, 19, starves it for minutes where the ranks keep every core busy)
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, 10)
         except OSError:  # already ended
             pass
 
