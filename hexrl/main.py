@@ -42,6 +42,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 # gloo group instead (through host memory), to compare the two
 COLOCATED_SYNC_ENV = "HEXRL_COLOCATED_SYNC"  # long steps are fine; dead peers are the watchdog's job
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: this attempt's number of restarts
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"  # set by torchrun: its --max-restarts
 
 
 @dataclass
@@ -202,6 +203,33 @@ def restart_count() -> int:
     return int(raw)
 
 
+def restarts_left() -> int:
+    """The restarts torchrun still allows this job (--max-restarts less those used): a switch of plans
+    (hexrl/train/replanning.py) needs one. Read before an elastic round renumbers the attempt."""
+    raw = os.environ.get(MAX_RESTARTS_ENV) or "0"
+    return max(0, int(raw) - restart_count()) if re.fullmatch(r"[0-9]{1,9}", raw) else 0
+
+
+def recorded_plan(args, rank: int) -> dict | None:
+    """After a torchrun restart of a launch that is not elastic, the run's newest recorded plan
+    (RUN_DIR/plans/<round>.json, where a switch of plans records the plan it restarts into); None on a
+    first attempt, or when none is recorded (the plan as given). Says so on rank 0."""
+    if restart_count() == 0:
+        return None
+    try:
+        run_dir = Path(args.run_dir or load_plan(args.plan).job.out_dir)
+        found = elastic.newest_plan(run_dir / "plans")
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: a recorded plan that is not JSON
+        refuse(rank, str(e))
+    if found is None:
+        return None
+    round_no, plan = found
+    if rank == 0:
+        errors.say(f"hexrl.main: torchrun restart {restart_count()}: the run's newest recorded plan, "
+                   f"{run_dir / 'plans' / f'{round_no}.json'} ({plan['predicted']['elastic']['reason']})")
+    return plan
+
+
 def restart_resume(args, rank: int) -> str | None:
     """What a restarted attempt continues from: the run directory's newest complete checkpoint, so
     metrics, trajectory accounting and the staleness gate go on as after a manual --resume. With no
@@ -295,12 +323,15 @@ def same_plan_problems(store, rank: int, digest: str, describe: dict[int, str]) 
     if first == digest:
         return []
     return [f"rank {rank} ({describe[rank]}) read a plan different from rank 0's ({describe[0]}): digest "
-            f"{digest} vs {first}; give every node the same plan.json and the same hexrl.main flags"]
+            f"{digest} vs {first}; give every node the same plan.json, the same hexrl.main flags and the same "
+            "run directory (a restarted attempt runs the newest plan in RUN_DIR/plans)"]
 
 
-def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdog: Watchdog) -> None:
-    """End the job (exit 2, every rank told why) if this rank is not where the plan puts it."""
-    digest = plan_digest(args.plan, args.steps)
+def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdog: Watchdog,
+                    running: dict | None = None) -> None:
+    """End the job (exit 2, every rank told why) if this rank is not where the plan puts it, or another
+    rank runs another plan (`running`: the plan this attempt runs, where it is not plan.json)."""
+    digest = plan_digest(args.plan, args.steps, running)
     problems = placement_problems(plan, rank, local_rank, node_rank_from_env(), args.node_name)
     if not problems:
         problems = same_plan_problems(store, rank, digest, watchdog.describe)
@@ -321,8 +352,9 @@ def is_peer_loss(e: BaseException) -> bool:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
-    agreed = elastic_round(args, rank, world, local_world)  # None: the plan as given
     try:
+        restarts = restarts_left()  # before an elastic round renumbers the attempt
+        agreed = elastic_round(args, rank, world, local_world) or recorded_plan(args, rank)  # None: as given
         args.resume = restart_resume(args, rank)
     except (ValueError, FileNotFoundError) as e:  # the restart count, or the run's checkpoints/latest
         refuse(rank, str(e))
@@ -336,8 +368,8 @@ def main(argv=None) -> None:
     describe = {r.rank: f"{r.role} on {node_label(plan, r.node)}, local rank {r.local_rank}" for r in plan.ranks}
     nodes = {r.rank: node_label(plan, r.node) for r in plan.ranks}
     watchdog = Watchdog(store, rank, world, describe, nodes=nodes).start()
-    check_placement(args, plan, store, rank, local_rank, watchdog)
-    role = plan.ranks[rank].role
+    check_placement(args, plan, store, rank, local_rank, watchdog, agreed)
+    role, leaving = plan.ranks[rank].role, False
     try:
         from hexrl.train.grid import build_grid
 
@@ -354,11 +386,12 @@ def main(argv=None) -> None:
                           sync_groups=groups.sync,
                           replica_group=groups.replica.get(info.replica) if role == "rollout" else None,
                           watchdog=watchdog, train_prompts=inputs.train, heldout_prompts=inputs.heldout,
-                          sync_ipc=groups.sync_ipc, groups=[name for name, _, _ in groups.described], secret=secret)
+                          sync_ipc=groups.sync_ipc, groups=[name for name, _, _ in groups.described], secret=secret,
+                          restarts_left=restarts)
         if role == "train":
             from hexrl.train.trainer_rank import run_trainer
 
-            run_trainer(ctx, grid)
+            leaving = run_trainer(ctx, grid) is not None  # the trainer ranks left to switch plans
         else:
             from hexrl.rollout.rollout_rank import run_rollout
 
@@ -379,9 +412,14 @@ def main(argv=None) -> None:
         watchdog.report_failure(cause)
         os._exit(1)  # skip destructors that could block in a collective
     # Every rank done with its collectives before any tears gloo down (else it can SIGABRT); a CPU
-    # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL.
+    # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL. Its sum tells
+    # every rank whether the trainer ranks left to switch plans: then all exit for torchrun to restart them.
     with dist_rules.host_collective():
-        dist.all_reduce(torch.zeros(1))
+        switching = torch.tensor([float(leaving)])
+        dist.all_reduce(switching)
+    if switching.item() > 0:
+        errors.record_message(f"hexrl.main (rank {rank}): left to switch plans into the newest RUN_DIR/plans; "
+                              "torchrun restarts the workers into it (launch with --max-restarts K)")
     watchdog.finish()
     dist.destroy_process_group()
     # Skip interpreter finalization: a gloo worker thread may still be dropping its last finished
@@ -390,7 +428,7 @@ def main(argv=None) -> None:
     # Every resource was closed above, so there is nothing left for finalization to do.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(elastic.SWITCH_EXIT if switching.item() > 0 else 0)
 
 
 if __name__ == "__main__":

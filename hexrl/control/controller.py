@@ -79,6 +79,7 @@ class Controller:
         self.delivered = 0  # newest version every live replica was told about
         self.redo: deque[int] = deque()  # dataset indices to hand out again first (after a resume)
         self.completion_tokens = 0  # counted as trajectories arrive, for rollout tokens/s
+        self.replica_tokens = {r.id: 0 for r in replicas}  # the same, per replica (this attempt only)
         self.rewards_clipped = 0  # trajectories whose reward was beyond rl.reward_bound
         self.failure: str | None = None
         self.rejected: Counter[str] = Counter()  # messages refused here (the router counts its own)
@@ -192,7 +193,9 @@ class Controller:
         with self.lock:
             acc = self.buffer.accounting()
             rejected = self._rejected()
-            return {**acc, "completion_tokens": self.completion_tokens, "too_stale": self.gate.too_stale,
+            per_replica = {str(r): n for r, n in self.replica_tokens.items()}  # str keys: msgpack maps take no ints
+            return {**acc, "completion_tokens": self.completion_tokens, "replica_tokens": per_replica,
+                    "too_stale": self.gate.too_stale,
                     "rewards_clipped": self.rewards_clipped, "env_timeouts": self.progress.env_timeouts,
                     "equal_groups_in_a_row": self.progress.equal_in_a_row,
                     "rejected_messages": sum(rejected.values()), "rejected_reasons": dict(rejected)}
@@ -332,6 +335,7 @@ class Controller:
             self.rewards_clipped += 1
         self.completion_tokens += traj.num_generated  # sampled tokens (an episode's observations are not)
         sent.lengths.append(traj.num_generated)
+        self.replica_tokens[replica] += traj.num_generated
         status = self.buffer.add(traj)
         if self.lengths is not None and status in ("accepted", "filtered"):  # complete: all n lengths known
             self.lengths.record(sent.problem_id, sent.lengths)
