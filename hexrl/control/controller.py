@@ -25,6 +25,7 @@ from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
 from hexrl.control.progress_watch import ProgressWatch
+from hexrl.data.datasets import token_budget
 from hexrl.trajectory import ID_DTYPE, to_array
 
 
@@ -46,9 +47,13 @@ class Controller:
     """Prompt dispatch, staleness gate, replay buffer and version bookkeeping (see module doc)."""
 
     def __init__(self, rl, cursor: DatasetCursor, encode_prompt, replicas: list[ReplicaInfo],
-                 router: RouterChannel, vocab_size: int, heartbeat_timeout_s: float = 60.0, env=None):
-        """`env` (the job's EnvSpec, or None): trajectories are episodes of that environment."""
+                 router: RouterChannel, vocab_size: int, heartbeat_timeout_s: float = 60.0, env=None,
+                 budget: dict | None = None):
+        """`env` (the job's EnvSpec, or None): trajectories are episodes of that environment. `budget`
+        (a synthetic task's, or None): each sample's token budget drifts with the version it is sampled
+        at (hexrl.data.datasets.token_budget), in place of rl.max_new_tokens."""
         self.rl, self.cursor, self.encode_prompt, self.router = rl, cursor, encode_prompt, router
+        self.budget = budget
         self.limits = token_limits(rl, env)
         self.vocab_size = vocab_size  # token ids at or above it are refused (the trainer has no row for them)
         self.replicas = {r.id: r for r in replicas}
@@ -233,7 +238,7 @@ class Controller:
             problem = self.cursor.problems[index]
             gid, prompt_ids = self.next_group, self.encode_prompt(problem.prompt)
             msg = message("prompt", group_id=gid, problem_id=problem.id, prompt_ids=prompt_ids,
-                          n=self.rl.group_size, sampling=self._sampling(gid), version=version,
+                          n=self.rl.group_size, sampling=self._sampling(gid, version), version=version,
                           answer=str(problem.answer), **({"tests": problem.tests} if problem.tests else {}))
             if not self.router.send(msg, to=self.replicas[replica].name, timeout_s=5):
                 self.redo.appendleft(index)
@@ -247,10 +252,11 @@ class Controller:
             self.in_flight[gid] = index
             self.next_group += 1
 
-    def _sampling(self, gid: int) -> dict:
+    def _sampling(self, gid: int, version: int) -> dict:
         rl = self.rl
+        budget = rl.max_new_tokens if self.budget is None else token_budget(self.budget, version)
         return {"temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
-                "max_new_tokens": rl.max_new_tokens, "seed": rl.seed * 1_000_003 + gid}
+                "max_new_tokens": budget, "seed": rl.seed * 1_000_003 + gid}
 
     def _receive(self, timeout_s: float) -> None:
         # drain everything waiting before dispatching again: replacements for filtered groups then go

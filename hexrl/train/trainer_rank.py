@@ -58,7 +58,8 @@ def start_controller(ctx: RankContext, tokenizer, train: list) -> Controller:
     replicas = [ReplicaInfo(r.id, r.share) for r in plan.replicas]
     cursor = DatasetCursor(train, seed=job.rl.seed)
     controller = Controller(job.rl, cursor, lambda text: tokenizer.encode(tokenizer.chat_prompt(text)),
-                            replicas, router, vocab_size=job.model.config.vocab_size, env=job.env)
+                            replicas, router, vocab_size=job.model.config.vocab_size, env=job.env,
+                            budget=(job.data.synthetic or {}).get("budget"))
     publish_endpoint(ctx.store, "controller", endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
     (ctx.run_dir / "controller_endpoint").write_text(endpoint + "\n")  # for operators' tools
