@@ -42,6 +42,7 @@ COLLECTIVE_TIMEOUT = timedelta(minutes=30)
 # gloo group instead (through host memory), to compare the two
 COLOCATED_SYNC_ENV = "HEXRL_COLOCATED_SYNC"  # long steps are fine; dead peers are the watchdog's job
 RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun: this attempt's number of restarts
+MAX_RESTARTS_ENV = "TORCHELASTIC_MAX_RESTARTS"  # set by torchrun: its --max-restarts
 
 
 @dataclass
@@ -202,6 +203,33 @@ def restart_count() -> int:
     return int(raw)
 
 
+def restarts_left() -> int:
+    """The restarts torchrun still allows this job (--max-restarts less those used): a switch of plans
+    (hexrl/train/replanning.py) needs one. Read before an elastic round renumbers the attempt."""
+    raw = os.environ.get(MAX_RESTARTS_ENV) or "0"
+    return max(0, int(raw) - restart_count()) if re.fullmatch(r"[0-9]{1,9}", raw) else 0
+
+
+def recorded_plan(args, rank: int) -> dict | None:
+    """After a torchrun restart of a launch that is not elastic, the run's newest recorded plan
+    (RUN_DIR/plans/<round>.json, where a switch of plans records the plan it restarts into); None on a
+    first attempt, or when none is recorded (the plan as given). Says so on rank 0."""
+    if restart_count() == 0:
+        return None
+    try:
+        run_dir = Path(args.run_dir or load_plan(args.plan).job.out_dir)
+        found = elastic.newest_plan(run_dir / "plans")
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: a recorded plan that is not JSON
+        refuse(rank, str(e))
+    if found is None:
+        return None
+    round_no, plan = found
+    if rank == 0:
+        errors.say(f"hexrl.main: torchrun restart {restart_count()}: the run's newest recorded plan, "
+                   f"{run_dir / 'plans' / f'{round_no}.json'} ({plan['predicted']['elastic']['reason']})")
+    return plan
+
+
 def restart_resume(args, rank: int) -> str | None:
     """What a restarted attempt continues from: the run directory's newest complete checkpoint, so
     metrics, trajectory accounting and the staleness gate go on as after a manual --resume. With no
@@ -310,6 +338,18 @@ def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdo
         os._exit(2)
 
 
+def switch_target(store, rank: int) -> str | None:
+    """The plan the job switches to (its RUN_DIR/plans file) when the controller rank ended the run to
+    switch plans; None when the run is done. Every rank then exits with elastic.SWITCH_EXIT, and torchrun
+    restarts them into that plan (`recorded_plan`; an elastic round keeps it)."""
+    if not store.check([elastic.SWITCH_KEY]):
+        return None
+    path = store.get(elastic.SWITCH_KEY).decode()
+    errors.record_message(f"hexrl.main (rank {rank}): left to switch plans into {path}; torchrun restarts the "
+                          "workers into it (launch with --max-restarts K)")
+    return path
+
+
 def is_peer_loss(e: BaseException) -> bool:
     """A collective broken from the other side (a peer's process or node died), not a bug here."""
     text = str(e)
@@ -321,8 +361,9 @@ def is_peer_loss(e: BaseException) -> bool:
 def main(argv=None) -> None:
     args = parse_args(argv)
     rank, world, local_rank, local_world = world_from_env()
-    agreed = elastic_round(args, rank, world, local_world)  # None: the plan as given
     try:
+        restarts = restarts_left()  # before an elastic round renumbers the attempt
+        agreed = elastic_round(args, rank, world, local_world) or recorded_plan(args, rank)  # None: as given
         args.resume = restart_resume(args, rank)
     except (ValueError, FileNotFoundError) as e:  # the restart count, or the run's checkpoints/latest
         refuse(rank, str(e))
@@ -354,7 +395,8 @@ def main(argv=None) -> None:
                           sync_groups=groups.sync,
                           replica_group=groups.replica.get(info.replica) if role == "rollout" else None,
                           watchdog=watchdog, train_prompts=inputs.train, heldout_prompts=inputs.heldout,
-                          sync_ipc=groups.sync_ipc, groups=[name for name, _, _ in groups.described], secret=secret)
+                          sync_ipc=groups.sync_ipc, groups=[name for name, _, _ in groups.described], secret=secret,
+                          restarts_left=restarts)
         if role == "train":
             from hexrl.train.trainer_rank import run_trainer
 
@@ -382,6 +424,7 @@ def main(argv=None) -> None:
     # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL.
     with dist_rules.host_collective():
         dist.all_reduce(torch.zeros(1))
+    switch = switch_target(store, rank)  # after the barrier: the controller rank has said so if at all
     watchdog.finish()
     dist.destroy_process_group()
     # Skip interpreter finalization: a gloo worker thread may still be dropping its last finished
@@ -390,7 +433,7 @@ def main(argv=None) -> None:
     # Every resource was closed above, so there is nothing left for finalization to do.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(elastic.SWITCH_EXIT if switch else 0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from hexrl.control.metrics import read_metrics
 from hexrl.model.tiny import make_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,10 +72,9 @@ def torchrun_node(plan: Path, run_dir: Path, node_rank: int, nnodes: int, nproc:
 
 
 def metrics(run_dir: Path) -> list[dict]:
+    """The run's step rows so far (its events, such as re-planning decisions, left out)."""
     path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip().endswith("}")]
+    return read_metrics(path) if path.exists() else []
 
 
 def wait_for(cond, timeout_s: float, proc: subprocess.Popen | None = None) -> bool:

@@ -15,7 +15,15 @@ from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
-from hexrl.control.metrics import REQUIRED_KEYS, MetricsWriter, read_metrics, staleness_histogram
+from hexrl.control.metrics import (
+    REQUIRED_KEYS,
+    MetricsWriter,
+    length_stats,
+    read_events,
+    read_metrics,
+    replica_rates,
+    staleness_histogram,
+)
 from hexrl.data.problems import Problem
 from hexrl.trajectory import Trajectory
 
@@ -447,6 +455,32 @@ def test_lengths_rows_are_truncated_on_resume_like_metrics(tmp_path):
                     {"step": 2, "problem_ids": ["q", "q"], "group_ids": [7, 7], "lengths": [4, 6]}]
     with pytest.raises(ValueError, match="step 4: 2 problem ids, 2 group ids and 1 lengths"):
         MetricsWriter(tmp_path, console=None, tensorboard=False).log_lengths(4, ["a", "a"], [1, 1], [2])
+
+
+def test_decision_events_are_lines_of_their_own_that_step_readers_skip(tmp_path):
+    """A re-planning decision is one line in metrics.jsonl among the step rows: readers of steps never
+    see it, `read_events` gives it, and a resume keeps it when it was taken at or before the resumed step."""
+    w = MetricsWriter(tmp_path, console=None, tensorboard=False)
+    w.log(record(1))
+    w.log_event({"event": "replan", "step": 1, "taken": False, "why": "no step measured yet"})
+    w.log(record(2))
+    w.log_event({"event": "replan", "step": 2, "taken": True})
+    with pytest.raises(ValueError, match="an 'event' name and an int 'step'"):
+        w.log_event({"taken": True})
+    w.close()
+    path = tmp_path / "metrics.jsonl"
+    assert [r["step"] for r in read_metrics(path)] == [1, 2]
+    assert [(e["step"], e["taken"]) for e in read_events(path, "replan")] == [(1, False), (2, True)]
+    MetricsWriter(tmp_path, console=None, tensorboard=False, resume_step=1).close()  # step 2 is redone
+    assert [e["step"] for e in read_events(path, "replan")] == [1] and len(read_metrics(path)) == 1
+
+
+def test_a_steps_output_lengths_and_each_replicas_rate():
+    assert length_stats([5, 1, 3, 100, 2, 4, 6, 7, 8, 9]) == {
+        "output_len_mean": 14.5, "output_len_p50": 5, "output_len_p90": 9, "output_len_max": 100}
+    assert length_stats([])["output_len_mean"] is None
+    # tokens per replica at the step's start and end, 2 s apart; replica ids become JSON keys
+    assert replica_rates({0: 10, 1: 0}, {0: 30, 1: 8}, 2.0) == {"0": 10.0, "1": 4.0}
 
 
 # ---------------------------------------------------------------- heartbeats

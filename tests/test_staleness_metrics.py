@@ -343,7 +343,7 @@ def test_untimed_work_runs_before_the_rollout_hears_of_the_new_version(monkeypat
     monkeypatch.setattr(worker, "share_batch", lambda batch, *a: batch)
     monkeypatch.setattr(worker, "sync_weights", lambda *a: events.append("sync") or 0.0)
     traj = Trajectory(group_id=0, prompt_ids=[1], completion_ids=[2], logprobs=[-1.0], versions=[0], reward=1.0)
-    counters = Zeros(filtered={}, dropped={}, rejected_reasons={})
+    counters = Zeros(filtered={}, dropped={}, rejected_reasons={}, replica_tokens={})
     controller = NS(counters=lambda: counters, next_batch=lambda: [NS(group_id=0, trajectories=[traj])],
                     choose_eta=lambda *a: 4,
                     publish_version=lambda v: events.append("publish"), wait_delivered=lambda v: None)

@@ -94,6 +94,15 @@ def test_controller_trains_only_what_it_dispatched_to_that_peer(job):
     assert sum(c["dropped"].values()) == 0  # the rejected groups held no filed sample
 
 
+def test_the_controller_counts_each_replicas_generated_tokens(job):
+    ctl, (d0, _) = job
+    p = next_prompt(d0)
+    for reward in (0.0, 1.0):
+        d0.send(trajectory(p["group_id"], p["problem_id"], tokens=(6, 7, 8), reward=reward))
+    settle(ctl, "completion_tokens", 6)
+    assert ctl.counters()["replica_tokens"] == {0: 6, 1: 0}  # the step rows' replica_tokens_per_s come from it
+
+
 def nd(dtype: str, shape: list, data: bytes, kind: str = "numpy") -> dict:
     """An array as the wire carries it (hexrl.comm.wire's tagged map), with whatever a forger puts in it."""
     return {"__nd__": True, "dtype": dtype, "shape": shape, "kind": kind, "data": data}

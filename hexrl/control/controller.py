@@ -72,6 +72,7 @@ class Controller:
         self.delivered = 0  # newest version every live replica was told about
         self.redo: deque[int] = deque()  # dataset indices to hand out again first (after a resume)
         self.completion_tokens = 0  # counted as trajectories arrive, for rollout tokens/s
+        self.replica_tokens = {r.id: 0 for r in replicas}  # the same, per replica (this attempt only)
         self.rewards_clipped = 0  # trajectories whose reward was beyond rl.reward_bound
         self.failure: str | None = None
         self.rejected: Counter[str] = Counter()  # messages refused here (the router counts its own)
@@ -185,7 +186,8 @@ class Controller:
         with self.lock:
             acc = self.buffer.accounting()
             rejected = self._rejected()
-            return {**acc, "completion_tokens": self.completion_tokens, "too_stale": self.gate.too_stale,
+            return {**acc, "completion_tokens": self.completion_tokens, "replica_tokens": dict(self.replica_tokens),
+                    "too_stale": self.gate.too_stale,
                     "rewards_clipped": self.rewards_clipped, "env_timeouts": self.progress.env_timeouts,
                     "equal_groups_in_a_row": self.progress.equal_in_a_row,
                     "rejected_messages": sum(rejected.values()), "rejected_reasons": dict(rejected)}
@@ -298,6 +300,7 @@ class Controller:
             traj.reward = math.copysign(self.rl.reward_bound, traj.reward)
             self.rewards_clipped += 1
         self.completion_tokens += traj.num_generated  # sampled tokens (an episode's observations are not)
+        self.replica_tokens[replica] += traj.num_generated
         status = self.buffer.add(traj)
         if status != "pending":
             self._group_done(gid, trained=status == "accepted")

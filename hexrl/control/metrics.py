@@ -1,6 +1,8 @@
 """Per-step metrics: one JSON object per line in run_dir/metrics.jsonl, a console line, and
 TensorBoard scalars when `torch.utils.tensorboard` imports; and each trained sample's problem, group
 and generated length in run_dir/lengths.jsonl (one line per step, kept out of metrics.jsonl's rows).
+An event (a re-planning decision) is a line of its own in metrics.jsonl, told apart from a step row
+by its "event" key: `read_metrics` gives the step rows, `read_events` the events.
 
 Each line is flushed and fsynced, so a crash loses at most the step being written (a torn
 last line is skipped by `read_metrics`).
@@ -48,8 +50,24 @@ def _jsonable(value):
     return value
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """All complete records of a metrics.jsonl (a torn last line from a crash is skipped)."""
+def length_stats(lengths: list[int]) -> dict:
+    """A step's generated tokens per sample: mean, median, 90th percentile and longest (nearest rank)."""
+    s = sorted(lengths)
+    if not s:
+        return {"output_len_mean": None, "output_len_p50": None, "output_len_p90": None, "output_len_max": None}
+    rank = lambda q: s[max(0, math.ceil(q * len(s)) - 1)]  # noqa: E731
+    return {"output_len_mean": sum(s) / len(s), "output_len_p50": rank(0.5), "output_len_p90": rank(0.9),
+            "output_len_max": s[-1]}
+
+
+def replica_rates(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """{replica id: tokens generated per second} between two readings of the controller's per-replica
+    token counts (`counters()["replica_tokens"]`) `seconds` apart."""
+    return {str(r): (n - before.get(r, 0)) / max(seconds, 1e-9) for r, n in sorted(after.items())}
+
+
+def read_records(path: str | os.PathLike) -> list[dict]:
+    """All complete records of a JSONL file (a torn last line from a crash is skipped)."""
     records = []
     for line in Path(path).read_text().splitlines():
         try:
@@ -59,10 +77,20 @@ def read_metrics(path: str | os.PathLike) -> list[dict]:
     return records
 
 
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The step rows of a metrics.jsonl (or every record of another JSONL file, none of which is an event)."""
+    return [r for r in read_records(path) if "event" not in r]
+
+
+def read_events(path: str | os.PathLike, kind: str) -> list[dict]:
+    """The events of one kind in a metrics.jsonl (e.g. "replan": every re-planning decision)."""
+    return [r for r in read_records(path) if r.get("event") == kind]
+
+
 def truncate_after(path: Path, step: int) -> None:
     """Keep only the records of `path` (a JSONL of {"step": ...}) up to `step`: on resume from that
     checkpoint, the steps after it are redone and must not be listed twice."""
-    keep = [r for r in read_metrics(path) if r.get("step", -1) <= step]
+    keep = [r for r in read_records(path) if r.get("step", -1) <= step]
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in keep))
     os.replace(tmp, path)
@@ -106,6 +134,12 @@ class MetricsWriter:
             print(format_line(record), file=self.console, flush=True)
         if self.tb is not None:
             self._log_tensorboard(record)
+
+    def log_event(self, record: dict) -> None:
+        """Append one event line (a dict with "event" and "step": the step boundary it was taken at)."""
+        if not isinstance(record.get("event"), str) or not isinstance(record.get("step"), int):
+            raise ValueError(f"an event record needs an 'event' name and an int 'step', got {sorted(record)}")
+        _append(self.file, _jsonable(record))
 
     def log_lengths(self, step: int, problem_ids: list, group_ids: list[int], lengths: list[int]) -> None:
         """Append one line to lengths.jsonl: the step's trained samples, in batch order (flush + fsync)."""

@@ -2,7 +2,8 @@
 
     python -m hexrl.plan JOB.json -o PLAN.json [--baseline exhaustive|homogeneous|uniform] [--draw plan.png] [--json]
     python -m hexrl.plan simulate PLAN.json [--steps 12] [--warmup 2] [--gantt gantt.png] [--json out.json]
-    python -m hexrl.plan replan RUN_DIR [--switch-s S] [--json]
+    python -m hexrl.plan replan RUN_DIR [--plan PLAN.json] [--switch-s S] [--now-s T --last-switch-s T]
+                                [--since-step S] [--new-plan NEW.json] [--json]
 
 The first plans a job; the second runs the plan through the discrete-event simulator
 (tokens/s, idle fractions, staleness histogram, a Gantt chart of the first steps); the third says
@@ -186,12 +187,19 @@ def replan_main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m hexrl.plan replan",
                                  description="What a run's measurements imply; the run is not touched.")
     ap.add_argument("run_dir", help="a run directory holding plan.json and metrics.jsonl")
+    ap.add_argument("--plan", help="the running plan (default: RUN_DIR/plan.json)")
     ap.add_argument("--switch-s", type=float, help="seconds a switch costs (default: the job's replan.switch_s)")
+    ap.add_argument("--now-s", type=float, default=0.0, help="the decision's time (the clock of --last-switch-s)")
+    ap.add_argument("--last-switch-s", type=float, help="when the run last switched plans (default: never)")
+    ap.add_argument("--since-step", type=int, default=0, help="measure only the steps after this one "
+                    "(those the running plan trained)")
+    ap.add_argument("--new-plan", help="write the plan to switch to here, when the decision is to switch")
     ap.add_argument("--no-profiles", action="store_true", help="ignore measured profiles/<gpu>.json")
     ap.add_argument("--json", action="store_true", help="print the decision as one JSON object")
     args = ap.parse_args(argv)
     run = Path(args.run_dir)
-    missing = [str(run / f) for f in ("plan.json", "metrics.jsonl") if not (run / f).is_file()]
+    plan_path = Path(args.plan) if args.plan else run / "plan.json"
+    missing = [str(f) for f in (plan_path, run / "metrics.jsonl") if not f.is_file()]
     if missing:
         print(f"replan: {', '.join(missing)} not found", file=sys.stderr)
         return 2
@@ -199,12 +207,15 @@ def replan_main(argv) -> int:
         print(f"--switch-s: must be >= 0, got {args.switch_s:g}", file=sys.stderr)
         return 2
     try:
-        plan = load_plan(run / "plan.json", check_paths=False)
-        records = read_metrics(run / "metrics.jsonl")
-        row, _ = decide(plan, records, now_s=0.0, switch_s=args.switch_s, use_profiles=not args.no_profiles)
+        plan = load_plan(plan_path, check_paths=False)
+        records = [r for r in read_metrics(run / "metrics.jsonl") if r.get("step", 0) > args.since_step]
+        row, new = decide(plan, records, now_s=args.now_s, last_switch_s=args.last_switch_s, switch_s=args.switch_s,
+                          use_profiles=not args.no_profiles)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
+    if new is not None and args.new_plan:
+        new.save(args.new_plan)
     print(json.dumps(row) if args.json else replan_report(row))
     return 0
 

@@ -37,6 +37,7 @@ class RankContext:
     sync_ipc: bool = False  # the weight sync groups share this GPU: weights go by CUDA IPC (hexrl/comm/weights.py)
     groups: list[str] = field(default_factory=list)  # every group's name, in creation order (effective_config)
     secret: bytes = b""  # the job's channel secret (hexrl.comm.secret), never sent through the store
+    restarts_left: int = 0  # torchrun restarts the launch still allows (--max-restarts less those used)
 
     @property
     def info(self) -> RankInfo:

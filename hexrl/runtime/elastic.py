@@ -35,6 +35,8 @@ from hexrl.schema import Plan
 PREFIX = "hexrl/elastic/"
 PLAN_TIMEOUT = timedelta(minutes=10)  # rank 0 runs the planner while the others wait
 POLL = timedelta(seconds=1)  # how long a rank waits on a result before it reads the leader key again
+SWITCH_KEY = "hexrl/switch"  # in the attempt's store: the recorded plan the ranks leave to restart into
+SWITCH_EXIT = 3  # every rank's exit code when the job switches plans: torchrun restarts the workers
 
 
 @dataclass
@@ -150,6 +152,27 @@ def next_round(plans_dir: Path) -> int:
     return max(done, default=-1) + 1
 
 
+def newest_plan(plans_dir: Path) -> tuple[int, dict] | None:
+    """(round, plan.json as a dict) of the run's newest recorded plan (RUN_DIR/plans/<round>.json), the one
+    the job ran last; None when none is recorded."""
+    round_no = next_round(plans_dir) - 1
+    if round_no < 0:
+        return None
+    return round_no, json.loads((plans_dir / f"{round_no}.json").read_text())
+
+
+def record_plan(plans_dir: Path, plan: dict, round_no: int, why: str, **more) -> Path:
+    """Write `plan` as RUN_DIR/plans/<round_no>.json, its nodes and `why` under predicted.elastic (with
+    `more`), complete or not at all (a rename): the newest recorded plan is what a restart runs."""
+    plans_dir.mkdir(parents=True, exist_ok=True)
+    names = [n["name"] for n in plan["cluster"]["nodes"]]
+    plan["predicted"]["elastic"] = {"round": round_no, "nodes": names, "reason": why, **more}
+    path, tmp = plans_dir / f"{round_no}.json", plans_dir / f".{round_no}.json.tmp"
+    tmp.write_text(json.dumps(plan, indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 def lead(store, hello: Hello, world: int, round_no: int, plan_round) -> tuple[int, dict]:
     """Rank 0's side: a fresh round id, every rank's hello, then `plan_round(round_no, hellos)` (a dict
     with "plan" or "error") shared as this round's result. Returns (round_no, result)."""
@@ -259,18 +282,25 @@ def run_planner(job: dict, out: Path) -> tuple[dict | None, str]:
 
 
 def plan_round(plan: Plan, job: str, run_dir: Path, round_no: int, hellos: list[Hello]) -> dict:
-    """Rank 0's plan for this round: {"plan": plan.json as a dict} or {"error": what is missing}."""
+    """Rank 0's plan for this round: {"plan": plan.json as a dict} or {"error": what is missing}. The
+    nodes of the newest recorded plan, in its order, keep that plan (a switch re-planned it on the
+    run's measurements); otherwise the planner plans the job for the nodes present."""
     if problems := membership_problems(plan, hellos, job):
         return {"error": "\n  ".join(problems)}
     names = present_nodes(hellos)
     plans = run_dir / "plans"
     plans.mkdir(parents=True, exist_ok=True)
     why = reason(names, previous_nodes(plans, plan, round_no), round_no)
-    new, message = run_planner(restrict(plan, names), plans / f"{round_no}.json")
-    if new is None:
-        missing = [n.name for n in plan.job.cluster.nodes if n.name not in names]
-        return {"error": f"the nodes present ({', '.join(names)}) cannot run this job"
-                         + (f" without {', '.join(missing)}" if missing else "") + f": {message}"}
-    new["predicted"]["elastic"] = {"round": round_no, "nodes": names, "reason": why}
-    (plans / f"{round_no}.json").write_text(json.dumps(new, indent=1) + "\n")
+    newest, kept = newest_plan(plans), {}
+    if newest is not None and [n["name"] for n in newest[1]["cluster"]["nodes"]] == names:
+        new = newest[1]
+        kept = {"plan_of": new["predicted"].get("elastic", {}).get("plan_of", newest[0])}  # the round that made it
+        why += f"; the plan of round {kept['plan_of']} kept"
+    else:
+        new, message = run_planner(restrict(plan, names), plans / f"{round_no}.json")
+        if new is None:
+            missing = [n.name for n in plan.job.cluster.nodes if n.name not in names]
+            return {"error": f"the nodes present ({', '.join(names)}) cannot run this job"
+                             + (f" without {', '.join(missing)}" if missing else "") + f": {message}"}
+    record_plan(plans, new, round_no, why, **kept)
     return {"plan": new, "reason": why}

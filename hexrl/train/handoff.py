@@ -12,12 +12,16 @@ What crosses the wire, and why:
   all get the same bytes. The controller rank's link carries the batch once, not once per rank.
 - Every rank builds its own micro-batch tensors from its arrays, in parallel with the others.
 - A bad batch: every rank receives the same error and raises it, as when each checked the batch.
+- A stop (the job switches plans at this step boundary; hexrl/train/replanning.py): every rank gets
+  the same `Stop` in place of a share, and none trains the step.
 
 The payload is msgpack: ints, lists of ints and raw little-endian arrays (bytes of a dtype fixed
 per field, never pickle). `decode_share` checks every size against the others and refuses a bad
 payload with one error naming each field.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import msgpack
 import numpy as np
@@ -31,6 +35,13 @@ VERSION = 1
 ARRAYS = {"index": "<i8", "prompt_lens": "<i8", "completion_lens": "<i8", "generated": "<i8", "adv": "<f4",
           "tokens": "<i8", "mask": "|b1", "logprobs": "<f4", "versions": "<i8"}  # Packed's fields
 SUMMARY = ("sequences", "groups", "groups_filtered")
+
+
+@dataclass(frozen=True)
+class Stop:
+    """In place of a batch: every trainer rank leaves the step loop at this boundary, for `reason`."""
+
+    reason: str
 
 
 def encode_share(share: RankShare) -> bytes:
@@ -49,6 +60,11 @@ def encode_share(share: RankShare) -> bytes:
 def encode_error(error: str) -> bytes:
     """A bad batch: what every rank raises."""
     return msgpack.packb({"v": VERSION, "error": error})
+
+
+def encode_stop(stop: Stop) -> bytes:
+    """A stop: what every rank returns in place of its share."""
+    return msgpack.packb({"v": VERSION, "stop": stop.reason})
 
 
 def _ints(value, depth: int = 1, lo: int = 0) -> bool:
@@ -126,9 +142,9 @@ def _summary(s, problems: list[str]) -> BatchSummary | None:
     return BatchSummary(*(s[k] for k in SUMMARY), s["oldest_version"], dict(zip(s["versions"], s["version_tokens"])))
 
 
-def decode_share(raw: bytes, vocab_size: int | None = None) -> RankShare:
-    """A share from `encode_share`'s bytes; raises ValueError naming every bad field (the sender's
-    error, as sent, for a bad batch)."""
+def decode_share(raw: bytes, vocab_size: int | None = None) -> RankShare | Stop:
+    """A share from `encode_share`'s bytes (a Stop from `encode_stop`'s); raises ValueError naming every
+    bad field (the sender's error, as sent, for a bad batch)."""
     try:
         msg = msgpack.unpackb(raw)
     except Exception as e:  # noqa: BLE001 - any malformed msgpack is one refusal
@@ -137,6 +153,8 @@ def decode_share(raw: bytes, vocab_size: int | None = None) -> RankShare:
         raise ValueError(f"hand-off: not a version {VERSION} map")
     if isinstance(msg.get("error"), str):
         raise ValueError(msg["error"])
+    if isinstance(msg.get("stop"), str):
+        return Stop(msg["stop"])
     problems = []
     counts, loss_tokens = msg.get("counts"), msg.get("num_loss_tokens")
     if not _ints(counts, depth=2, lo=1):
@@ -152,16 +170,18 @@ def decode_share(raw: bytes, vocab_size: int | None = None) -> RankShare:
     return RankShare(Packed(**arrays), counts, loss_tokens, summary)
 
 
-def share_batch(batch: list[Trajectory] | None, trainer) -> list[Trajectory] | RankShare:
+def share_batch(batch: list[Trajectory] | Stop | None, trainer) -> list[Trajectory] | RankShare | Stop:
     """This trainer rank's share of the step (collective over the trainer ranks): the controller rank
-    passes the batch, every other rank None. A single trainer rank keeps the batch as it is."""
+    passes the batch (or a Stop), every other rank None. A single trainer rank keeps what it passed."""
     g = trainer.grid
     if g.trainer_group is None:
         return batch
     L, device = g.layout, trainer.device
     src, leader = L.rank(0, 0, 0), L.rank(0, g.dp_rank, 0)
     payloads, own, error = {}, None, None
-    if batch is not None:
+    if isinstance(batch, Stop):
+        own, payloads = batch, {L.rank(0, d, 0): encode_stop(batch) for d in range(L.dp)}
+    elif batch is not None:
         try:
             plan = trainer.plan(batch)
             own = plan.share(batch, 0)
@@ -175,7 +195,7 @@ def share_batch(batch: list[Trajectory] | None, trainer) -> list[Trajectory] | R
         raw = scatter_bytes({src: b"", **payloads} if batch is not None else None, src, g.dp_group, device)
     if replica is not None:  # and hands it to the rest of its replica
         if g.rank == src:
-            raw = payloads[src] if error is not None else encode_share(own)
+            raw = payloads[src] if error is not None or isinstance(own, Stop) else encode_share(own)
         raw = broadcast_bytes(raw if g.rank == leader else None, leader, replica, device)
     if error is not None:
         raise error

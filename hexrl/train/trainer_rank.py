@@ -19,20 +19,28 @@ from hexrl.comm.store import publish_endpoint
 from hexrl.comm.weights import IpcSender, ShardSender, SyncLink, shard_layout, stage_specs
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
-from hexrl.control.metrics import MetricsWriter, equal_reward_share, staleness_histogram, truncate_after
+from hexrl.control.metrics import (
+    MetricsWriter,
+    equal_reward_share,
+    length_stats,
+    replica_rates,
+    staleness_histogram,
+    truncate_after,
+)
 from hexrl.data.heldout import greedy_accuracy
 from hexrl.data.tokenizer import load_tokenizer, tokenizer_files
 from hexrl.model.hf_checkpoint import load_pretrained
 from hexrl.rewards import reward_fn_by_name
-from hexrl.runtime import effective
+from hexrl.runtime import effective, elastic, errors
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.nodes import bind_host
 from hexrl.schema.knobs import TrainKnobs
 
 from .checkpoint import full_param, shard_dims
 from .export import write_model_files
-from .handoff import share_batch
+from .handoff import Stop, share_batch
 from .probe import PolicyProbe, probe_batch
+from .replanning import Replanner
 from .trainer import DTYPES, TrainConfig, Trainer
 
 
@@ -174,36 +182,77 @@ def run_trainer(ctx: RankContext, grid) -> None:
         probe.measure(trainer)
     if start_step == 0:
         evaluator.maybe(trainer, 0)
+    replanner = None
     if is_controller:  # after the untimed evaluation: the rollout starts with the run's clock
         evaluator.start_clock()
         controller.start()
+        if job.replan.on:
+            last_switch = (extra.get("replan") or {}).get("last_switch_s") if ctx.resume is not None else None
+            replanner = Replanner(ctx.plan, ctx.run_dir, metrics, ctx.restarts_left, start_step, last_switch)
     rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
             controller.wait_delivered(trainer.version)
         sync_weights(ctx, trainer, rollout_dtype)
+    stop = None
     try:
         for step in range(start_step, job.rl.steps):
-            run_step(ctx, trainer, controller, metrics, evaluator, step, rollout_dtype, probe)
-        trainer.export_hf(ctx.run_dir / "final", extra_files=tokenizer_files(job.model.path))
+            stop = run_step(ctx, trainer, controller, metrics, evaluator, step, rollout_dtype, probe, replanner)
+            if stop is not None:
+                switch_plans(ctx, trainer, controller, replanner, step, stop)
+                break
+        else:
+            trainer.export_hf(ctx.run_dir / "final", extra_files=tokenizer_files(job.model.path))
     finally:
+        if replanner is not None:
+            replanner.close()
         if controller is not None:
-            controller.stop()
+            controller.stop("switching plans" if stop is not None else "done")
         if metrics is not None:
             metrics.close()
 
 
+def checkpoint_extra(step: int, controller: Controller | None, replanner: Replanner | None) -> dict:
+    """What a checkpoint keeps beside the weights: the step, the controller's state, when the run last
+    switched plans."""
+    return {"step": step, "controller": controller.state() if controller else None,
+            **({"replan": replanner.state()} if replanner else {})}
+
+
+def switch_plans(ctx: RankContext, trainer: Trainer, controller: Controller | None, replanner: Replanner | None,
+                 step: int, stop: Stop) -> None:
+    """Leave for another plan at the boundary after `step` trained steps: checkpoint (collective; every
+    trained step kept), and on the controller rank record the plan as the run's next round and tell
+    every rank, through the store, to exit for torchrun to restart it into that plan (hexrl/main.py)."""
+    trainer.save(ctx.run_dir / "checkpoints", checkpoint_extra(step, controller, replanner))
+    if replanner is None:
+        return
+    plans = ctx.run_dir / "plans"
+    path = elastic.record_plan(plans, replanner.switch_to, elastic.next_round(plans), stop.reason,
+                               switched_at_s=replanner.last_switch_s)
+    ctx.store.set(elastic.SWITCH_KEY, str(path))
+    errors.say(f"[hexrl] switching plans ({stop.reason}): step {step} checkpointed; torchrun restarts every "
+               f"rank into {path}")
+
+
 def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, metrics, evaluator: HeldoutEval,
-             step: int, dtype, probe: PolicyProbe | None = None) -> None:
+             step: int, dtype, probe: PolicyProbe | None = None, replanner: Replanner | None = None) -> Stop | None:
+    """Train step `step` + 1 (every trainer rank; the controller rank also hands out the batch and writes
+    the metrics), or, when the controller rank's re-planning decides to switch plans at this boundary,
+    train nothing and return the Stop on every trainer rank."""
     job, t0 = ctx.plan.job, time.perf_counter()
+    stop = replanner.at_boundary(step) if replanner else None
     before = controller.counters() if controller else None
-    groups = controller.next_batch() if controller else None
+    groups = controller.next_batch() if controller and stop is None else None
     # in group-id order, not completion order: which replica finished first must not change the
     # mini-batches (a run with eta=0 is then reproducible, on one node or several)
     batch = ([t for g in sorted(groups, key=lambda g: g.group_id) for t in g.trajectories]
              if groups is not None else None)
     t_batch = time.perf_counter()
-    share = share_batch(batch, trainer)  # this rank's part; the controller rank keeps the batch
+    # this rank's part (the controller rank keeps the batch), or the stop every rank returns
+    share = share_batch(stop if stop is not None else batch, trainer)
+    if isinstance(share, Stop):
+        return share
     version_before = trainer.version
     out = trainer.step(share)
     t_train = time.perf_counter()
@@ -223,7 +272,7 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             controller.wait_delivered(trainer.version)  # wakes, and raises, on a controller failure
         sync_s = sync_weights(ctx, trainer, dtype)
     if controller:
-        c = controller.counters()
+        c, lengths = controller.counters(), [t.num_generated for t in batch]
         elapsed = time.perf_counter() - t0
         metrics.log({
             "step": step + 1, "version": trainer.version,
@@ -239,6 +288,7 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             "rejected_messages": c["rejected_messages"],
             "rejected_reasons": c["rejected_reasons"],
             "rollout_tokens_per_s": (c["completion_tokens"] - before["completion_tokens"]) / elapsed,
+            "replica_tokens_per_s": replica_rates(before["replica_tokens"], c["replica_tokens"], elapsed),
             "train_tokens_per_s": sum(t.num_tokens for t in batch) / max(t_train - t_batch, 1e-9),
             "weight_sync_s": sync_s, "wait_s": t_batch - t0, "train_s": t_train - t_batch, "step_s": elapsed,
             "loss": out["loss"], "clip_frac": out["clip_frac"], "capped_frac": out["capped_frac"],
@@ -253,13 +303,13 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, 
             # how the batch's samples ended (an episode: its environment's reason, or why it was cut)
             "finish_reasons": dict(Counter(t.finish_reason for t in batch)),
             "turns_mean": sum(t.meta.get("turns", 1) for t in batch) / len(batch),
+            **length_stats(lengths),  # what re-planning measures the workload by
             "heldout_accuracy": accuracy, "wall_s": evaluator.wall(),
         })
-        metrics.log_lengths(step + 1, [t.problem_id for t in batch], [t.group_id for t in batch],
-                            [t.num_generated for t in batch])
+        metrics.log_lengths(step + 1, [t.problem_id for t in batch], [t.group_id for t in batch], lengths)
     # The step's metrics row is written before its checkpoint: a kill between the two then redoes the
     # step on resume (its row is replaced), instead of resuming past a step whose row was never written.
     every = job.rl.checkpoint_every
     if last or (every and (step + 1) % every == 0):
-        extra = {"step": step + 1, "controller": controller.state() if controller else None}
-        trainer.save(ctx.run_dir / "checkpoints", extra)
+        trainer.save(ctx.run_dir / "checkpoints", checkpoint_extra(step + 1, controller, replanner))
+    return None

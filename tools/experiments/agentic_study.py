@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hexrl.control.metrics import read_metrics
 from hexrl.data.datasets import load_dataset
 from hexrl.data.tokenizer import DEFAULT_ALPHABET, CharTokenizer
 from hexrl.envs import Problem
@@ -150,7 +151,7 @@ def arm(out: Path, tool: bool, seed: int, train, heldout, a) -> dict:
     t1 = time.time()
     run = rl(d, d / "model", tool, seed, a)
     after = evaluate(run / "final", heldout, tool)
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run / "metrics.jsonl")
     res = {"arm": name, "tool": tool, "seed": seed, "sft_loss": loss, "before": before, "after": after,
            "warm_start_s": round(t1 - t0, 1), "rl_s": round(time.time() - t1, 1),
            "train_reward": [m["reward_mean"] for m in metrics], "turns_mean": [m["turns_mean"] for m in metrics]}

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+from hexrl.control.metrics import read_metrics
 from tools.experiments.plot_run import plot
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -130,7 +131,7 @@ def run_config(out: Path, job: dict, target: float, before=None) -> dict:
 
 
 def summarize(run: Path, target: float = 0.8) -> dict:
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run / "metrics.jsonl")
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     wall = metrics[-1]["wall_s"]
     hit = next((e for e in evals if e["heldout_accuracy"] >= target), None)  # first evaluation at the target

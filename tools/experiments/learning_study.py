@@ -34,6 +34,8 @@ from unittest import mock
 
 import numpy as np
 
+from hexrl.control.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[2]
 STUDY = [("0", True), ("1", True), ("2", True), ("4", True), ("4", False)]  # (eta, decoupled)
 TARGETS = (0.7, 0.8, 0.9)  # held-out accuracy levels: steps and wall seconds to reach each
@@ -46,7 +48,7 @@ SIM_KEYS = ("step_s", "train_s", "trainer_idle", "rollout_idle", "mean_staleness
 
 def run_stats(run: Path) -> dict:
     """What the study reports for one finished run (metrics.jsonl, eval.jsonl, cpu/rank*.json)."""
-    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    metrics = read_metrics(run / "metrics.jsonl")
     evals = [json.loads(x) for x in (run / "eval.jsonl").read_text().splitlines()]
     wall = metrics[-1]["wall_s"]
     hist = staleness(metrics)

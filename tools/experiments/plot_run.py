@@ -9,23 +9,16 @@ Needs matplotlib (`pip install -e .[plot]`).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from hexrl.control.metrics import read_metrics
 from hexrl.plan.draw import pyplot
 
 
 def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except json.JSONDecodeError:  # a line torn by a crash
-            pass
-    return rows
+    """Its records (a line torn by a crash skipped; metrics.jsonl's events left out); none if it is missing."""
+    return read_metrics(path) if path.exists() else []
 
 
 def curves(run: Path) -> dict[str, tuple[list, list]]:

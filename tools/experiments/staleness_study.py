@@ -38,6 +38,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from hexrl.control.metrics import read_metrics
 from tools.experiments import learning_run as lr
 from tools.experiments.learning_study import fmt, spread, summed_hist, write_report
 
@@ -80,7 +81,8 @@ def name_of(lr_: float, eta: str, decoupled: bool, lag: float = 0.0) -> str:
 # ----------------------------------------------------------------------------- one run
 
 def read(path: Path) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    """A run's metrics.jsonl step rows (its events left out), or eval.jsonl's records."""
+    return read_metrics(path)
 
 
 def mean_of(metrics: list[dict], key: str) -> float | None:

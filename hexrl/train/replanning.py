@@ -1,0 +1,138 @@
+"""Re-planning a running job: every `replan.every_s` seconds the controller rank asks the planner
+what the run's measurements imply, and acts on the answer at a step boundary.
+
+The decision is `python -m hexrl.plan replan` (hexrl/plan/replan.py) on the run's metrics.jsonl and
+the running plan, in a process of its own: the planner takes seconds of CPU, and the step loop
+only looks at step boundaries whether it has finished. Each decision, switch or not, is one line in
+metrics.jsonl (`"event": "replan"`) and one line in the log. A decision to switch becomes a `Stop`
+for the hand-off (hexrl/train/handoff.py): every trainer rank leaves the step loop at the same
+boundary, the job checkpoints, the new plan is recorded as the run's next round
+(RUN_DIR/plans/<round>.json, reason "drift: ...") and every rank exits with elastic.SWITCH_EXIT, so
+that torchrun restarts them into it (hexrl/main.py). A launch without a torchrun restart left logs the
+decision as not taken.
+
+Time is Unix seconds (`time.time()`): the last switch is kept in the checkpoint and a switch's own
+restart counts against the horizon.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+from hexrl.runtime import errors
+from hexrl.schema import Plan
+
+from .handoff import Stop
+
+
+class Decision:
+    """One `python -m hexrl.plan replan` in a process of its own; its stdout and stderr go to files."""
+
+    def __init__(self, cmd: list[str]):
+        self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, stdin=subprocess.DEVNULL)
+
+    def done(self) -> bool:
+        return self.proc.poll() is not None
+
+    def result(self) -> dict | str:
+        """The decision row, or why the planner gave none (its last line of stderr)."""
+        self.out.seek(0)
+        self.err.seek(0)
+        out, err = self.out.read().decode(errors="replace"), self.err.read().decode(errors="replace")
+        self.out.close()
+        self.err.close()
+        if self.proc.returncode == 0:
+            try:
+                return json.loads(out)
+            except json.JSONDecodeError:
+                pass
+        lines = err.strip().splitlines()
+        return f"the planner failed (exit {self.proc.returncode}): {lines[-1] if lines else 'no message'}"
+
+    def cancel(self) -> None:
+        if not self.done():
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Replanner:
+    """The controller rank's clock for re-planning decisions (see the module doc).
+
+    `restarts_left`: the torchrun restarts the launch still allows (a switch needs one);
+    `since_step`: the step this attempt started from (the running plan measured only the steps after);
+    `clock` (seconds, monotonic) schedules the decisions, `now` (Unix seconds) stamps them;
+    `start` starts one decision from its command line.
+    """
+
+    def __init__(self, plan: Plan, run_dir: Path, metrics, restarts_left: int, since_step: int,
+                 last_switch_s: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 now: Callable[[], float] = time.time, start: Callable[[list[str]], Decision] = Decision):
+        self.spec, self.run_dir, self.metrics = plan.job.replan, Path(run_dir), metrics
+        self.restarts_left, self.since_step, self.last_switch_s = restarts_left, since_step, last_switch_s
+        self.clock, self.now, self.start = clock, now, start
+        self.dir = self.run_dir / "replan"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.running, self.new_plan = self.dir / "running.json", self.dir / "next.json"
+        plan.save(self.running)  # what the planner prices (the plan this attempt runs, however it got it)
+        self.due = clock() + self.spec.every_s
+        self.pending: Decision | None = None
+        self.asked_at = 0.0
+        self.switch_to: dict | None = None  # the plan a Stop restarts into (plan.json as a dict)
+
+    def state(self) -> dict:
+        """What a checkpoint keeps: when the run last switched (hysteresis across restarts)."""
+        return {"last_switch_s": self.last_switch_s}
+
+    def command(self, now: float) -> list[str]:
+        cmd = [sys.executable, "-m", "hexrl.plan", "replan", str(self.run_dir), "--plan", str(self.running),
+               "--now-s", repr(now), "--since-step", str(self.since_step), "--new-plan", str(self.new_plan),
+               "--json"]
+        return cmd + (["--last-switch-s", repr(self.last_switch_s)] if self.last_switch_s is not None else [])
+
+    def at_boundary(self, step: int) -> Stop | None:
+        """At the step boundary after `step` trained steps: write the decision that finished since the last
+        boundary, if any; start the next one when it is due. A Stop when the job is to switch now."""
+        stop = None
+        if self.pending is not None and self.pending.done():
+            stop = self._finish(self.pending.result(), step)
+            self.pending = None
+        if self.pending is None and stop is None and self.clock() >= self.due:
+            self.new_plan.unlink(missing_ok=True)
+            self.asked_at = self.now()
+            self.pending = self.start(self.command(self.asked_at))
+            self.due = self.clock() + self.spec.every_s
+        return stop
+
+    def _finish(self, result: dict | str, step: int) -> Stop | None:
+        """Log one decision (a row, or the planner's failure); a Stop if it is to switch and can."""
+        row = result if isinstance(result, dict) else {"event": "replan", "time_s": round(self.asked_at, 3),
+                                                        "taken": False, "why": result}
+        row = {**row, "step": step}
+        if row["taken"] and self.restarts_left < 1:
+            row.update(taken=False, why="not taken: the launch cannot restart (no torchrun restart left; launch "
+                                        f"with torchrun --max-restarts K): {row['why']}")
+        self.metrics.log_event(row)
+        errors.say(f"[hexrl] replan at step {step}: {'switch' if row['taken'] else 'no switch'} ({row['why']})"
+                   + (f"; predicted {row['predicted_gain']:+.1%}, {row['amortised_gain']:+.1%} after the switch"
+                      if "predicted_gain" in row else ""))
+        if not row["taken"]:
+            return None
+        self.last_switch_s = row["time_s"]
+        self.switch_to = json.loads(self.new_plan.read_text())
+        gpus = lambda split, role: sum(split[role].values())  # noqa: E731
+        old, new = row["running_split"], row["new_split"]
+        return Stop(f"drift: at step {step}, {row['why']} (mean output {row['measured']['output_len_mean']:.0f} "
+                    f"tokens; train {gpus(old, 'train')} -> {gpus(new, 'train')} GPUs, rollout "
+                    f"{gpus(old, 'rollout')} -> {gpus(new, 'rollout')})")
+
+    def close(self) -> None:
+        """End a decision still running (the job is done, or is switching)."""
+        if self.pending is not None:
+            self.pending.cancel()
+            self.pending = None
