@@ -323,12 +323,15 @@ def same_plan_problems(store, rank: int, digest: str, describe: dict[int, str]) 
     if first == digest:
         return []
     return [f"rank {rank} ({describe[rank]}) read a plan different from rank 0's ({describe[0]}): digest "
-            f"{digest} vs {first}; give every node the same plan.json and the same hexrl.main flags"]
+            f"{digest} vs {first}; give every node the same plan.json, the same hexrl.main flags and the same "
+            "run directory (a restarted attempt runs the newest plan in RUN_DIR/plans)"]
 
 
-def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdog: Watchdog) -> None:
-    """End the job (exit 2, every rank told why) if this rank is not where the plan puts it."""
-    digest = plan_digest(args.plan, args.steps)
+def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdog: Watchdog,
+                    running: dict | None = None) -> None:
+    """End the job (exit 2, every rank told why) if this rank is not where the plan puts it, or another
+    rank runs another plan (`running`: the plan this attempt runs, where it is not plan.json)."""
+    digest = plan_digest(args.plan, args.steps, running)
     problems = placement_problems(plan, rank, local_rank, node_rank_from_env(), args.node_name)
     if not problems:
         problems = same_plan_problems(store, rank, digest, watchdog.describe)
@@ -336,18 +339,6 @@ def check_placement(args, plan: Plan, store, rank: int, local_rank: int, watchdo
         errors.refuse_with("hexrl.main: " + "\n  ".join(problems))
         watchdog.report_failure("; ".join(problems))
         os._exit(2)
-
-
-def switch_target(store, rank: int) -> str | None:
-    """The plan the job switches to (its RUN_DIR/plans file) when the controller rank ended the run to
-    switch plans; None when the run is done. Every rank then exits with elastic.SWITCH_EXIT, and torchrun
-    restarts them into that plan (`recorded_plan`; an elastic round keeps it)."""
-    if not store.check([elastic.SWITCH_KEY]):
-        return None
-    path = store.get(elastic.SWITCH_KEY).decode()
-    errors.record_message(f"hexrl.main (rank {rank}): left to switch plans into {path}; torchrun restarts the "
-                          "workers into it (launch with --max-restarts K)")
-    return path
 
 
 def is_peer_loss(e: BaseException) -> bool:
@@ -377,8 +368,8 @@ def main(argv=None) -> None:
     describe = {r.rank: f"{r.role} on {node_label(plan, r.node)}, local rank {r.local_rank}" for r in plan.ranks}
     nodes = {r.rank: node_label(plan, r.node) for r in plan.ranks}
     watchdog = Watchdog(store, rank, world, describe, nodes=nodes).start()
-    check_placement(args, plan, store, rank, local_rank, watchdog)
-    role = plan.ranks[rank].role
+    check_placement(args, plan, store, rank, local_rank, watchdog, agreed)
+    role, leaving = plan.ranks[rank].role, False
     try:
         from hexrl.train.grid import build_grid
 
@@ -400,7 +391,7 @@ def main(argv=None) -> None:
         if role == "train":
             from hexrl.train.trainer_rank import run_trainer
 
-            run_trainer(ctx, grid)
+            leaving = run_trainer(ctx, grid) is not None  # the trainer ranks left to switch plans
         else:
             from hexrl.rollout.rollout_rank import run_rollout
 
@@ -421,10 +412,14 @@ def main(argv=None) -> None:
         watchdog.report_failure(cause)
         os._exit(1)  # skip destructors that could block in a collective
     # Every rank done with its collectives before any tears gloo down (else it can SIGABRT); a CPU
-    # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL.
+    # all-reduce is a barrier that goes through gloo even where CUDA tensors use NCCL. Its sum tells
+    # every rank whether the trainer ranks left to switch plans: then all exit for torchrun to restart them.
     with dist_rules.host_collective():
-        dist.all_reduce(torch.zeros(1))
-    switch = switch_target(store, rank)  # after the barrier: the controller rank has said so if at all
+        switching = torch.tensor([float(leaving)])
+        dist.all_reduce(switching)
+    if switching.item() > 0:
+        errors.record_message(f"hexrl.main (rank {rank}): left to switch plans into the newest RUN_DIR/plans; "
+                              "torchrun restarts the workers into it (launch with --max-restarts K)")
     watchdog.finish()
     dist.destroy_process_group()
     # Skip interpreter finalization: a gloo worker thread may still be dropping its last finished
@@ -433,7 +428,7 @@ def main(argv=None) -> None:
     # Every resource was closed above, so there is nothing left for finalization to do.
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(elastic.SWITCH_EXIT if switch else 0)
+    os._exit(elastic.SWITCH_EXIT if switching.item() > 0 else 0)
 
 
 if __name__ == "__main__":

@@ -101,6 +101,25 @@ def test_a_round_on_one_node_is_planned_and_recorded_with_its_reason(tmp_path):
     assert load_plan(recorded, world=(2, 2)).world_size == 2  # every rank loads it as it is shared
 
 
+def test_a_round_on_the_nodes_of_the_newest_recorded_plan_keeps_that_plan(tmp_path):
+    """A switch of plans records the plan it restarts into (hexrl/train/replanning.py); the elastic round
+    of that restart, on the same nodes in the same order, runs it rather than planning the job afresh."""
+    plan = load_plan(two_node_plan(tmp_path))
+    run = tmp_path / "run"
+    switched = plan.to_dict()
+    switched["ranks"][0]["role"], switched["ranks"][2]["role"] = "marked", "marked"  # not what the planner makes
+    elastic.record_plan(run / "plans", switched, 3, "drift: at step 40, ...")
+    both = [hello(0, 0, "A"), hello(1, 0, "A"), hello(2, 1, "B"), hello(3, 1, "B")]
+    out = elastic.plan_round(plan, "j", run, 4, both)
+    assert out["reason"] == "round 4: nodes A, B (in node-rank order); no node left or joined; the plan of round 3 kept"
+    assert [r["role"] for r in out["plan"]["ranks"]] == [r["role"] for r in switched["ranks"]]
+    assert json.loads((run / "plans" / "4.json").read_text())["predicted"]["elastic"]["plan_of"] == 3
+    assert elastic.plan_round(plan, "j", run, 5, both)["reason"].endswith("the plan of round 3 kept")
+    swapped = [hello(0, 0, "B"), hello(1, 0, "B"), hello(2, 1, "A"), hello(3, 1, "A")]
+    out = elastic.plan_round(plan, "j", run, 6, swapped)  # other node ranks: the planner plans them
+    assert "kept" not in out["reason"] and "marked" not in {r["role"] for r in out["plan"]["ranks"]}
+
+
 def test_a_round_the_gpus_left_cannot_run_ends_with_what_is_missing(tmp_path):
     two = [{**n, "gpus": 1} for n in TWO_NODES]  # one GPU each: one node alone cannot train and generate
     plan = load_plan(write_job(tmp_path, nodes=two, layout={"train_gpus": 1, "dp": 1}))
@@ -176,11 +195,11 @@ def env() -> dict:
 
 
 def elastic_cmd(plan: Path, run: Path, address: str, rdzv: str, name: str, nnodes: str = "1:2",
-                restarts: int = 3, last_call_s: int = 5) -> list[str]:
+                restarts: int = 3, last_call_s: int = 5, nproc: int = 2) -> list[str]:
     """One node's launcher of an elastic job (the command docs/multinode.md gives). On loopback every
     launcher's address is this machine's, so only the endpoint's node may host the rendezvous store."""
     host = int(address == rdzv.split(":")[0])
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", "--nproc_per_node=2",
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}", f"--local-addr={address}",
             f"--rdzv-conf=last_call_timeout={last_call_s},is_host={host}", f"--max-restarts={restarts}",
             "-m", "hexrl.main", str(plan), "--run-dir", str(run), "--node-name", name]

@@ -96,6 +96,10 @@ def test_a_multi_node_plan_needs_one_address_per_node_and_one_plan(tmp_path):
     reordered = tmp_path / "same.json"
     reordered.write_text(json.dumps(dict(reversed(json.loads(path.read_text()).items())), indent=3))
     assert plan_digest(reordered, None) == plan_digest(path, None)  # content, not formatting
+    # a restarted attempt runs the run's newest recorded plan: a node that read another one is told apart
+    switched = json.loads(path.read_text())
+    assert plan_digest(path, None, switched) != plan_digest(path, None)
+    assert plan_digest(path, None, switched) != plan_digest(path, None, {**switched, "ranks": []})
 
 
 def test_a_node_address_is_never_a_wildcard():

@@ -15,7 +15,7 @@ from dist_utils import run_world
 
 from hexrl.schema import TrainerLayout
 from hexrl.train.grid import build_grid
-from hexrl.train.handoff import decode_share, encode_error, encode_share, share_batch
+from hexrl.train.handoff import Stop, decode_share, encode_error, encode_share, share_batch
 from hexrl.train.loss import equal_reward_groups, group_advantages
 from hexrl.train.packing import RankShare, plan_batch
 from hexrl.train.trainer import TrainConfig, Trainer
@@ -178,7 +178,8 @@ def _hand_off_worker(rank, world):
             error = None
         except ValueError as e:
             error = str(e)
-        out.append((grid.dp_rank, [as_lists(mbs) for mbs in share.micro_batches()], error))
+        stop = share_batch(Stop("drift: at step 40") if rank == 0 else None, trainer)  # no batch: every rank leaves
+        out.append((grid.dp_rank, [as_lists(mbs) for mbs in share.micro_batches()], error, stop))
     return out
 
 
@@ -186,9 +187,10 @@ def test_hand_off_sends_each_replica_its_share():
     results = run_world(_hand_off_worker, 4, timeout=120)
     want = reference_plan(make_batch(), minibatches=2, dp=2, budget=40)
     for per_layout in zip(*results):
-        for dp_rank, got, error in per_layout:
+        for dp_rank, got, error, stop in per_layout:
             assert got == [mbs[dp_rank] for mbs in want]
             assert "trajectories[5]: token ids outside [0, 50): [50]" in error
+            assert stop == Stop("drift: at step 40")
 
 
 def test_the_bench_prints_every_piece_per_token(capsys):

@@ -35,7 +35,6 @@ from hexrl.schema import Plan
 PREFIX = "hexrl/elastic/"
 PLAN_TIMEOUT = timedelta(minutes=10)  # rank 0 runs the planner while the others wait
 POLL = timedelta(seconds=1)  # how long a rank waits on a result before it reads the leader key again
-SWITCH_KEY = "hexrl/switch"  # in the attempt's store: the recorded plan the ranks leave to restart into
 SWITCH_EXIT = 3  # every rank's exit code when the job switches plans: torchrun restarts the workers
 
 

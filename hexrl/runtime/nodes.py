@@ -78,10 +78,11 @@ def placement_problems(plan: Plan, rank: int, local_rank: int, node_rank: int, n
     return []
 
 
-def plan_digest(path: str, steps: int | None) -> str:
-    """A short fingerprint of plan.json's content (key order and spacing aside) and the --steps
-    override: every node must run the same plan."""
-    text = json.dumps([json.loads(Path(path).read_text()), steps], sort_keys=True)
+def plan_digest(path: str, steps: int | None, running: dict | None = None) -> str:
+    """A short fingerprint of plan.json's content (key order and spacing aside), the --steps override
+    and the plan this attempt runs where it is another (an elastic round's, a recorded switch's): every
+    node must run the same plan."""
+    text = json.dumps([json.loads(Path(path).read_text()), steps, *([running] if running else [])], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

@@ -17,6 +17,7 @@ restart counts against the horizon.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Callable
 
 from hexrl.runtime import errors
+from hexrl.runtime.context import RankContext
 from hexrl.schema import Plan
 
 from .handoff import Stop
@@ -36,6 +38,10 @@ class Decision:
     def __init__(self, cmd: list[str]):
         self.out, self.err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
         self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=self.err, stdin=subprocess.DEVNULL)
+        try:  # it inherits the rank's cores: the controller thread and the trainer come first
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, 19)
+        except OSError:  # already ended
+            pass
 
     def done(self) -> bool:
         return self.proc.poll() is not None
@@ -80,6 +86,7 @@ class Replanner:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.running, self.new_plan = self.dir / "running.json", self.dir / "next.json"
         plan.save(self.running)  # what the planner prices (the plan this attempt runs, however it got it)
+        self.world = plan.world_size
         self.due = clock() + self.spec.every_s
         self.pending: Decision | None = None
         self.asked_at = 0.0
@@ -114,25 +121,57 @@ class Replanner:
         row = result if isinstance(result, dict) else {"event": "replan", "time_s": round(self.asked_at, 3),
                                                         "taken": False, "why": result}
         row = {**row, "step": step}
-        if row["taken"] and self.restarts_left < 1:
-            row.update(taken=False, why="not taken: the launch cannot restart (no torchrun restart left; launch "
-                                        f"with torchrun --max-restarts K): {row['why']}")
+        plan = self._switchable(row)
         self.metrics.log_event(row)
-        errors.say(f"[hexrl] replan at step {step}: {'switch' if row['taken'] else 'no switch'} ({row['why']})"
-                   + (f"; predicted {row['predicted_gain']:+.1%}, {row['amortised_gain']:+.1%} after the switch"
-                      if "predicted_gain" in row else ""))
+        errors.say(log_line(row))
+        if plan is None:
+            return None
+        self.last_switch_s, self.switch_to = row["time_s"], plan
+        return Stop(drift_reason(row))
+
+    def _switchable(self, row: dict) -> dict | None:
+        """The plan a decision to switch restarts into; None, and the row marked not taken with why, when
+        the decision is not to switch or the launch cannot act on it."""
         if not row["taken"]:
             return None
-        self.last_switch_s = row["time_s"]
-        self.switch_to = json.loads(self.new_plan.read_text())
-        gpus = lambda split, role: sum(split[role].values())  # noqa: E731
-        old, new = row["running_split"], row["new_split"]
-        return Stop(f"drift: at step {step}, {row['why']} (mean output {row['measured']['output_len_mean']:.0f} "
-                    f"tokens; train {gpus(old, 'train')} -> {gpus(new, 'train')} GPUs, rollout "
-                    f"{gpus(old, 'rollout')} -> {gpus(new, 'rollout')})")
+        plan, why = json.loads(self.new_plan.read_text()), None
+        if self.restarts_left < 1:
+            why = "the launch cannot restart (no torchrun restart left; launch with torchrun --max-restarts K)"
+        elif len(plan["ranks"]) != self.world:  # torchrun restarts the same number of ranks
+            why = f"the new plan has {len(plan['ranks'])} ranks, the launch {self.world}"
+        if why is None:
+            return plan
+        row.update(taken=False, why=f"not taken: {why}: {row['why']}")
+        return None
 
     def close(self) -> None:
         """End a decision still running (the job is done, or is switching)."""
         if self.pending is not None:
             self.pending.cancel()
             self.pending = None
+
+
+def log_line(row: dict) -> str:
+    """A decision as one line of the log."""
+    gain = (f"; predicted {row['predicted_gain']:+.1%}, {row['amortised_gain']:+.1%} after the switch"
+            if "predicted_gain" in row else "")
+    return f"[hexrl] replan at step {row['step']}: {'switch' if row['taken'] else 'no switch'} ({row['why']}){gain}"
+
+
+def drift_reason(row: dict) -> str:
+    """Why the job switches plans, as its recorded plan says (RUN_DIR/plans/<round>.json)."""
+    gpus = lambda split, role: sum(split[role].values())  # noqa: E731
+    old, new = row["running_split"], row["new_split"]
+    return (f"drift: at step {row['step']}, {row['why']} (mean output {row['measured']['output_len_mean']:.0f} "
+            f"tokens; train {gpus(old, 'train')} -> {gpus(new, 'train')} GPUs, rollout {gpus(old, 'rollout')} -> "
+            f"{gpus(new, 'rollout')})")
+
+
+def start_replanning(ctx: RankContext, metrics, start_step: int, resumed: dict | None, **clocks) -> Replanner | None:
+    """The controller rank's re-planning for this attempt, from step `start_step` (`resumed`: the extra
+    of the checkpoint it resumed from, which keeps the last switch; `clocks`: Replanner's clock, now and
+    start); None when replan.every_s is 0: then no decision is ever started and no row written."""
+    if not ctx.plan.job.replan.on:
+        return None
+    last_switch = ((resumed or {}).get("replan") or {}).get("last_switch_s")
+    return Replanner(ctx.plan, ctx.run_dir, metrics, ctx.restarts_left, start_step, last_switch, **clocks)

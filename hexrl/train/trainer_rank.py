@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 
@@ -40,7 +41,7 @@ from .checkpoint import full_param, shard_dims
 from .export import write_model_files
 from .handoff import Stop, share_batch
 from .probe import PolicyProbe, probe_batch
-from .replanning import Replanner
+from .replanning import Replanner, start_replanning
 from .trainer import DTYPES, TrainConfig, Trainer
 
 
@@ -142,7 +143,9 @@ _IPC: dict[int, IpcSender] = {}  # per pipeline stage, kept for the run: the rol
 _SENDERS: dict[int, ShardSender] = {}  # per pipeline stage, kept for the run: a delta needs what was sent last
 
 
-def run_trainer(ctx: RankContext, grid) -> None:
+def run_trainer(ctx: RankContext, grid) -> Stop | None:
+    """A trainer rank's run: every step of the job, then the final model; or, when re-planning decides
+    to switch plans, the steps up to that boundary and its checkpoint, returning the Stop."""
     job = ctx.plan.job
     if not job.model.path:
         raise ValueError("model.path: a run needs a checkpoint directory (a preset or inline config only plans)")
@@ -186,9 +189,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
     if is_controller:  # after the untimed evaluation: the rollout starts with the run's clock
         evaluator.start_clock()
         controller.start()
-        if job.replan.on:
-            last_switch = (extra.get("replan") or {}).get("last_switch_s") if ctx.resume is not None else None
-            replanner = Replanner(ctx.plan, ctx.run_dir, metrics, ctx.restarts_left, start_step, last_switch)
+        replanner = start_replanning(ctx, metrics, start_step, extra if ctx.resume is not None else None)
     rollout_dtype = DTYPES[ctx.plan.replicas[0].knobs.dtype]  # one broadcast: every replica's dtype (checked)
     if ctx.resume is not None:  # rollout ranks still hold the initial weights
         if is_controller:
@@ -210,6 +211,7 @@ def run_trainer(ctx: RankContext, grid) -> None:
             controller.stop("switching plans" if stop is not None else "done")
         if metrics is not None:
             metrics.close()
+    return stop
 
 
 def checkpoint_extra(step: int, controller: Controller | None, replanner: Replanner | None) -> dict:
@@ -220,19 +222,19 @@ def checkpoint_extra(step: int, controller: Controller | None, replanner: Replan
 
 
 def switch_plans(ctx: RankContext, trainer: Trainer, controller: Controller | None, replanner: Replanner | None,
-                 step: int, stop: Stop) -> None:
+                 step: int, stop: Stop) -> Path | None:
     """Leave for another plan at the boundary after `step` trained steps: checkpoint (collective; every
-    trained step kept), and on the controller rank record the plan as the run's next round and tell
-    every rank, through the store, to exit for torchrun to restart it into that plan (hexrl/main.py)."""
+    trained step kept) and, on the controller rank, record the plan as the run's next round; returns its
+    path there. Every rank then exits for torchrun to restart it into that plan (hexrl/main.py)."""
     trainer.save(ctx.run_dir / "checkpoints", checkpoint_extra(step, controller, replanner))
     if replanner is None:
-        return
+        return None
     plans = ctx.run_dir / "plans"
     path = elastic.record_plan(plans, replanner.switch_to, elastic.next_round(plans), stop.reason,
                                switched_at_s=replanner.last_switch_s)
-    ctx.store.set(elastic.SWITCH_KEY, str(path))
     errors.say(f"[hexrl] switching plans ({stop.reason}): step {step} checkpointed; torchrun restarts every "
                f"rank into {path}")
+    return path
 
 
 def run_step(ctx: RankContext, trainer: Trainer, controller: Controller | None, metrics, evaluator: HeldoutEval,
