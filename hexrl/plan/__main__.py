@@ -9,7 +9,8 @@ The first plans a job; the second runs the plan through the discrete-event simul
 (tokens/s, idle fractions, staleness histogram, a Gantt chart of the first steps); the third says
 what a run's measurements (RUN_DIR/metrics.jsonl against RUN_DIR/plan.json) imply: the split the
 calibrated planner would choose, its predicted gain and the switch cost (hexrl/plan/replan.py),
-without touching the run. Exit code 0
+without touching the run (a running job's controller rank runs it every replan.every_s, with
+--new-plan for the plan to switch to: hexrl/train/replanning.py). Exit code 0
 on success, 2 with every problem of an invalid or infeasible job or plan on stderr, 1 when a
 picture was asked for and could not be drawn (matplotlib missing). A plan that takes more than
 a few seconds shows its phase and how far along it is on stderr, when stderr is a terminal and
