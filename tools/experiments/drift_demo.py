@@ -19,12 +19,12 @@ the run's metrics; the switch costs `--switch-s` over `--horizon-s` and must gai
 `--min-gain`) and, on a switch, checkpoints and exits so that torchrun (`--max-restarts`) restarts
 every rank into the new plan. The planner prices `cpu` GPUs from a profile of this machine's speeds
 (`--train-speed`, `--decode-speed` times the catalogue's: what re-planning fitted on a 3-rank run
-here), written to RUN/profiles/cpu.json and used by every plan of the demo (HEXRL_PROFILES).
+here), written to OUT/profiles/cpu.json and used by every plan of the demo (HEXRL_PROFILES).
 
 By default the two arms run at once (side by side in one window: the same machine load for both);
 `--serial` runs them one after the other. Prints each arm's seconds from launch to exit, the
 re-planning decisions taken (metrics.jsonl rows with event "replan") and the splits before and after,
-and writes RUN/drift_demo.png: steps done against seconds since launch, switches marked.
+and writes OUT/drift_demo.png: steps done against seconds since launch, switches marked.
 """
 from __future__ import annotations
 
@@ -97,16 +97,17 @@ def demo_job(model: Path, workload: str, args, replan: bool) -> dict:
     }
 
 
-def env() -> dict:
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+def env(out: Path) -> dict:
+    """The demo's processes' environment: one thread each, and the demo's cpu profile (OUT/profiles)."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "HEXRL_PROFILES": str(out / "profiles")}
 
 
 def plan(job: dict, run: Path) -> Path:
-    """Plan `job` into run/plan.json (the profile in HEXRL_PROFILES)."""
+    """Plan `job` into run/plan.json (with the demo's profile: the run directory's parent's)."""
     run.mkdir(parents=True, exist_ok=True)
     (run / "job.json").write_text(json.dumps(job, indent=1))
     subprocess.run([sys.executable, "-m", "hexrl.plan", str(run / "job.json"), "-o", str(run / "plan.json")],
-                   check=True, capture_output=True, env=env(), cwd=ROOT)
+                   check=True, capture_output=True, env=env(run.parent), cwd=ROOT)
     return run / "plan.json"
 
 
@@ -114,7 +115,7 @@ def launch(arm: Arm, restarts: int) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={RANKS}",
            f"--max-restarts={restarts}", "-m", "hexrl.main", str(arm.run / "plan.json"), "--run-dir", str(arm.run)]
     arm.started = time.perf_counter()
-    arm.proc = subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=open(arm.run / "log.txt", "w"),
+    arm.proc = subprocess.Popen(cmd, cwd=ROOT, env=env(arm.run.parent), stdout=open(arm.run / "log.txt", "w"),
                                 stderr=subprocess.STDOUT, start_new_session=True)
 
 
@@ -212,7 +213,7 @@ def parser() -> argparse.ArgumentParser:
 def prepare(args) -> list[Arm]:
     """The profile, the model and every arm's run directory with its plan."""
     out = args.out.resolve()
-    os.environ["HEXRL_PROFILES"] = str(write_profile(out / "profiles", args.train_speed, args.decode_speed).parent)
+    write_profile(out / "profiles", args.train_speed, args.decode_speed)
     model = out / "model"
     if not (model / "config.json").exists():
         make_tiny_model(model, tokenizer="char", vocab=VOCAB)
