@@ -202,8 +202,9 @@ def make_arithmetic(n: int, seed: int = 0, digits: tuple[int, int] = (1, 2), ops
 def token_budget(budget: dict, version: int) -> int:
     """Tokens a sample of trainer version `version` may generate under a synthetic task's `budget`
     ({"start", "end", "steps"}): `start` at version 0, linearly to `end` at version `steps`, then `end`.
-    A tiny model rarely stops on its own, so the budget sets its output length: a budget that grows
-    plays a run whose answers lengthen as it learns, one that shrinks a run whose answers shorten."""
+    A random model with a large vocabulary seldom samples its end-of-text id, so the budget sets its
+    output length: a budget that grows plays a run whose answers lengthen as it learns, one that
+    shrinks a run whose answers shorten."""
     done = min(version, budget["steps"]) / budget["steps"]
     return round(budget["start"] + (budget["end"] - budget["start"]) * done)
 
