@@ -334,6 +334,28 @@ def test_a_version_reaches_every_live_replica_once_and_idle_passes_look_at_none(
     assert len(router.sent) == 63 and router.peer_reads == 2  # one look at the peer table per pass that sends
 
 
+class RecordingRouter(ConnectedRouter):
+    """A ConnectedRouter that keeps every message sent."""
+
+    def send(self, msg: dict, to: str, timeout_s: float = 5.0) -> bool:
+        self.messages = getattr(self, "messages", []) + [msg]
+        return super().send(msg, to, timeout_s)
+
+
+def test_a_synthetic_tasks_budget_sets_each_groups_token_limit_by_its_version():
+    rl = SimpleNamespace(batch_size=1, group_size=2, eta=0, max_concurrent_rollouts=None, filter_equal_groups=False,
+                         temperature=1.0, top_p=1.0, top_k=0, max_new_tokens=64, seed=0, reward_bound=1e6)
+    router = RecordingRouter(["replica-0"])
+    problems = [Problem(f"{i}+{i}=", str(2 * i), id=i, kind="synthetic") for i in range(4)]
+    ctl = Controller(rl, DatasetCursor(problems, seed=0), lambda text: [3, 4], [ReplicaInfo(0, 1.0)], router,
+                     vocab_size=16, budget={"start": 8, "end": 32, "steps": 4})
+    ctl._dispatch()
+    ctl.gate.on_accepted()
+    ctl.version = ctl.delivered = 2  # two steps on: half-way from 8 to 32
+    ctl._dispatch()
+    assert [(m["version"], m["sampling"]["max_new_tokens"]) for m in router.messages] == [(0, 8), (2, 20), (2, 20)]
+
+
 # ---------------------------------------------------------------- dataset cursor
 
 

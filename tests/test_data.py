@@ -4,7 +4,15 @@ import json
 
 import pytest
 
-from hexrl.data.datasets import load_jsonl, make_arithmetic, make_arithmetic_split, split_heldout, write_jsonl
+from hexrl.data.datasets import (
+    load_dataset,
+    load_jsonl,
+    make_arithmetic,
+    make_arithmetic_split,
+    split_heldout,
+    token_budget,
+    write_jsonl,
+)
 from hexrl.data.problems import Problem
 from hexrl.data.tokenizer import CharTokenizer
 
@@ -168,3 +176,12 @@ def test_make_arithmetic_split():
     train, held = make_arithmetic_split(80, 20, seed=2, digits=(1, 2))
     assert len(train) == 80 and len(held) == 20
     assert not {p.prompt for p in train} & {p.prompt for p in held}
+
+
+def test_a_token_budget_drifts_with_the_trainer_step_then_holds():
+    grow, shrink = {"start": 8, "end": 32, "steps": 12}, {"start": 32, "end": 8, "steps": 12}
+    assert [token_budget(grow, v) for v in (0, 3, 6, 12, 100)] == [8, 14, 20, 32, 32]
+    assert [token_budget(shrink, v) for v in (0, 6, 12, 100)] == [32, 20, 8, 8]
+    # the budget is the run's stop rule, not part of the problems: they are the task's without it
+    synthetic = {"task": "arithmetic", "n": 20, "seed": 1, "digits": [1, 2]}
+    assert load_dataset({**synthetic, "budget": grow}) == load_dataset(synthetic)

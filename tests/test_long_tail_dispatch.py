@@ -184,8 +184,8 @@ class Store:
 
 @pytest.mark.parametrize("alpha", [0.25, 0.0])
 def test_a_plans_long_tail_replicas_and_the_jobs_alpha_reach_the_controller(tmp_path, monkeypatch, alpha):
-    """start_controller hands the plan's marks and the job's alpha to the controller process, whose
-    setup (one msgpack map over its pipe) builds a Controller with them."""
+    """start_controller hands the plan's marks, the job's alpha (and a synthetic task's token budget)
+    to the controller process, whose setup (one msgpack map over its pipe) builds a Controller with them."""
     import msgpack
 
     from hexrl.control import controller_process
@@ -194,7 +194,8 @@ def test_a_plans_long_tail_replicas_and_the_jobs_alpha_reach_the_controller(tmp_
     from hexrl.schema import load_job, load_plan
     from hexrl.train import trainer_rank
 
-    job = {"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 16}},
+    budget = {"start": 4, "end": 8, "steps": 10}
+    job = {"model": {"preset": "tiny"}, "data": {"synthetic": {"task": "arithmetic", "n": 16, "budget": budget}},
            "rl": {"batch_size": 4, "group_size": 2, "max_new_tokens": 32}, "long_tail": {"alpha": alpha},
            "cluster": {"nodes": [{"name": "a", "gpu_type": "cpu", "gpus": 4}]}}
     plan = plan_job(load_job(job, check_paths=False)).to_dict()
@@ -213,6 +214,7 @@ def test_a_plans_long_tail_replicas_and_the_jobs_alpha_reach_the_controller(tmp_
         tail = {plan.replicas[-1].id}
         assert ctl.dispatcher.long_tail == (tail if alpha else set())
         assert (ctl.window.alpha if ctl.window else 0.0) == alpha
+        assert ctl.budget == budget
     finally:
         ctl.router.close()
         link.close()

@@ -145,6 +145,23 @@ def test_an_unknown_field_suggests_the_known_one_it_resembles():
     assert "rl.zzz: unknown field (known: " in msg  # nothing close: the list alone
 
 
+def test_a_synthetic_tasks_token_budget_is_read_and_each_bad_field_named():
+    job = load_job(small_job(data={"synthetic": {"task": "arithmetic", "n": 64,
+                                                 "budget": {"start": 8, "end": 32, "steps": 50}}}))
+    assert job.data.synthetic["budget"] == {"start": 8, "end": 32, "steps": 50}
+    bad = small_job(data={"synthetic": {"task": "arithmetic", "n": 64,
+                                        "budget": {"start": 0, "end": 64, "steps": 2.5, "grow": 2}}})
+    with pytest.raises(ConfigError) as e:
+        load_job(bad)
+    msg = str(e.value)
+    assert "data.synthetic.budget.start: must be >= 1, got 0" in msg
+    assert "data.synthetic.budget.end: 64 tokens > rl.max_new_tokens 32" in msg
+    assert "data.synthetic.budget.steps: must be an integer" in msg
+    assert "data.synthetic.budget.grow: unknown field" in msg
+    with pytest.raises(ConfigError, match="data.synthetic.budget.steps: missing"):
+        load_job(small_job(data={"synthetic": {"task": "arithmetic", "budget": {"start": 8, "end": 16}}}))
+
+
 def test_model_path_reads_config_json(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "config.json").write_text(json.dumps(PRESETS["tiny"]))

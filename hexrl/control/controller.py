@@ -29,6 +29,7 @@ from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
 from hexrl.control.length_predictor import LengthPredictor, LongTailWindow
 from hexrl.control.progress_watch import ProgressWatch
+from hexrl.data.datasets import token_budget
 from hexrl.trajectory import ID_DTYPE, to_array
 
 
@@ -52,12 +53,15 @@ class Controller:
 
     def __init__(self, rl, cursor: DatasetCursor, encode_prompt, replicas: list[ReplicaInfo],
                  router: RouterChannel, vocab_size: int, heartbeat_timeout_s: float = 60.0, env=None,
-                 long_tail_alpha: float = 0.0):
+                 long_tail_alpha: float = 0.0, budget: dict | None = None):
         """`env` (the job's EnvSpec, or None): trajectories are episodes of that environment.
         `long_tail_alpha` (the job's long_tail.alpha): with it above 0 and a replica marked long_tail,
         the groups predicted among the longest alpha of the last batch's worth dispatched go to the
-        long-tail replicas; otherwise (alpha 0, or none marked) every group is dispatched by share."""
+        long-tail replicas; otherwise (alpha 0, or none marked) every group is dispatched by share.
+        `budget` (a synthetic task's, or None): each sample's token budget drifts with the version it
+        is sampled at (hexrl.data.datasets.token_budget), in place of rl.max_new_tokens."""
         self.rl, self.cursor, self.encode_prompt, self.router = rl, cursor, encode_prompt, router
+        self.budget = budget
         self.limits = token_limits(rl, env)
         self.vocab_size = vocab_size  # token ids at or above it are refused (the trainer has no row for them)
         self.replicas = {r.id: r for r in replicas}
@@ -247,7 +251,7 @@ class Controller:
             problem = self.cursor.problems[index]
             gid, prompt_ids = self.next_group, self.encode_prompt(problem.prompt)
             msg = message("prompt", group_id=gid, problem_id=problem.id, prompt_ids=prompt_ids,
-                          n=self.rl.group_size, sampling=self._sampling(gid), version=version,
+                          n=self.rl.group_size, sampling=self._sampling(gid, version), version=version,
                           answer=str(problem.answer), **({"tests": problem.tests} if problem.tests else {}))
             if not self.router.send(msg, to=self.replicas[replica].name, timeout_s=5):
                 self.redo.appendleft(index)
@@ -289,10 +293,11 @@ class Controller:
         """The dataset index of the next problem to hand out: one to redo first, else the cursor's next."""
         return self.redo.popleft() if self.redo else self.cursor.next_indexed()[0]
 
-    def _sampling(self, gid: int) -> dict:
+    def _sampling(self, gid: int, version: int) -> dict:
         rl = self.rl
+        budget = rl.max_new_tokens if self.budget is None else token_budget(self.budget, version)
         return {"temperature": rl.temperature, "top_p": rl.top_p, "top_k": rl.top_k,
-                "max_new_tokens": rl.max_new_tokens, "seed": rl.seed * 1_000_003 + gid}
+                "max_new_tokens": budget, "seed": rl.seed * 1_000_003 + gid}
 
     def _receive(self, timeout_s: float) -> None:
         # drain everything waiting before dispatching again: replacements for filtered groups then go

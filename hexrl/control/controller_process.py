@@ -77,6 +77,7 @@ class ControllerSetup:
     env: object | None = None  # the job's EnvSpec, or None
     heartbeat_timeout_s: float = 60.0
     long_tail_alpha: float = 0.0  # the job's long_tail.alpha (0: length-blind dispatch)
+    budget: dict | None = None  # a synthetic task's drifting token budget (data.synthetic.budget), or None
 
 
 # ---------------------------------------------------------------- the controller process
@@ -123,7 +124,7 @@ def _build(s: dict) -> tuple[Controller, RouterChannel]:
     controller = Controller(SimpleNamespace(**s["rl"]), DatasetCursor(problems, seed=s["rl"]["seed"]),
                             encode, [ReplicaInfo(i, share, tail) for i, share, tail in s["replicas"]], router,
                             vocab_size=s["vocab_size"], heartbeat_timeout_s=s["heartbeat_timeout_s"], env=env,
-                            long_tail_alpha=s["long_tail_alpha"])
+                            long_tail_alpha=s["long_tail_alpha"], budget=s["budget"])
     link = RouterChannel(s["link_secret"])
     link.bind("127.0.0.1")
     return controller, link
@@ -379,7 +380,8 @@ def _setup_bytes(s: ControllerSetup, link_secret: bytes) -> bytes:
         "prompt_offsets": np.concatenate([[0], np.cumsum(lengths)]).tolist(),
         "replicas": [(r.id, r.share, r.long_tail) for r in s.replicas], "vocab_size": s.vocab_size,
         "secret": s.secret, "link_secret": link_secret, "host": s.host, "advertise": s.advertise,
-        "heartbeat_timeout_s": s.heartbeat_timeout_s, "long_tail_alpha": s.long_tail_alpha}, use_bin_type=True)
+        "heartbeat_timeout_s": s.heartbeat_timeout_s, "long_tail_alpha": s.long_tail_alpha,
+        "budget": s.budget}, use_bin_type=True)
 
 
 def _end_process(proc: subprocess.Popen, conn: Connection) -> None:

@@ -200,6 +200,16 @@ def make_arithmetic(n: int, seed: int = 0, digits: tuple[int, int] = (1, 2), ops
                      f"(space has {capacity}); widen digits or ops")
 
 
+def token_budget(budget: dict, version: int) -> int:
+    """Tokens a sample of trainer version `version` may generate under a synthetic task's `budget`
+    ({"start", "end", "steps"}): `start` at version 0, linearly to `end` at version `steps`, then `end`.
+    A random model with a large vocabulary seldom samples its end-of-text id, so the budget sets its
+    output length: a budget that grows plays a run whose answers lengthen as it learns, one that
+    shrinks a run whose answers shorten."""
+    done = min(version, budget["steps"]) / budget["steps"]
+    return round(budget["start"] + (budget["end"] - budget["start"]) * done)
+
+
 def split_heldout(problems: list[Problem], heldout: float | int, seed: int = 0) -> tuple[list[Problem], list[Problem]]:
     """Split into (train, held_out) so that no prompt appears in both.
 
@@ -238,7 +248,7 @@ def load_dataset(synthetic: dict | None = None, path: str | None = None,
 
         return load_reasoning_gym(gym)
     if synthetic is not None:
-        opts = {k: v for k, v in synthetic.items() if k not in ("task", "n", "seed", "n_heldout")}
+        opts = {k: v for k, v in synthetic.items() if k not in ("task", "n", "seed", "n_heldout", "budget")}
         if "digits" in opts:
             opts["digits"] = tuple(opts["digits"])
         n, seed, held = synthetic.get("n", 1000), synthetic.get("seed", 0), synthetic.get("n_heldout", 0)

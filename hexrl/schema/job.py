@@ -113,7 +113,8 @@ class DataSpec:
         return {"path": self.path, "kind": self.kind}
 
 
-_SYNTHETIC_KEYS = {"task", "n", "seed", "n_heldout", "digits", "ops", "negatives"}
+_SYNTHETIC_KEYS = {"task", "n", "seed", "n_heldout", "digits", "ops", "negatives", "budget"}
+_BUDGET_KEYS = {"start", "end", "steps"}
 _GYM_KEYS = {"tasks", "size", "n_heldout", "seed", "prompt"}
 
 
@@ -140,6 +141,26 @@ def _read_gym(r: Reader, g) -> DataSpec:
         for p in template_problems(prompt):
             r.bad("data.reasoning_gym.prompt", p)
     return DataSpec(reasoning_gym={"tasks": tasks, "size": size, "n_heldout": held, "seed": seed, "prompt": prompt})
+
+
+def _read_budget(r: Reader, data: DataSpec, max_new_tokens: int) -> None:
+    """data.synthetic.budget: {"start": 8, "end": 32, "steps": 100}, each sample's token budget drifting
+    with the trainer step (hexrl.data.datasets.token_budget), each end within rl.max_new_tokens."""
+    b = (data.synthetic or {}).get("budget")
+    if b is None:
+        return
+    where = "data.synthetic.budget"
+    if not isinstance(b, dict):
+        r.bad(where, 'must be an object like {"start": 8, "end": 32, "steps": 100}')
+        return
+    r.section(b, where, _BUDGET_KEYS)
+    ends = {k: r.num(b, k, where, integer=True, lo=1, required=True) for k in ("start", "end")}
+    for k, v in ends.items():
+        if v is not None and v > max_new_tokens:
+            r.bad(f"{where}.{k}", f"{v} tokens > rl.max_new_tokens {max_new_tokens}: no sample may generate more")
+    steps = r.num(b, "steps", where, integer=True, lo=1, required=True)
+    if None not in ends.values() and steps is not None:
+        data.synthetic["budget"] = {**ends, "steps": steps}
 
 
 def _read_data(r: Reader, d, base: Path, check_paths: bool) -> DataSpec:
@@ -824,6 +845,7 @@ def parse_job(r: Reader, d: dict, base: Path, check_paths: bool, extra_keys=froz
     reward = _read_reward(r, d.get("reward"), data)
     env = _read_env(r, d.get("env"))
     rl = _read_rl(r, d.get("rl"))
+    _read_budget(r, data, rl.max_new_tokens)
     workload = _read_workload(r, d.get("workload"), rl, env)
     cluster = _read_cluster(r, d.get("cluster"))
     prices = _read_prices(r, d.get("prices"), cluster)

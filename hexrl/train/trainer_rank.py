@@ -67,7 +67,7 @@ def start_controller(ctx: RankContext, train: Prompts) -> ControllerProcess:
     setup = ControllerSetup(job.rl, train.problems, train.ids, replicas, vocab_size=job.model.config.vocab_size,
                             secret=ctx.secret,  # never through the store
                             host=bind_host(address), advertise=address, env=job.env,
-                            long_tail_alpha=job.long_tail.alpha)
+                            long_tail_alpha=job.long_tail.alpha, budget=(job.data.synthetic or {}).get("budget"))
     controller = ControllerProcess(setup)
     publish_endpoint(ctx.store, "controller", controller.endpoint)
     ctx.run_dir.mkdir(parents=True, exist_ok=True)
