@@ -11,6 +11,8 @@ there pauses, once per marker: a restarted round runs on. The points:
            temporary directory; its RNG file and the commit are still to come)
     sync   before sending its part of the n-th weight sync (the other sources' parts may be out)
     step   at the start of its n-th training step (the step's batch already taken)
+    leave  not a pause: each rank waits n seconds before its clean exit (the watchdog's finish, after
+           the last collective), as a rank descheduled on its way out would; <marker> is created then
 
 The production code has no hook for this: the script wraps the functions that do the work.
 """
@@ -69,8 +71,18 @@ def arm(spec: str) -> None:
         from hexrl.train.trainer import Trainer
 
         Trainer.step = armed(Trainer.step, n, marker)
+    elif point == "leave":
+        from hexrl.runtime.watchdog import Watchdog
+
+        finish = Watchdog.finish
+
+        def late(self):
+            marker.touch()
+            time.sleep(n)
+            finish(self)
+        Watchdog.finish = late
     else:
-        raise ValueError(f"{PAUSE_ENV}={spec}: no pause point {point!r} (shard, sync or step)")
+        raise ValueError(f"{PAUSE_ENV}={spec}: no pause point {point!r} (shard, sync, step or leave)")
 
 
 if __name__ == "__main__":

@@ -346,3 +346,18 @@ def test_node_b_joins_while_a_step_runs(tmp_path):
     assert sorted(nodes_of(last)) == ["A", "B"] and "joined: B" in last["predicted"]["elastic"]["reason"]
     assert "resuming from" in outs["A"] + outs["B"]
     check_finished(run, 8)
+
+
+@pytest.mark.slow
+def test_a_node_slow_to_leave_at_the_end_is_not_restarted_alone(tmp_path):
+    """Rank 0 hosts the store of an elastic launch: node B's ranks, 5 s late out of the last collective
+    (their watchdogs beat twice meanwhile), must still find it, so the job ends in the round it ran."""
+    plan = two_node_plan(tmp_path, steps=3)
+    run, rdzv, marker = tmp_path / "run", f"{A}:{free_port()}", tmp_path / "leaving"
+    a = start(elastic_cmd(plan, run, A, rdzv, "A"))
+    b = start(elastic_cmd(plan, run, B, rdzv, "B", pausable=True), pause=f"leave:5:{marker}")
+    outs = {name: p.communicate(timeout=600)[0] for name, p in (("A", a), ("B", b))}
+    assert marker.exists()
+    assert (a.returncode, b.returncode) == (0, 0), outs["A"][-3000:] + outs["B"][-3000:]
+    assert [sorted(nodes_of(p)) for p in plans(run)] == [["A", "B"]], outs["B"][-3000:]
+    check_finished(run, 3)
