@@ -14,12 +14,14 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from dist_utils import free_port
+from pause_points import PAUSE_ENV
 from runtime_utils import ROOT, metrics, wait_for, write_job
-from test_multinode import TWO_NODES, balanced
+from test_multinode import PP_ACROSS, TWO_NODES, balanced
 
 from hexrl.runtime import elastic
 from hexrl.runtime.elastic import Hello, Launch
 from hexrl.schema import load_plan
+from hexrl.train import checkpoint
 
 A, B = "127.0.0.1", "127.0.0.2"
 
@@ -195,19 +197,23 @@ def env() -> dict:
 
 
 def elastic_cmd(plan: Path, run: Path, address: str, rdzv: str, name: str, nnodes: str = "1:2",
-                restarts: int = 3, last_call_s: int = 5, nproc: int = 2) -> list[str]:
+                restarts: int = 3, last_call_s: int = 5, nproc: int = 2, pausable: bool = False) -> list[str]:
     """One node's launcher of an elastic job (the command docs/multinode.md gives). On loopback every
-    launcher's address is this machine's, so only the endpoint's node may host the rendezvous store."""
+    launcher's address is this machine's, so only the endpoint's node may host the rendezvous store.
+    pausable: its ranks run hexrl.main through tests/pause_points.py (armed by `start(..., pause=)`)."""
     host = int(address == rdzv.split(":")[0])
+    entry = [str(ROOT / "tests" / "pause_points.py")] if pausable else ["-m", "hexrl.main"]
     return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc_per_node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv}", f"--local-addr={address}",
             f"--rdzv-conf=last_call_timeout={last_call_s},is_host={host}", f"--max-restarts={restarts}",
-            "-m", "hexrl.main", str(plan), "--run-dir", str(run), "--node-name", name]
+            *entry, str(plan), "--run-dir", str(run), "--node-name", name]
 
 
-def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+def start(cmd: list[str], pause: str | None = None) -> subprocess.Popen:
+    """Start a launcher in its own process group; pause: HEXRL_TEST_PAUSE for its ranks
+    (tests/pause_points.py)."""
+    return subprocess.Popen(cmd, cwd=ROOT, env={**env(), **({PAUSE_ENV: pause} if pause else {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
 def plans(run: Path) -> list[dict]:
@@ -221,11 +227,14 @@ def nodes_of(plan: dict) -> list[str]:
 
 
 def check_finished(run: Path, steps: int, eta: int = 1, problems: int = 100, group_size: int = 2) -> None:
-    """Every step trained once, each problem once per pass over the data (`problems` of them, less those of
-    groups dropped as too stale: a dropped group uses its problem up), the staleness gate held across the
-    switches, the accounting balanced at every step and in the summary."""
+    """Every step trained once (each row's trained count is its steps' worth: none counted twice across
+    a restart), each problem once per pass over the data (`problems` of them, less those of groups
+    dropped as too stale: a dropped group uses its problem up), the staleness gate held across the
+    switches, the accounting balanced at every step and in the summary, every checkpoint whole."""
     rows = metrics(run)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    per_step = rows[0]["trajectories_trained"]
+    assert [r["trajectories_trained"] for r in rows] == [per_step * r["step"] for r in rows]
     per_pass, seen = problems - rows[-1]["trajectories_dropped"] // group_size, set()
     for r in rows:  # a step's problem ids are sorted: a pass may end inside one
         again = [i for i in r["problem_ids"] if i in seen]
@@ -238,6 +247,16 @@ def check_finished(run: Path, steps: int, eta: int = 1, problems: int = 100, gro
     summary = subprocess.run([sys.executable, "-m", "hexrl.control.summary", str(run)], cwd=ROOT,
                              capture_output=True, text=True, env=env())
     assert "(balanced)" in summary.stdout, summary.stdout
+    check_checkpoints(run / "checkpoints")
+
+
+def check_checkpoints(root: Path) -> None:
+    """`latest` names a whole checkpoint, so does every other one kept, and no temporary one is left."""
+    assert checkpoint.problems(root) == []
+    assert checkpoint.resolve_complete(root) == (checkpoint.latest(root), [])
+    kept = [p for p in root.glob("step*") if p.is_dir()]
+    assert kept and [p for p in kept if checkpoint.incomplete(p)] == []
+    assert list(root.glob(".tmp-*")) == []
 
 
 def lose_node_b(tmp_path: Path, steps: int, after_step: int = 2):
@@ -279,3 +298,90 @@ def test_node_b_rejoins_and_the_job_takes_it_back(tmp_path):
     assert sorted(nodes_of(last)) == ["A", "B"] and len(last["ranks"]) == 4
     assert "joined: B" in last["predicted"]["elastic"]["reason"]
     check_finished(run, 400)
+
+
+# ------------------------------------------------------------- nothing lost: a node leaves or joins at a moment named
+
+
+def lose_node_b_at(tmp_path: Path, point: str, n: int, steps: int = 8):
+    """The trainer's pipeline spans both nodes (a stage on each), so node B writes checkpoint shards and
+    sends weights. Node B's ranks pause at the n-th `point` (tests/pause_points.py); once one has, node
+    B's launcher and ranks are to be killed (`finish_alone`). Returns (A's launcher, B's, run directory)
+    at that moment, frozen while B's rank sleeps."""
+    plan = write_job(tmp_path, nodes=TWO_NODES, layout=PP_ACROSS, steps=steps, checkpoint_every=2)
+    run, rdzv, marker = tmp_path / "run", f"{A}:{free_port()}", tmp_path / "paused"
+    a = start(elastic_cmd(plan, run, A, rdzv, "A"))
+    b = start(elastic_cmd(plan, run, B, rdzv, "B", pausable=True), pause=f"{point}:{n}:{marker}")
+    if not wait_for(marker.exists, 600, b):
+        os.killpg(a.pid, signal.SIGKILL)
+        pytest.fail(f"node B never paused at {point} {n}:\n{b.communicate()[0][-4000:]}")
+    return a, b, run
+
+
+def finish_alone(a: subprocess.Popen, b: subprocess.Popen, run: Path, steps: int = 8) -> str:
+    """Kill node B; node A must finish every step alone, resumed from a checkpoint, and exit 0."""
+    os.killpg(b.pid, signal.SIGKILL)
+    b.wait()
+    out, _ = a.communicate(timeout=900)
+    assert a.returncode == 0, out[-5000:]
+    assert [nodes_of(p) for p in plans(run)][-1] == ["A"]
+    assert "resuming from" in out
+    check_finished(run, steps)
+    return out
+
+
+@pytest.mark.slow
+def test_node_b_lost_mid_checkpoint_leaves_the_last_whole_one_named(tmp_path):
+    a, b, run = lose_node_b_at(tmp_path, "shard", 2)  # step 4's checkpoint, B's shard written, its RNG not
+    root = run / "checkpoints"
+    assert checkpoint.latest(root).name == "step00000002"
+    assert list((root / ".tmp-step00000004").glob("model-*.pt"))  # the half-written one
+    assert len(metrics(run)) == 4  # its step's row is written before the checkpoint: redone on resume
+    out = finish_alone(a, b, run)
+    assert "(its newest complete checkpoint, step00000002)" in out
+
+
+@pytest.mark.slow
+def test_node_b_lost_mid_weight_sync(tmp_path):
+    # version 3: B's stage not sent, A's sent or on its way (its trainer may have logged step 3 already)
+    a, b, run = lose_node_b_at(tmp_path, "sync", 3)
+    assert len(metrics(run)) in (2, 3) and checkpoint.latest(run / "checkpoints").name == "step00000002"
+    finish_alone(a, b, run)
+
+
+@pytest.mark.slow
+def test_node_b_lost_mid_step(tmp_path):
+    a, b, run = lose_node_b_at(tmp_path, "step", 4)  # step 4 begun on both stages' ranks
+    assert len(metrics(run)) == 3
+    finish_alone(a, b, run)
+
+
+@pytest.mark.slow
+def test_node_b_joins_while_a_step_runs(tmp_path):
+    plan = two_node_plan(tmp_path, steps=8, checkpoint_every=2)
+    run, rdzv, marker = tmp_path / "run", f"{A}:{free_port()}", tmp_path / "paused"
+    a = start(elastic_cmd(plan, run, A, rdzv, "A", pausable=True), pause=f"step:3:{marker}")  # A alone
+    assert wait_for(marker.exists, 600, a), a.communicate()[0][-4000:]
+    assert nodes_of(plans(run)[-1]) == ["A"] and len(metrics(run)) == 2
+    b = start(elastic_cmd(plan, run, B, rdzv, "B"))  # node A's launcher restarts its ranks mid-step 3
+    outs = {name: p.communicate(timeout=900)[0] for name, p in (("A", a), ("B", b))}
+    assert (a.returncode, b.returncode) == (0, 0), outs["A"][-4000:] + outs["B"][-3000:]
+    last = plans(run)[-1]
+    assert sorted(nodes_of(last)) == ["A", "B"] and "joined: B" in last["predicted"]["elastic"]["reason"]
+    assert "resuming from" in outs["A"] + outs["B"]
+    check_finished(run, 8)
+
+
+@pytest.mark.slow
+def test_a_node_slow_to_leave_at_the_end_is_not_restarted_alone(tmp_path):
+    """Rank 0 hosts the store of an elastic launch: node B's ranks, 5 s late out of the last collective
+    (their watchdogs beat twice meanwhile), must still find it, so the job ends in the round it ran."""
+    plan = two_node_plan(tmp_path, steps=3)
+    run, rdzv, marker = tmp_path / "run", f"{A}:{free_port()}", tmp_path / "leaving"
+    a = start(elastic_cmd(plan, run, A, rdzv, "A"))
+    b = start(elastic_cmd(plan, run, B, rdzv, "B", pausable=True), pause=f"leave:5:{marker}")
+    outs = {name: p.communicate(timeout=600)[0] for name, p in (("A", a), ("B", b))}
+    assert marker.exists()
+    assert (a.returncode, b.returncode) == (0, 0), outs["A"][-3000:] + outs["B"][-3000:]
+    assert [sorted(nodes_of(p)) for p in plans(run)] == [["A", "B"]], outs["B"][-3000:]
+    check_finished(run, 3)

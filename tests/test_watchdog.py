@@ -1,4 +1,5 @@
 """The watchdog ends a rank when another one failed or went silent, naming it."""
+import threading
 import time
 
 from torch.distributed import HashStore
@@ -47,6 +48,22 @@ def test_clean_finish_is_not_a_failure():
     time.sleep(1.0)  # twice the timeout: silence of finished ranks must be ignored
     assert seen[0] == []
     dogs[0].finish()
+
+
+def test_rank_0_finishes_last_so_the_store_it_hosts_outlives_every_rank():
+    """In an elastic launch the store lives in rank 0's process (hexrl/main.py): rank 0's finish
+    returns only once every rank has finished, so no rank still beating finds the store gone (and
+    exits 1 at the very end, which its launcher would take for a failure and restart)."""
+    store, seen, order = HashStore(), [], []
+    dogs = [make(store, r, seen, timeout_s=10) for r in range(3)]
+    rank_0 = threading.Thread(target=lambda: (dogs[0].finish(), order.append("rank 0 left")))
+    rank_0.start()
+    time.sleep(0.3)  # ranks 1 and 2 still on their way out of the last collective
+    for d in dogs[1:]:
+        order.append(f"rank {d.rank} finished")
+        d.finish()
+    rank_0.join(10)
+    assert order == ["rank 1 finished", "rank 2 finished", "rank 0 left"]
 
 
 def test_ranks_of_a_lost_node_are_named_together_though_their_last_beats_differ():

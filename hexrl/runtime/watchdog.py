@@ -3,7 +3,8 @@
 A crashing rank writes its cause under `hexrl/failed`; a killed rank stops refreshing its
 heartbeat. Rank 0 watches every heartbeat, every rank watches rank 0 and the failure key,
 so any death ends the whole job within `timeout_s` with the failing rank named (O(world)
-store traffic, not O(world^2)). The store lives in torchrun's agent, so it outlives workers.
+store traffic, not O(world^2)). The store lives in torchrun's agent, so it outlives workers, except
+in an elastic launch, where rank 0 hosts it: there rank 0 is the last rank to leave.
 
 Across nodes the store lives in node 0's launcher. When another node's launcher (or machine)
 dies, all its ranks go silent together: the message names them grouped by node, and a rank
@@ -15,6 +16,7 @@ import os
 import threading
 import time
 import traceback
+from datetime import timedelta
 
 from hexrl.runtime import errors
 
@@ -53,9 +55,17 @@ class Watchdog:
         self._stop.set()
 
     def finish(self) -> None:
-        """A clean exit: stop watching and tell the others this rank's silence is expected."""
+        """A clean exit: stop watching and tell the others this rank's silence is expected. Rank 0
+        then waits (up to the timeout) until every rank has said so: in an elastic launch the store
+        lives in rank 0's process (hexrl/main.py), and a rank still beating when it exits would find
+        the store gone, fail at the very end and be restarted by its launcher."""
         self.stop()
         self.store.set(_done_key(self.rank), "1")
+        if self.rank == 0:
+            try:
+                self.store.wait([_done_key(r) for r in range(self.world)], timedelta(seconds=self.timeout))
+            except RuntimeError:  # a rank that died after the last collective: nothing to wait for
+                pass
 
     def beat(self) -> None:
         self.store.set(_hb_key(self.rank), str(time.time()))
