@@ -4,7 +4,8 @@ batch cap from the job's caps, the split printed, and the simulator playing both
 import numpy as np
 import pytest
 
-from hexrl.plan.__main__ import summary
+from hexrl.plan.__main__ import report, summary
+from hexrl.plan.cost import CostModel
 from hexrl.plan.lengths import LengthDist
 from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
@@ -42,6 +43,7 @@ def test_alpha_zero_plans_exactly_as_without_the_section(plans):
     off = plan_job(load_job(heavy_job(long_tail={"alpha": 0, "caps": [4]})))
     assert without_timing(off) == without_timing(plans[0])
     assert not any(r.long_tail for r in off.replicas) and "long_tail" not in off.predicted
+    assert CostModel(off.job).tail is None  # no length classes: every cost is the one-class cost
 
 
 def test_split_keeps_the_mean_and_puts_the_longest_mass_on_top():
@@ -84,6 +86,7 @@ def test_simulated_skew_aware_step_is_shorter_on_a_heavy_tail(plans):
     assert blind.step_time_s / aware.step_time_s > 1.0
     assert aware.tail_latency_s < blind.tail_latency_s
     assert sum(aware.tail_staleness.values()) == 6 * 8 * 8  # the long groups' trajectories, every step
+    assert "long tail : the long groups took" in report(aware, plans[1])
 
 
 def test_simulator_without_long_groups_draws_as_before(plans):

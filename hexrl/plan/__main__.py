@@ -143,6 +143,9 @@ def report(res, plan) -> str:
         f"idle      : trainer GPUs {res.idle['train']:.0%}, rollout GPUs {res.idle['rollout']:.0%}",
         f"staleness : over eta: {res.violations}; dropped as stale: {res.dropped_stale}; trained on:",
         *staleness_table(res.staleness),
+        *([f"long tail : the long groups took {res.tail_latency_s:.1f} s from hand-out to their last sample; "
+           "trained on:",
+           *staleness_table(res.tail_staleness)] if res.tail_staleness else []),
         *([f"eta auto  : {res.eta_by_step} after each step (w std {plan.job.rl.eta_w_std_target:g} allowed)"]
           if plan.job.rl.eta == "auto" else []),
     ])

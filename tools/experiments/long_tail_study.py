@@ -62,11 +62,15 @@ def tail_staleness(hist: dict) -> float:
     return sum(k * v for k, v in hist.items()) / n if n else float("nan")
 
 
-def arm(size: str, eta: int, alpha: float, recall: float, args) -> dict:
-    plan = plan_job(load_job(job_dict(size, eta, alpha), check_paths=False))
+def plan(size: str, eta: int, alpha: float):
+    return plan_job(load_job(job_dict(size, eta, alpha), check_paths=False))
+
+
+def arm(plan, recall: float, args) -> dict:
+    """One simulated arm of a plan, the prediction's recall given."""
     res = simulate(plan, steps=args.steps, warmup=args.warmup, seed=args.seed, long_share=ALPHA, recall=recall)
     lt = plan.predicted.get("long_tail", {})
-    return {"size": size, "eta": eta, "alpha": alpha, "recall": recall, "step_s": res.step_time_s,
+    return {"eta": plan.job.rl.eta, "alpha": plan.job.long_tail.alpha, "recall": recall, "step_s": res.step_time_s,
             "predicted_step_s": plan.predicted["step_time_s"], "gen_tokens_per_s": res.gen_tokens_per_s,
             "predicted_gen_tokens_per_s": plan.predicted["gen_tokens_per_s"],
             "tail_latency_s": res.tail_latency_s, "tail_staleness": tail_staleness(res.tail_staleness),
@@ -76,11 +80,12 @@ def arm(size: str, eta: int, alpha: float, recall: float, args) -> dict:
 
 
 def cell(size: str, eta: int, args) -> list[dict]:
-    """The three arms of one model and eta."""
-    rows = [arm(size, eta, 0.0, 1.0, args), arm(size, eta, ALPHA, 1.0, args)]
+    """The arms of one model and eta: length-blind, skew-aware, skew-aware at --recall."""
+    aware = plan(size, eta, ALPHA)
+    rows = [arm(plan(size, eta, 0.0), 1.0, args), arm(aware, 1.0, args)]
     if args.recall < 1:
-        rows.append(arm(size, eta, ALPHA, args.recall, args))
-    return rows
+        rows.append(arm(aware, args.recall, args))
+    return [{"size": size, **r} for r in rows]
 
 
 def print_cell(rows: list[dict]) -> None:
