@@ -56,15 +56,6 @@ class LengthDist:
         return (LengthDist([l for l, _ in long[::-1]], [p for _, p in long[::-1]]),
                 LengthDist([l for l, _ in rest[::-1]], [p for _, p in rest[::-1]]))
 
-    def quantile(self, q: float) -> float:
-        """The smallest length L with P(length <= L) >= q."""
-        cdf, total = 0.0, sum(self.probs)
-        for l, p in sorted(zip(self.lengths, self.probs)):
-            cdf += p / total
-            if cdf >= q - 1e-12:
-                return l
-        return self.max()
-
 
 def long_tail(mean: float, maximum: float, buckets: int = 64) -> LengthDist:
     """A truncated-exponential distribution on [1, max] with the given mean (the RL long tail)."""

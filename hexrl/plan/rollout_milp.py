@@ -97,7 +97,7 @@ def _idle_columns(cm: CostModel, classes: list[FreeClass]):
 def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
                   period: float | None = None) -> RolloutPlan | None:
     """The rollout plan with the shortest makespan on these free GPUs (None if nothing fits); with
-    a long tail, the best of one plan per batch cap (see the module's docstring)."""
+    a long tail, the best of one plan per batch cap and GPU type (see the module's docstring)."""
     if cm.tail is None:
         return _solve_rollout(cm, classes, rounds, period)
     plans = [p for cap in cm.tail.caps for kind in dict.fromkeys(c.gpu_type for c in classes)

@@ -76,6 +76,7 @@ def arm(plan, recall: float, args) -> dict:
             "tail_latency_s": res.tail_latency_s, "tail_staleness": tail_staleness(res.tail_staleness),
             "staleness": tail_staleness(res.staleness), "long_replicas": lt.get("replicas", 0),
             "long_gpus": lt.get("gpus", 0), "long_max_running": lt.get("max_running", []),
+            "long_types": sorted({r.gpu_type for r in plan.replicas if r.long_tail}),
             "search_s": plan.predicted["search"].get("wall_s")}
 
 
@@ -95,7 +96,8 @@ def print_cell(rows: list[dict]) -> None:
           f"{'tail stale':>10} {'all stale':>9}  long-tail replicas")
     for r in rows:
         name = "length-blind" if not r["alpha"] else f"skew-aware, recall {r['recall']:g}"
-        long = (f"{r['long_replicas']} ({r['long_gpus']} GPUs, max_running {r['long_max_running']})"
+        long = (f"{r['long_replicas']} ({r['long_gpus']} {'+'.join(r['long_types'])}, "
+                f"max_running {r['long_max_running']})"
                 if r["long_replicas"] else "-")
         print(f"  {name:<24} {r['step_s']:>9.1f} ({r['predicted_step_s']:>6.1f}) "
               f"{r['gen_tokens_per_s']:>10.0f} ({r['predicted_gen_tokens_per_s']:>7.0f}) {r['tail_latency_s']:>15.1f} "
