@@ -121,10 +121,10 @@ class CostModel:
         parts = []
         for long in (False, True):
             mine = [r for r in replicas if getattr(r, "long_tail", False) == long]
-            total = sum(r.share for r in mine)
+            total = sum(r.share for r in mine) or 1.0  # all idle: shares stay 0
             if mine:
-                parts.append((self.tail.of(long), [ClassReplica(r.gpu_type, r.tp, r.batch, r.share / total if total
-                                                                else 0.0) for r in mine]))
+                shares = [ClassReplica(r.gpu_type, r.tp, r.batch, r.share / total) for r in mine]
+                parts.append((self.tail.of(long), shares))
         return parts
 
     def step_s(self, train_s: float, gen_s: float, sync_s: float) -> float:
