@@ -288,7 +288,7 @@ def brute_force_rollout(cm, classes, cols, rates, concurrency):
     """Best total token rate by trying every packing of every node (tiny cases only)."""
     per_class = []
     for ci, c in enumerate(classes):
-        mine = [j for j, (cj, _) in enumerate(cols) if cj == ci]
+        mine = [j for j, (cj, *_) in enumerate(cols) if cj == ci]
         options = []  # multisets of columns whose TP sizes fill one node exactly
         for k in range(c.free + 1):
             for combo in itertools.combinations_with_replacement(mine, k):
@@ -312,7 +312,7 @@ def test_rollout_milp_matches_brute_force(seed):
     classes = [FreeClass("H20", rng.choice([2, 3, 4]), (0,)), FreeClass("L40S", rng.choice([1, 2, 4]), (1,))]
     concurrency = (cm.w.eta + 1) * cm.w.samples
     cols, _ = _columns(cm, classes, concurrency)
-    rates = [pt.tokens_per_s for _, pt in cols]
+    rates = [pt.tokens_per_s for _, pt, _ in cols]
     y, sol = _solve(cm, classes, cols, rates, concurrency)
     assert sol[-1] == pytest.approx(brute_force_rollout(cm, classes, cols, rates, concurrency), rel=1e-6)
     for ci, c in enumerate(classes):  # every rollout GPU is in a replica

@@ -37,20 +37,41 @@ from hexrl.schema.fields import plural
 def summary(plan) -> str:
     pr, t = plan.predicted, plan.trainer
     stages = ", ".join(f"{s.gpu_type} tp{s.tp} layers [{s.layers[0]}, {s.layers[1]})" for s in t.stages)
-    reps: dict = {}
-    for r in plan.replicas:
-        reps[(r.gpu_type, r.tp)] = reps.get((r.gpu_type, r.tp), 0) + 1
-    roll = ", ".join(f"{n} x {k} tp{tp}" for (k, tp), n in reps.items())
     b = pr["breakdown"]
     return "\n".join([
         f"trainer : dp={t.dp} pp={t.pp} [{stages}]",
-        f"rollout : {plural(len(plan.replicas), 'replica')} [{roll}]",
+        f"rollout : {plural(len(plan.replicas), 'replica')} [{replica_kinds(plan.replicas)}]",
+        *long_tail_lines(plan),
         f"step    : {pr['step_time_s']:.2f} s  (train {b['train_s']:.2f}, rollout {b['rollout_s']:.2f}, "
         f"reward {b['reward_s']:.2f}, weight sync {b['weight_sync_s']:.2f})",
         f"predict : {pr['tokens_per_s']:.0f} tokens/s, ${pr['cost_per_hour']:.2f}/h "
         f"({pr['search'].get('method')}, {pr['search'].get('wall_s', 0)} s)",
         *host_lines(pr.get("host")),
     ])
+
+
+def replica_kinds(replicas, cap: bool = False) -> str:
+    """'6 x H800 tp2, 24 x H20 tp1' (cap: with each kind's max_running)."""
+    reps: dict = {}
+    for r in replicas:
+        key = (r.gpu_type, r.tp, r.knobs.max_running if cap else None)
+        reps[key] = reps.get(key, 0) + 1
+    return ", ".join(f"{n} x {k} tp{tp}" + (f" max_running {b}" if cap else "") for (k, tp, b), n in reps.items())
+
+
+def long_tail_lines(plan) -> list[str]:
+    """The split of a plan with a long tail: which replicas serve the longest groups, and the rest."""
+    lt = plan.predicted.get("long_tail")
+    if not lt:
+        return []
+    long = [r for r in plan.replicas if r.long_tail]
+    rest = [r for r in plan.replicas if not r.long_tail]
+    return [f"long    : {lt['groups']} of {lt['batch_size']} groups (alpha {lt['alpha']:g}, mean output "
+            f"{lt['long_mean_output_len']:.0f} tokens) on {plural(len(long), 'replica')} "
+            f"[{replica_kinds(long, True)}], share {sum(r.share for r in long):.3f}",
+            f"regular : {lt['batch_size'] - lt['groups']} groups (mean output {lt['regular_mean_output_len']:.0f} "
+            f"tokens) on {plural(len(rest), 'replica')} [{replica_kinds(rest)}], "
+            f"share {sum(r.share for r in rest):.3f}"]
 
 
 def host_lines(h: dict | None) -> list[str]:
@@ -124,6 +145,9 @@ def report(res, plan) -> str:
         f"idle      : trainer GPUs {res.idle['train']:.0%}, rollout GPUs {res.idle['rollout']:.0%}",
         f"staleness : over eta: {res.violations}; dropped as stale: {res.dropped_stale}; trained on:",
         *staleness_table(res.staleness),
+        *([f"long tail : the long groups took {res.tail_latency_s:.1f} s from hand-out to their last sample; "
+           "trained on:",
+           *staleness_table(res.tail_staleness)] if res.tail_staleness else []),
         *([f"eta auto  : {res.eta_by_step} after each step (w std {plan.job.rl.eta_w_std_target:g} allowed)"]
           if plan.job.rl.eta == "auto" else []),
     ])

@@ -6,7 +6,7 @@ from dataclasses import dataclass, replace
 from hexrl.plan.cost import CostModel
 from hexrl.plan.placement import counts_of, free_classes, train_per_node
 from hexrl.plan.progress import quiet
-from hexrl.plan.rollout_milp import RolloutPlan, combine, makespan, solve_rollout
+from hexrl.plan.rollout_milp import RolloutPlan, combine, decode_point, makespan, solve_rollout
 from hexrl.plan.train_search import TrainPlan, search_train, train_bound
 
 # replicas of memoised rollout plans, about 0.3 GB: dropping one only costs solving it again
@@ -93,7 +93,9 @@ class Evaluator:
         alone = [self._solve(cs) for cs in by_type]
         if not alone or None in alone:
             return None
-        step = makespan(cm, [cm.decode_point(r.gpu_type, r.tp, r.batch) for p in alone for r in p.replicas])
+        reps = [r for p in alone for r in p.replicas]
+        split = any(r.long_tail for r in reps)
+        step = makespan(cm, [decode_point(cm, r, split) for r in reps], [r.long_tail for r in reps])
         period = 2 ** (math.floor(4 * math.log2(step)) / 4)
         plans = [self._solve(cs, period) or replace(p, tokens_per_s=0.0)  # None: too slow to use at this period
                  for cs, p in zip(by_type, alone)]

@@ -24,9 +24,12 @@ def train_knobs(cm: CostModel, train: TrainPlan) -> TrainKnobs:
     return replace(base, **cm.job.runtime.get("trainer", {}))
 
 
-def replica_knobs(cm: CostModel, gpu_type: str, tp: int, batch: int) -> RolloutKnobs:
+def replica_knobs(cm: CostModel, gpu_type: str, tp: int, batch: int, long_tail: bool = False) -> RolloutKnobs:
+    """A replica's engine knobs; a long-tail replica keeps its batch cap under a larger override."""
     over = cm.job.runtime.get("rollout", {})
     running = over.get("max_running", batch)
+    if long_tail:
+        running = min(running, batch)
     page_size = over.get("page_size", RolloutKnobs.page_size)
     dtype = over.get("dtype", default_dtype([gpu_type]))
     elem = 4 if dtype == "float32" else 2

@@ -14,13 +14,25 @@ counts, memory); CostModel builds them for one job and puts them behind one obje
     cost_host.py     HostCost: the trainer's batch hand-off, the controller's work on its core
 """
 
+from dataclasses import dataclass
+
 from hexrl.gpus import GPU, gpu, host_costs
 from hexrl.plan.cost_host import HostCost
 from hexrl.plan.cost_inputs import Memory, Params, Workload, tp_degrees, workload_of
-from hexrl.plan.cost_rollout import RolloutCost
+from hexrl.plan.cost_rollout import RolloutCost, tail_split
 from hexrl.plan.cost_sync import SyncCost
 from hexrl.plan.cost_train import TrainCost
 from hexrl.schema import Job
+
+
+@dataclass(frozen=True)
+class ClassReplica:
+    """A rollout replica as one length class's costs see it: its share is of the class's groups."""
+
+    gpu_type: str
+    tp: int
+    batch: int
+    share: float
 
 
 class CostModel:
@@ -38,6 +50,7 @@ class CostModel:
         w = workload_of(job)
         self.train = TrainCost(job, w, self.gpus, self.memory, self.params)
         self.rollout = RolloutCost(job, w, self.gpus, self.memory, self.params)
+        self.tail = tail_split(job, w, self.gpus, self.memory, self.params)  # two length classes, or None
         self.sync = SyncCost(self.cluster, w, job.sync)
         self.host = HostCost(host_costs(job.workload.host, use_profiles), w)
         self.w = w
@@ -54,7 +67,7 @@ class CostModel:
         self.decode_point, self.decode_points = r.decode_point, r.decode_points
         self.decode_coeffs, self.decode_fixed_s, self.prefill_s = r.decode_coeffs, r.decode_fixed_s, r.prefill_s
         self.decode_rate_bound, self.gated_gen_s, self.gen_s = r.decode_rate_bound, r.gated_gen_s, r.gen_s
-        self.wave_s, self.joined_wave_s, self.joined_wave = r.wave_s, r.joined_wave_s, r.joined_wave
+        self.wave_s, self.joined_wave_s = r.wave_s, r.joined_wave_s
         self.sync_s, self.group_reward_s = s.sync_s, s.group_reward_s
         self.handoff_s, self.controller_floor_s = self.host.handoff_s, self.host.controller_floor_s
 
@@ -83,7 +96,36 @@ class CostModel:
         rollout needs to generate one step's B groups dealt out by share (RolloutCost.idle_wave_s),
         and the reward work of the busiest replica over a step, which its reward workers do while
         it decodes (SyncCost.busiest_reward_s)."""
-        return self.rollout.idle_wave_s(replicas), self.sync.busiest_reward_s(replicas)
+        parts = self.by_length_class(replicas)
+        wave = (self.rollout.idle_wave_s(replicas) if parts is None
+                else max(cost.idle_wave_s(mine) for cost, mine in parts))
+        return wave, self.sync.busiest_reward_s(replicas)
+
+    def long_tail_wave_s(self, plan) -> float:
+        """Seconds the long tail's replicas of a rollout plan need for a step's long groups from idle."""
+        parts = self.by_length_class(plan.replicas)
+        return 0.0 if parts is None else parts[-1][0].idle_wave_s(parts[-1][1])
+
+    def joined_wave(self, replicas, join_s: float, pause_s: float) -> float:
+        """RolloutCost.joined_wave; with a long tail, the slower of the two classes' waves."""
+        parts = self.by_length_class(replicas)
+        if parts is None:
+            return self.rollout.joined_wave(replicas, join_s, pause_s)
+        return max(cost.joined_wave(mine, join_s, pause_s) for cost, mine in parts)
+
+    def by_length_class(self, replicas) -> list[tuple[RolloutCost, list[ClassReplica]]] | None:
+        """Where some replica serves the long tail: each length class's costs with its replicas, their
+        shares of the class's groups (each class is a rollout of its own); None otherwise."""
+        if self.tail is None or not any(getattr(r, "long_tail", False) for r in replicas):
+            return None
+        parts = []
+        for long in (False, True):
+            mine = [r for r in replicas if getattr(r, "long_tail", False) == long]
+            total = sum(r.share for r in mine) or 1.0  # all idle: shares stay 0
+            if mine:
+                shares = [ClassReplica(r.gpu_type, r.tp, r.batch, r.share / total) for r in mine]
+                parts.append((self.tail.of(long), shares))
+        return parts
 
     def step_s(self, train_s: float, gen_s: float, sync_s: float) -> float:
         """Step time: async overlaps generation and training; eta=0 runs them back to back."""

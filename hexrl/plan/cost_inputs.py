@@ -2,10 +2,10 @@
 model's parameter counts and TP degrees, and the bytes a process may fill on each GPU type."""
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hexrl.gpus import GPU
-from hexrl.plan.lengths import output_lengths
+from hexrl.plan.lengths import LengthDist, output_lengths
 from hexrl.schema import Job
 
 WORKSPACE_BYTES = 1.5e9  # allocator slack, kernels' scratch, CUDA context
@@ -66,12 +66,24 @@ def workload_of(job: Job) -> Workload:
         mean_out=mean, max_out=d.max(), max_seq=math.ceil(context + max(rl.max_new_tokens, d.max())),
         micro_tokens=job.runtime.get("trainer", {}).get("micro_batch_tokens",
                                                         max(MIN_MICRO_TOKENS, wl.prompt_len + rl.max_new_tokens)),
-        ctx_decode=wl.prompt_len + (wl.turns - 1) * wl.obs_len / 2 + second / (2 * mean),
+        ctx_decode=decode_context(wl.prompt_len, wl.turns, wl.obs_len, d),
         ctx_attn=seq_second / (2 * seq_mean),
         tokens=rl.batch_size * rl.group_size * seq_mean, eta=rl.eta_bound, minibatches=rl.ppo_minibatches,
         extra_fwd=int(rl.decoupled) + int(rl.kl_coef > 0), reward_s=reward_s,
         turns=wl.turns, obs_len=wl.obs_len, env_s=wl.env_latency_mean, env_latency=wl.env_latency_s,
     )
+
+
+def decode_context(prompt_len: int, turns: float, obs_len: float, d: LengthDist) -> float:
+    """Time-averaged context of a decoding sequence whose output lengths follow d."""
+    return prompt_len + (turns - 1) * obs_len / 2 + d.second_moment() / (2 * d.mean())
+
+
+def class_workload(w: Workload, d: LengthDist, groups: int) -> Workload:
+    """The rollout side of a step restricted to `groups` of its groups, whose lengths follow d
+    (one length class of the long tail: hexrl/plan/cost_rollout.py, TailSplit)."""
+    return replace(w, samples=groups * w.group, mean_out=d.mean(), max_out=d.max(),
+                   ctx_decode=decode_context(w.prompt_len, w.turns, w.obs_len, d))
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from hexrl.gpus import GPU
-from hexrl.plan.cost_inputs import Memory, Params, Workload, active_replicas, tp_degrees
-from hexrl.plan.lengths import expected_max_wait, output_lengths
+from hexrl.plan.cost_inputs import Memory, Params, Workload, active_replicas, class_workload, tp_degrees
+from hexrl.plan.lengths import LengthDist, expected_max_wait, output_lengths
 from hexrl.plan.wave import Lengths, WaveSteps, bin_width, wave_steps
 from hexrl.schema import Job
 
@@ -33,14 +33,56 @@ class DecodePoint:
     recompute_s: float  # KV recompute of the running batch after a weight update
 
 
+@dataclass(frozen=True)
+class TailSplit:
+    """The job's long tail as two length classes, each priced as a rollout of its own: the longest
+    `groups` of a step's groups (the long tail, on replicas of their own at a batch cap from `caps`)
+    and the rest. Each class's lengths are the distribution's top `groups / B` of mass and the rest
+    (LengthDist.split): their conditional means, not P90 and P50, so that the two classes' tokens add
+    up to the step's and a plan is priced for the tokens it generates."""
+
+    regular: "RolloutCost"
+    long: "RolloutCost"
+    groups: int  # long-tail groups per step: round(alpha * B), at least 1, at most B - 1
+    caps: tuple[int, ...]  # batch caps a long-tail replica may take
+
+    @property
+    def long_token_share(self) -> float:
+        """The long tail's share of a step's generated tokens."""
+        long, regular = self.long.w.gen_tokens, self.regular.w.gen_tokens
+        return long / (long + regular)
+
+    def prompt_share(self, long: bool) -> float:
+        """The share of a step's groups in the class."""
+        g = self.long.w.samples / (self.long.w.samples + self.regular.w.samples)
+        return g if long else 1 - g
+
+    def of(self, long: bool) -> "RolloutCost":
+        return self.long if long else self.regular
+
+
+def tail_split(job: Job, w: Workload, gpus: dict[str, GPU], memory: Memory, params: Params) -> TailSplit | None:
+    """The job's two length classes, None where its long_tail is off (or a batch has one group)."""
+    spec, batch = job.long_tail, job.rl.batch_size
+    if not spec.on or batch < 2:
+        return None
+    groups = min(batch - 1, max(1, round(spec.alpha * batch)))
+    long, rest = output_lengths(job.workload.output_len).split(groups / batch)
+    return TailSplit(RolloutCost(job, class_workload(w, rest, batch - groups), gpus, memory, params, rest),
+                     RolloutCost(job, class_workload(w, long, groups), gpus, memory, params, long),
+                     groups, spec.caps)
+
+
 class RolloutCost:
     """Rollout costs of one job on the cluster's GPU types."""
 
-    def __init__(self, job: Job, w: Workload, gpus: dict[str, GPU], memory: Memory, params: Params):
+    def __init__(self, job: Job, w: Workload, gpus: dict[str, GPU], memory: Memory, params: Params,
+                 lengths: LengthDist | None = None):
         self.m, self.cluster = job.model.config, job.cluster
         self.w, self.gpus, self.memory, self.params = w, gpus, memory, params
         self.gpn = self.cluster.gpus_per_node
-        self.lengths = output_lengths(job.workload.output_len)  # the long tail (rollout_tail_s)
+        # the output lengths (the job's, or one length class's: TailSplit)
+        self.lengths = lengths or output_lengths(job.workload.output_len)
         self.decode_batch_cap = job.runtime.get("rollout", {}).get("max_running", MAX_DECODE_BATCH)
         self._decode_cache: dict = {}
         self._wave_cache: dict = {}
@@ -122,6 +164,10 @@ class RolloutCost:
         rate = b / (step + b / w.mean_out * (prefill + self.gpus[gpu_type].host_s_per_sample))
         recompute = self.prefill_s(gpu_type, tp, b * w.ctx_decode, w.ctx_decode / 2)
         return DecodePoint(gpu_type, tp, b, step, rate, recompute)
+
+    def capped_points(self, gpu_type: str, tp: int, cap: int) -> list[DecodePoint]:
+        """Config (type, tp) at batch cap `cap`, if its memory holds that many (else none)."""
+        return [self.decode_point(gpu_type, tp, cap)] if cap <= self.max_decode_batch(gpu_type, tp) else []
 
     def decode_points(self, gpu_type: str, tp: int, all_batches: bool) -> list[DecodePoint]:
         """Operating points of config (type, tp): bmax/8..bmax, or every power of two up to bmax."""

@@ -37,7 +37,7 @@ def recost(cm: CostModel, plan: Plan) -> Candidate:
     t, p = plan.trainer, []
     chunks = [(st.gpu_type, st.tp, [divmod(r, cm.gpn) for r in t.stage_ranks(s)]) for s, st in enumerate(t.stages)]
     tplan = _train_plan(cm, chunks, t.dp, [b - a for a, b in (st.layers for st in t.stages)], p)
-    reps = [(r.gpu_type, r.tp, r.ranks, r.share, r.knobs.max_running) for r in plan.replicas]
+    reps = [(r.gpu_type, r.tp, r.ranks, r.share, r.knobs.max_running, r.long_tail) for r in plan.replicas]
     rplan = _rollout_plan(cm, reps, p)
     if p or tplan is None or rplan is None:
         raise ConfigError(p or ["plan: cannot be costed"], "invalid plan")
@@ -138,7 +138,7 @@ def _check_layers(cm: CostModel, layers, where: str, p: list[str]) -> list[int] 
 
 
 def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
-    """Rollout replicas as (type, tp, ranks, share or None, max_running or None)."""
+    """Rollout replicas as (type, tp, ranks, share or None, max_running or None, long tail: False)."""
     if "rollout_replicas" in layout:
         out, seen = [], []
         for i, r in enumerate(layout["rollout_replicas"]):
@@ -176,7 +176,7 @@ def _replicas(cm: CostModel, layout: dict, rest: list[int], p: list[str]):
         elif cm.max_decode_batch(kind, tp) < 1:
             p.append(f"rollout replica {i}: {tp} x {kind} cannot hold the weights plus the KV cache of "
                      f"one longest sequence ({cm.w.max_seq} tokens)")
-        reps.append((kind, tp, ranks, share, max_running))
+        reps.append((kind, tp, ranks, share, max_running, False))
     return reps
 
 
@@ -193,7 +193,7 @@ def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
     """Makespan of fixed replicas at their largest (or given) batch; shares as given or by throughput."""
     if p:
         return None
-    given = [s for _, _, _, s, _ in reps]
+    given = [s for _, _, _, s, _, _ in reps]
     if any(s is not None for s in given) and any(s is None for s in given):
         p.append("layout.rollout_replicas: give a share for every replica or for none")
         return None
@@ -201,15 +201,23 @@ def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
     # the (eta + 1) * B * G sequences the gate lets run at once (the dispatcher deals groups by
     # share; without shares, evenly; a replica of share 0 gets no work and keeps its knobs)
     parts = [float(s) / sum(map(float, given)) for s in given] if given[0] is not None else [1 / len(reps)] * len(reps)
-    gate = [math.inf if cm.w.eta is None or f == 0 else math.ceil((cm.w.eta + 1) * cm.w.samples * f) for f in parts]
-    pts = [cm.decode_point(k, tp, int(max(1, min(cm.max_decode_batch(k, tp), mb or math.inf, g))))
-           for (k, tp, _, _, mb), g in zip(reps, gate)]
+    # (a long-tail replica keeps its cap: the plan chose it, and it holds whole groups)
+    gate = [math.inf if cm.w.eta is None or f == 0 or long else math.ceil((cm.w.eta + 1) * cm.w.samples * f)
+            for f, (*_, long) in zip(parts, reps)]
+    # a plan whose replicas serve the long tail prices each for its class's lengths (cost_rollout.TailSplit)
+    split = cm.tail is not None and any(long for *_, long in reps)
+    costs = [cm.tail.of(long) if split else cm.rollout for *_, long in reps]
+    pts = [cost.decode_point(k, tp, int(max(1, min(cm.max_decode_batch(k, tp), mb or math.inf, g))))
+           for cost, (k, tp, _, _, mb, _), g in zip(costs, reps, gate)]
     # each replica loses its KV recompute R once per step and decodes at h otherwise
     h, R, tokens = [pt.tokens_per_s for pt in pts], [pt.recompute_s for pt in pts], cm.w.gen_tokens
     if given[0] is not None:
         total = sum(float(s) for s in given)
         shares = [float(s) / total for s in given]
-        theta = max(s * tokens / hj + rj for s, hj, rj in zip(shares, h, R) if s > 0)
+        # a class's replicas generate its tokens: tokens per share of the step's groups
+        per_share = [cost.w.gen_tokens / cm.tail.prompt_share(long) if split else tokens
+                     for cost, (*_, long) in zip(costs, reps)]
+        theta = max(s * t / hj + rj for s, t, hj, rj in zip(shares, per_share, h, R) if s > 0)
     else:  # shares by throughput: all used replicas finish together
         used = set(range(len(pts)))
         while True:
@@ -220,6 +228,6 @@ def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
             used -= late
         shares = [h[j] * (theta - R[j]) / tokens if j in used else 0.0 for j in range(len(pts))]
     replicas = [RolloutReplica(k, tp, pt.batch, ranks[0] // cm.gpn, [r % cm.gpn for r in ranks],
-                               pt.tokens_per_s, s)
-                for (k, tp, ranks, _, _), pt, s in zip(reps, pts, shares)]
+                               pt.tokens_per_s, s, long)
+                for (k, tp, ranks, _, _, long), pt, s in zip(reps, pts, shares)]
     return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))

@@ -39,6 +39,22 @@ class LengthDist:
         idx = rng.choice(len(self.lengths), size=n, p=np.asarray(self.probs) / sum(self.probs))
         return np.maximum(1, np.rint(np.asarray(self.lengths)[idx])).astype(int)
 
+    def split(self, alpha: float) -> tuple["LengthDist", "LengthDist"]:
+        """(the longest `alpha` of the probability mass, the rest), each normalised: the lengths of
+        the long-tail and the regular class where the longest groups are predicted right. A length
+        on the boundary gives each side its part of its mass, so alpha * long.mean() +
+        (1 - alpha) * rest.mean() is the mean."""
+        order = sorted((l, p / sum(self.probs)) for l, p in zip(self.lengths, self.probs))
+        long, rest, need = [], [], alpha
+        for l, p in reversed(order):
+            take = min(p, max(0.0, need))
+            need -= take
+            if take > 0:
+                long.append((l, take / alpha))
+            if p - take > 0:
+                rest.append((l, (p - take) / (1 - alpha)))
+        return (LengthDist([l for l, _ in long[::-1]], [p for _, p in long[::-1]]),
+                LengthDist([l for l, _ in rest[::-1]], [p for _, p in rest[::-1]]))
 
 
 def long_tail(mean: float, maximum: float, buckets: int = 64) -> LengthDist:

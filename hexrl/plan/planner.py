@@ -152,7 +152,7 @@ def materialize(cm: CostModel, cand: Candidate, info: dict) -> Plan:
         for k, rank in enumerate(ranks):
             roles[rank] = RankInfo(rank, r.node, r.locals[k], r.gpu_type, "rollout", tp=k, replica=r_i)
         replicas.append(Replica(r_i, r.gpu_type, r.tp, ranks, round(r.share, 6),
-                                replica_knobs(cm, r.gpu_type, r.tp, r.batch)))
+                                replica_knobs(cm, r.gpu_type, r.tp, r.batch, r.long_tail), r.long_tail))
     _fix_shares(replicas)
     ranks = [roles[k] for k in sorted(roles)]
     trainer = TrainerLayout(cand.train.dp, stages)
@@ -190,7 +190,7 @@ def predictions(cm: CostModel, cand: Candidate, info: dict) -> dict:
     roll_gpus: dict[str, int] = {}
     for r in cand.rollout.replicas:
         roll_gpus[r.gpu_type] = roll_gpus.get(r.gpu_type, 0) + r.tp
-    return {
+    out = {
         "step_time_s": round(cand.step_s, 4),
         "tokens_per_s": round(tokens_s, 2),
         "gen_tokens_per_s": round(w.gen_tokens / cand.step_s, 2),
@@ -212,3 +212,16 @@ def predictions(cm: CostModel, cand: Candidate, info: dict) -> dict:
         "host": cm.host.report(cand.step_s, len(cand.rollout.replicas)),
         "search": info,
     }
+    if any(r.long_tail for r in cand.rollout.replicas):
+        out["long_tail"] = long_tail_prediction(cm, cand)
+    return out
+
+
+def long_tail_prediction(cm: CostModel, cand: Candidate) -> dict:
+    """The plan's length classes: groups and mean output length of each, and the long tail's replicas."""
+    tail, long = cm.tail, [r for r in cand.rollout.replicas if r.long_tail]
+    return {"alpha": cm.job.long_tail.alpha, "groups": tail.groups, "batch_size": cm.job.rl.batch_size,
+            "long_mean_output_len": round(tail.long.w.mean_out, 2),
+            "regular_mean_output_len": round(tail.regular.w.mean_out, 2),
+            "replicas": len(long), "gpus": sum(r.tp for r in long),
+            "max_running": sorted({r.batch for r in long})}

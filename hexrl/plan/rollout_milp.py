@@ -16,9 +16,17 @@ the running sequences of all replicas together are capped by the staleness gate,
 TP stays inside a node: per group of like nodes, TP sizes (powers of two) are packed with the
 exact condition for divisible sizes: for every size s, sum_{tp >= s} tp * y_tp <= nodes * s * floor(free / s);
 for s = 1 it is an equality, because every rank of the plan needs a role.
+
+The long tail (a job's long_tail section, cost_rollout.TailSplit): each column also names a length
+class, and the token rate of each class's columns must be its share of the step's tokens times U
+(one row per class in place of sum r = U), so both classes end together. The long tail's columns run at
+one batch cap on one GPU type: one MILP per cap in the job's caps and GPU type, and the plan that
+generates a step soonest (the throughput makespan or the wave, as the gate lets them bind:
+CostModel.gen_s) is kept, or within 1% of it the one whose long tail ends soonest.
 """
 
 import ctypes
+import math
 import os
 import sys
 from dataclasses import dataclass
@@ -40,6 +48,7 @@ class RolloutReplica:
     locals: list[int]
     tokens_per_s: float
     share: float  # fraction of the step's prompts
+    long_tail: bool = False  # serves the long-tail class (its share is of all prompts, like the others')
 
 
 @dataclass
@@ -52,19 +61,24 @@ class RolloutPlan:
     reward_s: float = 0.0  # reward work of the busiest replica per step (overlaps its decoding)
 
 
-def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):
-    """One column per (class, tp, operating point); all batch sizes only if the gate can bind."""
+def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float, long_tail: tuple[int, str] | None = None):
+    """One column (free class, operating point, long tail?) per (class, tp, operating point); all
+    batch sizes only if the gate can bind. long_tail (cap, GPU type): the long tail's columns too,
+    at that batch cap on that type's GPUs."""
     cap = sum(len(c.nodes) * c.free * max((cm.max_decode_batch(c.gpu_type, tp) / tp
                                              for tp in cm.tp_options(c.gpu_type)), default=0)
               for c in classes)
     all_batches = concurrency < cap
+    regular = cm.rollout if long_tail is None else cm.tail.regular
     cols = []
     for ci, c in enumerate(classes):
         for tp in cm.tp_options(c.gpu_type):
             if tp > c.free:
                 continue
-            for pt in cm.decode_points(c.gpu_type, tp, all_batches):
-                cols.append((ci, pt))
+            for pt in regular.decode_points(c.gpu_type, tp, all_batches):
+                cols.append((ci, pt, False))
+            if long_tail is not None and c.gpu_type == long_tail[1]:
+                cols += [(ci, pt, True) for pt in cm.tail.long.capped_points(c.gpu_type, tp, long_tail[0])]
     return cols, all_batches
 
 
@@ -76,13 +90,29 @@ def _idle_columns(cm: CostModel, classes: list[FreeClass]):
     for ci, c in enumerate(classes):
         fits = [tp for tp in cm.tp_options(c.gpu_type) if tp <= c.free and cm.max_decode_batch(c.gpu_type, tp) > 0]
         if fits:
-            cols.append((ci, DecodePoint(c.gpu_type, fits[0], 0, 0.0, 0.0, 0.0)))
+            cols.append((ci, DecodePoint(c.gpu_type, fits[0], 0, 0.0, 0.0, 0.0), False))
     return cols
 
 
 def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
                   period: float | None = None) -> RolloutPlan | None:
-    """The rollout plan with the shortest makespan on these free GPUs (None if nothing fits).
+    """The rollout plan with the shortest makespan on these free GPUs (None if nothing fits); with
+    a long tail, the best of one plan per batch cap and GPU type (see the module's docstring)."""
+    if cm.tail is None:
+        return _solve_rollout(cm, classes, rounds, period)
+    plans = [p for cap in cm.tail.caps for kind in dict.fromkeys(c.gpu_type for c in classes)
+             if (p := _solve_rollout(cm, classes, rounds, period, (cap, kind))) is not None]
+    if not plans:
+        return None
+    gen = [cm.gen_s(p.gen_s, p.wave_s, 0.0, 0.0) for p in plans]
+    # within 1% of the shortest generation, the plan whose long tail ends soonest: its tokens are the freshest
+    return min((p for p, g in zip(plans, gen) if g <= 1.01 * min(gen)), key=cm.long_tail_wave_s)
+
+
+def _solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int, period: float | None,
+                   long_tail: tuple[int, str] | None = None) -> RolloutPlan | None:
+    """The rollout plan with the shortest makespan; long_tail (batch cap, GPU type): the long tail's
+    replicas, all at that cap on that type.
 
     After each weight update a replica re-prefills its running batch (KV recompute, R_psi
     seconds), so over a step of length T it decodes at h_psi * (1 - R_psi / T). T is the
@@ -94,15 +124,15 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
     """
     w = cm.w
     concurrency = float("inf") if w.eta is None else (w.eta + 1) * w.samples
-    cols, all_batches = _columns(cm, classes, concurrency)
+    cols, all_batches = _columns(cm, classes, concurrency, long_tail)
     if not cols:
         return None
     y, sol, theta, done = None, None, None, 0
     while done < rounds:
         rates = [pt.tokens_per_s * (1.0 if period is None else max(0.0, 1 - pt.recompute_s / period))
-                 for _, pt in cols]
+                 for _, pt, _ in cols]
         y_new, sol_new = _solve(cm, classes, cols, rates, concurrency if all_batches else None)
-        if y_new is None and y is None and all_batches and not any(pt.batch == 0 for _, pt in cols):
+        if y_new is None and y is None and all_batches and not any(pt.batch == 0 for _, pt, _ in cols):
             cols = cols + _idle_columns(cm, classes)  # more GPUs than the gate keeps busy: let some idle
             continue
         done += 1
@@ -113,7 +143,8 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
         # the makespan this choice really has, its recompute priced at that makespan: when the
         # rounds run out with the choice still changing, the MILP's own tokens / U would price
         # recompute at another step length (it under-predicted a step by 27% so)
-        theta = makespan(cm, [cols[j][1] for j in used for _ in range(y[j])])
+        theta = makespan(cm, [cols[j][1] for j in used for _ in range(y[j])],
+                         [cols[j][2] for j in used for _ in range(y[j])])
         if period is not None and abs(w.gen_tokens / sol[-1] - period) <= 1e-2 * period:
             break
         period = theta
@@ -146,12 +177,19 @@ def _solve(cm: CostModel, classes, cols, rates, concurrency):
     cost[-1] = -1.0  # maximise U
     lower = np.zeros(nv)
     upper = np.full(nv, highspy.kHighsInf)
-    for j, (ci, pt) in enumerate(cols):
+    for j, (ci, pt, _) in enumerate(cols):
         c = classes[ci]
         upper[j] = len(c.nodes) * (c.free // pt.tp)
     rows, lo, hi = [], [], []
-    rows.append({**{n + j: 1.0 for j in range(n)}, 2 * n: -1.0})  # sum r = U
-    lo.append(0.0), hi.append(0.0)
+    split = cm.tail is not None and any(long for _, _, long in cols)
+    if not split:
+        rows.append({**{n + j: 1.0 for j in range(n)}, 2 * n: -1.0})  # sum r = U
+        lo.append(0.0), hi.append(0.0)
+    else:  # each length class generates its share of the tokens: sum of its r = share * U
+        for long in (False, True):
+            share = cm.tail.long_token_share if long else 1 - cm.tail.long_token_share
+            rows.append({**{n + j: 1.0 for j, col in enumerate(cols) if col[2] == long}, 2 * n: -share})
+            lo.append(0.0), hi.append(0.0)
     for j in range(n):  # r_psi <= h_psi * y_psi
         rows.append({n + j: 1.0, j: -rates[j]})
         lo.append(-highspy.kHighsInf), hi.append(0.0)
@@ -159,7 +197,7 @@ def _solve(cm: CostModel, classes, cols, rates, concurrency):
         for s in cm.tp_options(c.gpu_type):
             if s > c.free:
                 continue
-            row = {j: float(pt.tp) for j, (cj, pt) in enumerate(cols) if cj == ci and pt.tp >= s}
+            row = {j: float(pt.tp) for j, (cj, pt, _) in enumerate(cols) if cj == ci and pt.tp >= s}
             if not row:
                 if s == 1:
                     return None, None  # nothing fits on these GPUs
@@ -168,9 +206,10 @@ def _solve(cm: CostModel, classes, cols, rates, concurrency):
             rows.append(row)  # s == 1: every rollout GPU belongs to some replica
             lo.append(cap if s == 1 else -highspy.kHighsInf), hi.append(cap)
     if concurrency is not None:  # running sequences of all replicas <= staleness-gate capacity
-        rows.append({j: float(pt.batch) for j, (_, pt) in enumerate(cols)})
+        rows.append({j: float(pt.batch) for j, (_, pt, _) in enumerate(cols)})
         lo.append(-highspy.kHighsInf), hi.append(concurrency)
-    h = _highs(cost, lower, upper, rows, lo, hi, n)
+    # two length classes: presolve took 3/4 of the time of these small MILPs, and finds nothing
+    h = _highs(cost, lower, upper, rows, lo, hi, n, presolve=not split)
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None, None
     sol = np.asarray(h.getSolution().col_value)
@@ -180,7 +219,7 @@ def _solve(cm: CostModel, classes, cols, rates, concurrency):
     return y, sol
 
 
-def _highs(cost, lower, upper, rows, lo, hi, n_int) -> highspy.Highs:
+def _highs(cost, lower, upper, rows, lo, hi, n_int, presolve: bool = True) -> highspy.Highs:
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = len(cost), len(rows)
     lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, lower, upper
@@ -202,6 +241,8 @@ def _highs(cost, lower, upper, rows, lo, hi, n_int) -> highspy.Highs:
         [highspy.HighsVarType.kContinuous] * (len(cost) - n_int)
     h = quiet_highs()
     h.setOptionValue("mip_rel_gap", 1e-6)
+    if not presolve:
+        h.setOptionValue("presolve", "off")
     h.passModel(lp)
     h.run()
     return h
@@ -229,18 +270,45 @@ def _assemble(cm: CostModel, classes, cols, y, sol, theta: float) -> RolloutPlan
                 locs, free[node] = free[node][:pt.tp], free[node][pt.tp:]
                 share = max(0.0, rate[j]) / y[j] / U
                 replicas.append(RolloutReplica(pt.gpu_type, pt.tp, max(1, pt.batch), node, locs, pt.tokens_per_s,
-                                               share))  # an idle one (batch 0) keeps the knobs of batch 1
-    total = sum(r.share for r in replicas)  # replicas the gate leaves idle keep share 0
-    for r in replicas:
-        r.share /= total
+                                               share, cols[j][2]))  # an idle one (batch 0) keeps the knobs of batch 1
+    _prompt_shares(cm, replicas)
     return RolloutPlan(replicas, theta, theta, U, *cm.rollout_wave(replicas))
 
 
-def makespan(cm: CostModel, points: list[DecodePoint]) -> float:
+def _prompt_shares(cm: CostModel, replicas: list[RolloutReplica]) -> None:
+    """Token-rate shares -> shares of the step's groups, summing to 1 (replicas the gate leaves idle
+    keep share 0); with a long tail, each class's replicas share its groups by token rate."""
+    split = any(r.long_tail for r in replicas)
+    for long in (False, True):
+        mine = [r for r in replicas if r.long_tail == long]
+        total = sum(r.share for r in mine)
+        for r in mine:
+            r.share /= total
+            if split:
+                r.share *= cm.tail.prompt_share(long)
+
+
+def makespan(cm: CostModel, points: list[DecodePoint], long: list[bool] | None = None) -> float:
     """Seconds for replicas (one DecodePoint each) to generate a step's tokens when each loses its
-    KV recompute once per step: T = (tokens + sum h R) / sum h."""
-    h = sum(pt.tokens_per_s for pt in points)
-    return (cm.w.gen_tokens + sum(pt.tokens_per_s * pt.recompute_s for pt in points)) / h
+    KV recompute once per step: T = (tokens + sum h R) / sum h. long: which serve the long tail;
+    then each length class does so for its own tokens, and the slower class ends the step."""
+    if cm.tail is None or not long or not any(long):
+        h = sum(pt.tokens_per_s for pt in points)
+        return (cm.w.gen_tokens + sum(pt.tokens_per_s * pt.recompute_s for pt in points)) / h
+    ends = []
+    for kind in (False, True):
+        mine = [pt for pt, k in zip(points, long) if k == kind]
+        h = sum(pt.tokens_per_s for pt in mine)
+        tokens = cm.tail.of(kind).w.gen_tokens
+        ends.append((tokens + sum(pt.tokens_per_s * pt.recompute_s for pt in mine)) / h if h > 0 else math.inf)
+    return max(ends)
+
+
+def decode_point(cm: CostModel, r, split: bool) -> DecodePoint:
+    """Replica r's operating point, priced for the lengths of the class it serves where the plan
+    splits them (split: some replica serves the long tail)."""
+    cost = cm.tail.of(r.long_tail) if split else cm.rollout
+    return cost.decode_point(r.gpu_type, r.tp, r.batch)
 
 
 def combine(cm: CostModel, plans: list[RolloutPlan]) -> RolloutPlan:
@@ -250,7 +318,8 @@ def combine(cm: CostModel, plans: list[RolloutPlan]) -> RolloutPlan:
     MILP's plan; it is not one."""
     rate = sum(p.tokens_per_s for p in plans)
     replicas = [RolloutReplica(r.gpu_type, r.tp, r.batch, r.node, r.locals, r.tokens_per_s,
-                               r.share * p.tokens_per_s / rate)  # dataclasses.replace is 5x slower
+                               r.share * p.tokens_per_s / rate, r.long_tail)  # dataclasses.replace is 5x slower
                 for p in plans for r in p.replicas]
-    theta = makespan(cm, [cm.decode_point(r.gpu_type, r.tp, r.batch) for r in replicas if r.share > 0])
+    used, split = [r for r in replicas if r.share > 0], any(r.long_tail for r in replicas)
+    theta = makespan(cm, [decode_point(cm, r, split) for r in used], [r.long_tail for r in used])
     return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))

@@ -28,6 +28,12 @@ drawn from workload.env_latency_s, then rejoins the queue and prefills only its 
 (workload.obs_len tokens), or its whole context if the weights changed meanwhile.
 A drifting workload (workload.output_len_growth) scales every sampled length by the growth at the
 step its group is handed out in (capped at the longest output the job allows).
+Long groups (`long_share` > 0): of every B groups handed out, round(long_share * B) at random are long,
+their samples drawn from the longest long_share of the length distribution's mass, the others' from
+the rest (LengthDist.split: the lengths are the same in all, but a prompt's difficulty now sets its
+group's lengths). A plan with long-tail replicas (the job's long_tail) gets the groups predicted long
+on them, by their shares, through a Dispatcher of their own, the rest through another; the
+prediction finds `recall` of the long groups (the others it marks in their place are regular).
 """
 
 import heapq
@@ -104,6 +110,8 @@ class SimResult:
     dropped_stale: int  # trajectories the buffer dropped as more than eta versions old
     predicted_step_s: float
     mean_batch: float  # sequences per decode step, over the run (the engine's RUN_DIR/engine figure)
+    tail_staleness: dict = field(default_factory=dict)  # as staleness, the long groups' tokens only (long_share > 0)
+    tail_latency_s: float = 0.0  # mean seconds from a long group's hand-out to its last sample's end
     eta_by_step: list = field(default_factory=list)  # the bound in force after each step (rl.eta "auto" moves it)
     gantt: list = field(default_factory=list)  # (lane, kind, t0, t1) of the first steps
 
@@ -118,7 +126,7 @@ def split_turns(n: int, turns: float, rng: np.random.Generator) -> tuple[int, in
 
 class Simulation:
     def __init__(self, plan: Plan, seed: int = 0, use_profiles: bool = True, w_spread: float = 0.04,
-                 start_step: int = 0):
+                 start_step: int = 0, long_share: float | None = None, recall: float = 1.0):
         self.plan, self.job = plan, plan.job
         self.start_step = start_step  # the run's step this simulation starts at (lengths drift with it)
         self.cm = cm = CostModel(plan.job, use_profiles)
@@ -155,7 +163,13 @@ class Simulation:
         self.equal_fraction = self.job.workload.equal_reward_fraction
         self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=self.equal_fraction > 0)
         self.equal: set[int] = set()  # groups whose rewards come out all equal (filtered)
-        self.dispatcher = Dispatcher({i: r.share for i, r in self.replicas.items() if r.share > 0})
+        by_class = {long: {r.id: r.share for r in plan.replicas if r.share > 0 and r.long_tail == long}
+                    for long in (False, True)}
+        self.dispatchers = {long: Dispatcher(shares) for long, shares in by_class.items() if shares}
+        self.classes = LongGroups(self, long_share, recall)
+        self.tail_staleness: dict[int, int] = {}
+        self.handed: dict[int, float] = {}  # a long group -> when it was handed out
+        self.tail_latency: list[float] = []
         self.events: list = []
         self.order = 0
         self.trained = 0  # finished training steps = the gate's version
@@ -194,9 +208,11 @@ class Simulation:
         """Hand out prompt groups while the gate allows, as the runtime controller does."""
         while self.gate.capacity(self.trained) > 0:
             gid = self.issued
-            rid = self.dispatcher.assign(gid)
+            long, predicted = self.classes.peek()
+            rid = self.dispatchers[predicted and True in self.dispatchers].assign(gid)
             if rid is None:
                 return
+            self.classes.take(gid)
             self.gate.try_acquire(self.trained)
             self.buffer.expect(gid, self.G)
             self.issued += 1
@@ -205,7 +221,9 @@ class Simulation:
             self.done[gid] = []
             if self.equal_fraction and self.rng.random() < self.equal_fraction:
                 self.equal.add(gid)
-            lengths = self.cm.lengths.sample(self.rng, self.G) * self.growth(self.start_step + self.trained)
+            lengths = self.classes.lengths(long).sample(self.rng, self.G) * self.growth(self.start_step + self.trained)
+            if long:
+                self.handed[gid] = t
             r.queue.extend((gid, *split_turns(int(max(1, min(n, self.longest))), self.turns, self.rng))
                            for n in lengths)
             if r.chunk is None and not r.paused:
@@ -228,7 +246,8 @@ class Simulation:
         for traj in self.done.pop(gid):
             status = self.buffer.add(traj)
         if status != "pending":
-            self.dispatcher.done(gid)
+            for d in self.dispatchers.values():
+                d.done(gid)
         if status != "accepted":
             self.group_tokens.pop(gid, None)
             self.group_obs.pop(gid, None)
@@ -301,6 +320,8 @@ class Simulation:
                 reward = float(g not in self.equal and not self.done[g])  # unequal: the first scores 1
                 self.done[g].append(Trajectory(g, [], [0], [0.0], [int(v)], reward))  # oldest token's version
                 if len(self.done[g]) == self.G:  # to the reward workers; sent once scored
+                    if g in self.handed:
+                        self.tail_latency.append(t_end - self.handed.pop(g))
                     t0 = max(t_end + host, r.reward_free)  # handed over (and later sent) by the host work
                     r.reward_free = t0 + self.reward_s
                     self.mark(f"R{r.idx} reward", "reward", t0, r.reward_free)
@@ -357,8 +378,11 @@ class Simulation:
             for traj in g.trajectories:
                 s = self.trained - traj.oldest_version
                 self.staleness[s] = self.staleness.get(s, 0) + 1
+                if g.group_id in self.classes.long:
+                    self.tail_staleness[s] = self.tail_staleness.get(s, 0) + 1
                 lags[s] = lags.get(s, 0) + 1
                 self.violations += self.eta is not None and s > self.eta
+            self.classes.long.discard(g.group_id)
         handoff = tokens * self.handoff_token_s  # the batch handed to every trainer rank first
         dur = (self.cand.C_T - self.cand.C_handoff) * self.cand.stretch * tokens / self.cm.w.tokens
         self.signal = (t - self.free_since, t - self.free_since + handoff + dur, lags)
@@ -464,12 +488,59 @@ class Simulation:
             predicted_step_s=self.cand.step_s, gantt=self.gantt,
             mean_batch=(sum(r.seq_steps for r in self.replicas.values())
                         / max(1, sum(r.steps for r in self.replicas.values()))),
-            eta_by_step=self.eta_by_step,
+            eta_by_step=self.eta_by_step, tail_staleness=dict(sorted(self.tail_staleness.items())),
+            tail_latency_s=float(np.mean(self.tail_latency)) if self.tail_latency else 0.0,
         )
 
 
 def simulate(plan: Plan, steps: int = 12, warmup: int = 2, seed: int = 0, gantt_steps: int = 3,
-             use_profiles: bool = True, w_spread: float = 0.04, start_step: int = 0) -> SimResult:
+             use_profiles: bool = True, w_spread: float = 0.04, start_step: int = 0,
+             long_share: float | None = None, recall: float = 1.0) -> SimResult:
     """Run the plan for `steps` RL steps from the run's step `start_step`; measure after `warmup`
-    steps (w_spread: see Simulation)."""
-    return Simulation(plan, seed, use_profiles, w_spread, start_step).run(steps, warmup, gantt_steps)
+    steps (w_spread, long_share, recall: see Simulation)."""
+    return Simulation(plan, seed, use_profiles, w_spread, start_step, long_share, recall).run(steps, warmup,
+                                                                                               gantt_steps)
+
+
+class LongGroups:
+    """Which groups are long, and which the prediction marks long (see the module's docstring).
+    long_share None: the plan's long tail where it has long-tail replicas, else 0 (every group's
+    lengths drawn from the whole distribution, as without a long tail)."""
+
+    def __init__(self, sim: "Simulation", long_share: float | None, recall: float):
+        tail = sim.cm.tail
+        if long_share is None:
+            long_share = tail.prompt_share(True) if tail and any(r.long_tail for r in sim.plan.replicas) else 0.0
+        self.sim, self.recall = sim, recall
+        self.per_batch = min(sim.B - 1, max(1, round(long_share * sim.B))) if long_share > 0 else 0
+        whole = sim.cm.lengths
+        self.dists = ((whole, whole) if not self.per_batch
+                      else whole.split(self.per_batch / sim.B)[::-1])  # (regular, long)
+        self.block: deque = deque()  # (long, predicted long) of the groups still to hand out in this block
+        self.long: set[int] = set()  # long groups handed out and not yet trained on or dropped
+
+    def lengths(self, long: bool):
+        return self.dists[long]
+
+    def peek(self) -> tuple[bool, bool]:
+        """(long, predicted long) of the next group handed out."""
+        if not self.block:
+            self.block.extend(self._draw_block())
+        return self.block[0]
+
+    def take(self, gid: int) -> None:
+        long, _ = self.block.popleft()
+        if long:
+            self.long.add(gid)
+
+    def _draw_block(self) -> list[tuple[bool, bool]]:
+        """B groups in random order, per_batch of them long; the prediction marks per_batch long,
+        round(recall * per_batch) of them rightly."""
+        B, n = self.sim.B, self.per_batch
+        if n == 0:
+            return [(False, False)] * B
+        rng = self.sim.rng
+        hits = round(self.recall * n)
+        flags = ([(True, True)] * hits + [(True, False)] * (n - hits) + [(False, True)] * (n - hits)
+                 + [(False, False)] * (B - 2 * n + hits))
+        return [flags[i] for i in rng.permutation(B)]

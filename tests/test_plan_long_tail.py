@@ -1,0 +1,96 @@
+"""The long tail in the plan: two length classes in the rollout MILP, the long groups' replicas at a
+batch cap from the job's caps, the split printed, and the simulator playing both classes."""
+
+import numpy as np
+import pytest
+
+from hexrl.plan.__main__ import report, summary
+from hexrl.plan.cost import CostModel
+from hexrl.plan.lengths import LengthDist
+from hexrl.plan.planner import plan_job
+from hexrl.plan.simulate import simulate
+from hexrl.schema import load_job
+from tools.experiments.long_tail_study import heavy_tail
+
+CAPS = [4, 8, 16]
+
+
+def heavy_job(eta: int = 0, **over) -> dict:
+    """2 H800 + 2 H20 nodes of 4 GPUs, the 1.5B model, 32 groups of 8, log-normal output lengths
+    (median 1,500 tokens, log sd 1.0, cut at 8,192)."""
+    nodes = [{"name": f"{t.lower()}-{i}", "gpu_type": t, "gpus": 4} for t in ("H800", "H20") for i in range(2)]
+    return {"model": {"preset": "r1-distill-qwen-1.5b"}, "data": {"synthetic": {}},
+            "rl": {"batch_size": 32, "group_size": 8, "max_new_tokens": 8192, "eta": eta, "ppo_minibatches": 2},
+            "workload": {"prompt_len": 256, "output_len": heavy_tail(1500, 1.0, 8192, 32)},
+            "cluster": {"nodes": nodes, "inter_node_GBps": 5, "cross_type_GBps": 1.5}, **over}
+
+
+@pytest.fixture(scope="module")
+def plans():
+    """(length-blind plan, skew-aware plan: alpha 0.25) of heavy_job."""
+    return (plan_job(load_job(heavy_job())),
+            plan_job(load_job(heavy_job(long_tail={"alpha": 0.25, "caps": CAPS}))))
+
+
+def without_timing(plan) -> dict:
+    d = plan.to_dict()
+    d.pop("long_tail", None)  # the job's own section
+    d["predicted"]["search"].pop("wall_s")
+    return d
+
+
+def test_alpha_zero_plans_exactly_as_without_the_section(plans):
+    off = plan_job(load_job(heavy_job(long_tail={"alpha": 0, "caps": [4]})))
+    assert without_timing(off) == without_timing(plans[0])
+    assert not any(r.long_tail for r in off.replicas) and "long_tail" not in off.predicted
+    assert CostModel(off.job).tail is None  # no length classes: every cost is the one-class cost
+
+
+def test_split_keeps_the_mean_and_puts_the_longest_mass_on_top():
+    d = LengthDist([100.0, 200.0, 400.0, 800.0], [0.4, 0.3, 0.2, 0.1])
+    long, rest = d.split(0.25)  # the boundary length 400 gives 0.15 of its 0.2 to the long side
+    assert sum(long.probs) == pytest.approx(1) and sum(rest.probs) == pytest.approx(1)
+    assert 0.25 * long.mean() + 0.75 * rest.mean() == pytest.approx(d.mean())
+    assert long.mean() == pytest.approx((0.1 * 800 + 0.15 * 400) / 0.25)
+    assert min(long.lengths) >= max(rest.lengths)
+
+
+def test_milp_gives_the_long_groups_replicas_of_their_own_at_a_cap(plans):
+    blind, aware = plans
+    long = [r for r in aware.replicas if r.long_tail]
+    assert long and len(long) < len(aware.replicas)
+    assert all(r.knobs.max_running in CAPS for r in long)  # the cap is one of the job's
+    assert len({r.knobs.max_running for r in long}) == 1
+    # shares are of all groups: the long tail's add up to its 8 of 32 groups
+    assert sum(r.share for r in long) == pytest.approx(8 / 32, abs=1e-5)
+    assert sum(r.share for r in aware.replicas) == pytest.approx(1, abs=1e-6)
+    assert [r.to_dict().get("long_tail") for r in aware.replicas] == [r.long_tail or None for r in aware.replicas]
+    lt = aware.predicted["long_tail"]
+    assert lt["groups"] == 8 and lt["long_mean_output_len"] > 3 * lt["regular_mean_output_len"]
+    assert not any(r.long_tail for r in blind.replicas)
+
+
+def test_plan_prints_the_split(plans):
+    text = summary(plans[1])
+    long = next(line for line in text.splitlines() if line.startswith("long    :"))
+    assert "8 of 32 groups (alpha 0.25" in long and "max_running" in long
+    assert "regular : 24 groups" in text
+    assert "long    :" not in summary(plans[0])
+
+
+def test_simulated_skew_aware_step_is_shorter_on_a_heavy_tail(plans):
+    """Synchronous steps (eta 0) end with their longest group: on their own replicas at a small batch
+    the long groups end sooner than mixed into full batches. Both arms draw the same workload: a
+    quarter of each batch's groups long."""
+    blind, aware = (simulate(p, steps=6, warmup=2, long_share=0.25) for p in plans)
+    assert blind.step_time_s / aware.step_time_s > 1.0
+    assert aware.tail_latency_s < blind.tail_latency_s
+    assert sum(aware.tail_staleness.values()) == 6 * 8 * 8  # the long groups' trajectories, every step
+    assert "long tail : the long groups took" in report(aware, plans[1])
+
+
+def test_simulator_without_long_groups_draws_as_before(plans):
+    """long_share 0 (the default for a plan without long-tail replicas) leaves the draws alone."""
+    a = simulate(plans[0], steps=4, warmup=1)
+    b = simulate(plans[0], steps=4, warmup=1, long_share=0.0)
+    assert a.step_time_s == b.step_time_s and a.tail_staleness == {} and np.isfinite(a.step_time_s)
