@@ -1,5 +1,6 @@
 """The rollout engine against Hugging Face `generate` (greedy), and its batching invariants:
 admissions mid-batch, chunked prefill, preemption under KV pressure, interrupts by weight updates."""
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -8,7 +9,7 @@ import torch
 
 from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.tiny import make_tiny_model
-from hexrl.rollout import Engine, EngineConfig, Request
+from hexrl.rollout import Engine, EngineConfig, Prefix, Request
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 256
@@ -170,6 +171,66 @@ def test_interrupt_with_new_weights_continues_from_the_prefix(ckpts):
         switched += 0 < j < 12
     assert switched >= 2  # some sequences really were cut mid-generation
     assert engine.version == 1 and engine.pool.num_free == engine.pool.num_pages
+
+
+def test_a_withdrawn_group_resumes_on_another_engine_as_if_it_had_not_moved(ckpts):
+    path = ckpts["qwen2"]
+    ps = prompts([5, 9, 3, 12, 7], seed=8)
+    group = [Request(f"g:{i}", ps[0], max_new_tokens=16, temperature=1.0, top_k=30, seed=40 + i, ignore_eos=True)
+             for i in range(4)]
+    group.append(greedy("g:4", ps[0], 16, ignore_eos=True))
+    others = [greedy(i, p, 16, ignore_eos=True) for i, p in enumerate(ps[1:])]
+    cfg = EngineConfig(page_size=4, max_pages=100, max_running=8)  # overlap on: withdraw drains the step in flight
+    same = {k: v.clone() for k, v in load_pretrained(path).state_dict().items()}
+    unmoved = run_with_interrupts(Engine(load_pretrained(path), cfg), group + others, {6: (same, 1)})
+
+    source, target = Engine(load_pretrained(path), cfg), Engine(load_pretrained(path), cfg)
+    target.update_weights(same, 1)
+    for r in group + others:
+        source.add(r)
+    outs = {}
+    for _ in range(6):
+        outs.update({f.id: f for f in source.step()})
+    source.update_weights(same, 1)  # the interruption: every sequence would be recomputed here anyway
+    prefixes = source.withdraw([r.id for r in group])
+    assert sorted(prefixes) == [r.id for r in group] and all(0 < len(x.token_ids) < 16 for x in prefixes.values())
+    for r in group:
+        target.add(replace(r, prefix=prefixes[r.id]))
+    for engine in (source, target):
+        while engine.has_work():
+            outs.update({f.id: f for f in engine.step()})
+    for r in group + others:
+        a, b = unmoved[r.id], outs[r.id]
+        assert b.token_ids == a.token_ids and b.versions == a.versions and len(b.token_ids) == 16
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+    for r in group:  # the prefix's log-probs are the source sampler's own, carried over exactly
+        n = len(prefixes[r.id].token_ids)
+        assert outs[r.id].logprobs[:n] == prefixes[r.id].logprobs and outs[r.id].versions[:n] == [0] * n
+    assert source.pool.num_free == source.pool.num_pages and not source.has_work()
+    recomputed = sum(len(r.prompt_ids) + len(prefixes[r.id].token_ids) - 1 for r in group)  # less the sampled row
+    assert target.stats.prefill_tokens == recomputed  # the moved KV, computed once there
+
+
+def test_withdraw_leaves_finished_requests_and_bad_prefixes_are_refused(ckpts):
+    path = ckpts["qwen2"]
+    p = prompts([6], seed=9)[0]
+    engine = Engine(load_pretrained(path), EngineConfig(page_size=4, max_pages=64, overlap=False), eos_ids=[2])
+    engine.add(greedy("short", p, 2, ignore_eos=True))
+    engine.add(greedy("long", p, 12, ignore_eos=True))
+    done = {f.id for _ in range(3) for f in engine.step()}
+    engine.add(greedy("queued", p, 12, ignore_eos=True))
+    taken = engine.withdraw(["short", "long", "queued", "nobody"])
+    assert done == {"short"} and sorted(taken) == ["long", "queued"]
+    assert len(taken["long"].token_ids) == len(taken["long"].versions) == 3 and taken["queued"].token_ids == []
+    assert not engine.has_work() and engine.pool.num_free == engine.pool.num_pages
+    with pytest.raises(ValueError) as e:
+        engine.add(replace(greedy("bad", p, 12), prefix=Prefix([5, 2], [-0.1], [0, 0])))
+    msg = str(e.value)
+    assert "1 logprobs" in msg and "stop or EOS id" in msg  # every problem at once
+    with pytest.raises(ValueError, match="leaves nothing of max_new_tokens"):
+        engine.add(replace(greedy("full", p, 2), prefix=Prefix([5, 6], [-0.1, -0.2], [0, 0])))
+    with pytest.raises(ValueError, match="an episode cannot resume"):
+        engine.add(replace(greedy("ep", p, 12), episode=True, prefix=Prefix([5], [-0.1], [0])))
 
 
 def test_stop_ids_eos_and_seeded_sampling(ckpts):

@@ -4,6 +4,6 @@
 `engine.step() -> list[Finished]`, `engine.generate(requests)`, `engine.update_weights(...)`.
 """
 from .engine import Engine, EngineConfig, EngineStats, load_state
-from .sequence import Finished, Request
+from .sequence import Finished, Prefix, Request
 
-__all__ = ["Engine", "EngineConfig", "EngineStats", "Finished", "Request", "load_state"]
+__all__ = ["Engine", "EngineConfig", "EngineStats", "Finished", "Prefix", "Request", "load_state"]

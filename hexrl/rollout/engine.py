@@ -24,6 +24,11 @@ sequence found finished when its tokens arrive has already been scheduled into t
 that row is dropped. Sequences that reach max_new_tokens are released at launch (their length is
 known), so they never take such a row. Weight updates first wait for the step in flight.
 
+Moving a sequence to another engine: `engine.withdraw(ids)` takes unfinished requests out and
+returns what each generated so far (a `Prefix`: tokens, behaviour log-probs, versions); another
+engine's `add(Request(..., prefix=prefix))` recomputes prompt + prefix and samples on. With the
+same weights and seed the moved sequence samples the tokens it would have where it was.
+
 Tensor parallelism: build the Decoder with `tp=TPGroup(...)`. TP rank 0 (the leader) takes
 requests and calls `step()`/`update_weights()`/`shutdown()`; each call first broadcasts what
 happens (new requests, or an update) to the other ranks, which sit in `follow()`. Every rank
@@ -46,7 +51,7 @@ from .model_runner import ModelRunner, Pending, StepInputs
 from .pages import PagePool, page_bytes
 from .sampler import request_mode
 from .scheduler import Scheduler
-from .sequence import PENDING, Finished, Request, Sequence
+from .sequence import PENDING, Finished, Prefix, Request, Sequence
 from .tp import broadcast_from_leader, min_across
 
 Weights = dict[str, torch.Tensor] | Callable[[Decoder], None]
@@ -210,6 +215,9 @@ class Engine:
         if total > self.model.cfg.max_position_embeddings:  # RoPE's cos/sin table ends there (FlashInfer)
             p.append(f"request {request.id!r}: prompt + max_new_tokens = {total} tokens exceed the model's "
                      f"max_position_embeddings ({self.model.cfg.max_position_embeddings})")
+        stops = set(request.stop_ids) | (set() if request.ignore_eos else self.eos_ids)
+        if request.prefix is not None and stops & set(request.prefix.token_ids):
+            p.append(f"request {request.id!r}: prefix holds a stop or EOS id: that sequence had finished")
         if p:
             raise ValueError("; ".join(p))
         if request.seed is None:  # a concrete seed travels to the other TP ranks with the request
@@ -247,6 +255,35 @@ class Engine:
             raise ValueError(f"episode {id!r} is not parked between turns")
         self._resuming.add(id)
         self._pending.append(("release", id))
+
+    def withdraw(self, ids) -> dict:
+        """Leader: take the unfinished requests `ids` out of this engine (between steps, e.g. at a
+        weight update) and return id -> the `Prefix` each generated so far, for another engine to
+        resume (`Request(..., prefix=...)`). A request that finished, or finishes in the step in
+        flight, is not taken: its Finished comes out of step() as usual. Episodes are not moved."""
+        if not self.is_leader:
+            raise RuntimeError("only TP rank 0 withdraws requests; the other ranks run follow()")
+        if self.tp:
+            broadcast_from_leader(("withdraw", list(ids)), self.tp)
+        return self._withdraw(set(ids))
+
+    def _withdraw(self, wanted: set) -> dict:
+        """`withdraw` on every TP rank: all drain the step in flight, then drop the same sequences."""
+        self._drain()  # the step in flight's tokens belong to the prefix
+        taken = {}
+        for r in [r for r in self._pending if isinstance(r, Request) and r.id in wanted]:
+            self._pending.remove(r)  # not started (and on the leader only: no other rank has it yet)
+            taken[r.id] = r.prefix or Prefix([], [], [])
+        for seq in self._unfinished(wanted - taken.keys()):
+            taken[seq.req.id] = Prefix(seq.output, list(seq.logprobs), list(seq.versions))
+            self.scheduler.finish(seq)
+        self._live -= taken.keys()
+        return taken
+
+    def _unfinished(self, ids: set) -> list[Sequence]:
+        """The single-turn sequences with these ids still running or waiting (O(sequences held))."""
+        held = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return [s for s in held if s.req.id in ids and not s.done and not s.req.episode]
 
     @property
     def max_sequence_tokens(self) -> int:
@@ -310,6 +347,8 @@ class Engine:
                 if on_update is None:
                     raise RuntimeError("the leader updated weights but follow() was given no on_update")
                 self.update_weights(on_update(arg), arg)
+            elif kind == "withdraw":
+                self._withdraw(set(arg))
             else:
                 return
 
@@ -382,7 +421,9 @@ class Engine:
 
     def _sequence(self, r: Request) -> Sequence:
         stops = set(r.stop_ids) | (set() if r.ignore_eos else self.eos_ids)
-        return Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids), stop_ids=frozenset(stops),
+        prefix = r.prefix or Prefix([], [], [])
+        return Sequence(req=r, seed=r.seed, tokens=list(r.prompt_ids) + list(prefix.token_ids),
+                        logprobs=list(prefix.logprobs), versions=list(prefix.versions), stop_ids=frozenset(stops),
                         max_tokens=len(r.prompt_ids) + r.max_new_tokens, mode=request_mode(r),
                         turn_start=len(r.prompt_ids))
 

@@ -7,6 +7,34 @@ PENDING = -1  # a sampled token id still on its way back from the device (overla
 
 
 @dataclass
+class Prefix:
+    """What a sequence generated before it moved engines: its tokens, and per token the behaviour
+    log-prob and the weight version of the sampler that produced it (kept as they are: the loss
+    needs the sampler's own)."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+
+    def problems(self, name: str, vocab_size: int, max_new_tokens: int) -> list[str]:
+        """Everything wrong with this prefix of the request `name`, as readable sentences."""
+        p, n = [], len(self.token_ids)
+        if len(self.logprobs) != n or len(self.versions) != n:
+            p.append(f"{name}: prefix has {n} token_ids, {len(self.logprobs)} logprobs and "
+                     f"{len(self.versions)} versions: one of each per token")
+        if any(not isinstance(t, int) or not 0 <= t < vocab_size for t in self.token_ids):
+            p.append(f"{name}: prefix token_ids must be ids in [0, {vocab_size})")
+        if any(not isinstance(v, (int, float)) or not v <= 0 for v in self.logprobs):  # NaN fails too
+            p.append(f"{name}: prefix logprobs must be numbers <= 0")
+        if any(not isinstance(v, int) or v < 0 for v in self.versions):
+            p.append(f"{name}: prefix versions must be integers >= 0")
+        if isinstance(max_new_tokens, int) and n >= max_new_tokens:
+            p.append(f"{name}: a prefix of {n} tokens leaves nothing of max_new_tokens ({max_new_tokens}) "
+                     "to generate")
+        return p
+
+
+@dataclass
 class Request:
     """One prompt to complete.
 
@@ -15,6 +43,10 @@ class Request:
     batch it lands in; None lets the engine pick one. Generation stops at the engine's EOS ids
     (unless `ignore_eos`), at any of `stop_ids`, at any of `stop_strings` (needs the engine's
     tokenizer), or after `max_new_tokens`.
+
+    `prefix`: the request resumes a sequence another engine started (see `Engine.withdraw`): it is
+    prefilled with prompt + prefix (its KV recomputed) and samples on from there; `max_new_tokens`
+    counts the prefix, and the seed's stream continues where the prefix ended.
     """
 
     id: object
@@ -28,6 +60,7 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     ignore_eos: bool = False
     episode: bool = False
+    prefix: Prefix | None = None
 
     def problems(self, vocab_size: int) -> list[str]:
         """Everything wrong with this request, as readable sentences."""
@@ -47,6 +80,10 @@ class Request:
             p.append(f"{name}: top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if any(not s for s in self.stop_strings):
             p.append(f"{name}: stop_strings must not contain an empty string")
+        if self.prefix is not None:
+            p += self.prefix.problems(name, vocab_size, self.max_new_tokens)
+            if self.episode:
+                p.append(f"{name}: an episode cannot resume from a prefix")
         return p
 
 
