@@ -192,6 +192,7 @@ def test_a_withdrawn_group_resumes_on_another_engine_as_if_it_had_not_moved(ckpt
     for _ in range(6):
         outs.update({f.id: f for f in source.step()})
     source.update_weights(same, 1)  # the interruption: every sequence would be recomputed here anyway
+    assert all(0 < source.progress()[r.id] < 16 for r in group) and len(source.progress()) == len(group + others)
     prefixes = source.withdraw([r.id for r in group])
     assert sorted(prefixes) == [r.id for r in group] and all(0 < len(x.token_ids) < 16 for x in prefixes.values())
     for r in group:
@@ -217,12 +218,17 @@ def test_withdraw_leaves_finished_requests_and_bad_prefixes_are_refused(ckpts):
     engine = Engine(load_pretrained(path), EngineConfig(page_size=4, max_pages=64, overlap=False), eos_ids=[2])
     engine.add(greedy("short", p, 2, ignore_eos=True))
     engine.add(greedy("long", p, 12, ignore_eos=True))
+    engine.add(greedy("in flight", p, 4, ignore_eos=True))
     done = {f.id for _ in range(3) for f in engine.step()}
+    engine.config.overlap = True  # the next (decode) step's tokens stay in flight: "in flight" finishes in them
+    assert engine.step() == []
     engine.add(greedy("queued", p, 12, ignore_eos=True))
-    taken = engine.withdraw(["short", "long", "queued", "nobody"])
-    assert done == {"short"} and sorted(taken) == ["long", "queued"]
-    assert len(taken["long"].token_ids) == len(taken["long"].versions) == 3 and taken["queued"].token_ids == []
-    assert not engine.has_work() and engine.pool.num_free == engine.pool.num_pages
+    assert engine.progress() == {"long": 4, "queued": 0}
+    taken = engine.withdraw(["short", "long", "in flight", "queued", "nobody"])
+    assert done == {"short"} and sorted(taken) == ["in flight", "long", "queued"]
+    assert taken["in flight"].finish_reason == "length" and len(taken["in flight"].token_ids) == 4
+    assert len(taken["long"].token_ids) == len(taken["long"].versions) == 4 and taken["queued"].token_ids == []
+    assert not engine.has_work() and engine.step() == [] and engine.pool.num_free == engine.pool.num_pages
     with pytest.raises(ValueError) as e:
         engine.add(replace(greedy("bad", p, 12), prefix=Prefix([5, 2], [-0.1], [0, 0])))
     msg = str(e.value)

@@ -257,10 +257,11 @@ class Engine:
         self._pending.append(("release", id))
 
     def withdraw(self, ids) -> dict:
-        """Leader: take the unfinished requests `ids` out of this engine (between steps, e.g. at a
-        weight update) and return id -> the `Prefix` each generated so far, for another engine to
-        resume (`Request(..., prefix=...)`). A request that finished, or finishes in the step in
-        flight, is not taken: its Finished comes out of step() as usual. Episodes are not moved."""
+        """Leader: take the requests `ids` out of this engine (between steps, e.g. at a weight update)
+        and return id -> the `Prefix` each generated so far, for another engine to resume
+        (`Request(..., prefix=...)`), or its `Finished` if it finished in the step in flight (it
+        then no longer comes out of step()). Ids not held (finished earlier, unknown, episodes) are
+        left out."""
         if not self.is_leader:
             raise RuntimeError("only TP rank 0 withdraws requests; the other ranks run follow()")
         if self.tp:
@@ -270,7 +271,8 @@ class Engine:
     def _withdraw(self, wanted: set) -> dict:
         """`withdraw` on every TP rank: all drain the step in flight, then drop the same sequences."""
         self._drain()  # the step in flight's tokens belong to the prefix
-        taken = {}
+        taken: dict = {f.id: f for f in self._ready if f.id in wanted}
+        self._ready = [f for f in self._ready if f.id not in wanted]
         for r in [r for r in self._pending if isinstance(r, Request) and r.id in wanted]:
             self._pending.remove(r)  # not started (and on the leader only: no other rank has it yet)
             taken[r.id] = r.prefix or Prefix([], [], [])
@@ -279,6 +281,12 @@ class Engine:
             self.scheduler.finish(seq)
         self._live -= taken.keys()
         return taken
+
+    def progress(self) -> dict:
+        """Leader: id -> tokens generated so far, for every single-turn request not finished."""
+        queued = {r.id: len(r.prefix.token_ids) if r.prefix else 0 for r in self._pending if isinstance(r, Request)}
+        held = list(self.scheduler.running) + list(self.scheduler.waiting)
+        return {**queued, **{s.req.id: len(s.tokens) - s.num_prompt for s in held if not s.done and not s.req.episode}}
 
     def _unfinished(self, ids: set) -> list[Sequence]:
         """The single-turn sequences with these ids still running or waiting (O(sequences held))."""
