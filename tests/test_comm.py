@@ -27,6 +27,12 @@ def one_of_each() -> list[dict]:
         message("heartbeat", rank=3, time=12.5),
         message("stats", rank=3, time=13, values={"tokens": 100, "kv_used": np.arange(4, dtype=np.int64)}),
         message("weights", version=5),
+        message("weights", version=5, report=True),
+        message("progress", rank=0, version=5, group_ids=[7, 7], generated=[120, 64], finished=[1, 0]),
+        message("withdraw", group_ids=[7]),
+        message("withdrawn", group_id=7, start_version=2, completion_ids=np.array([4, 5, 6], np.int32),
+                logprobs=np.array([-0.5, -1.25, -0.1], np.float32), versions=np.array([2, 3, 3], np.int32),
+                lengths=[2, 1], finish_reasons=["eos", ""], rank=1),
         message("stop", reason="done"),
         message("error", rank=2, cause="CUDA out of memory"),
         message("call", method="wait_delivered", args={"version": 3}),
@@ -86,6 +92,17 @@ def test_disallowed_dtype_and_bad_fields_refused_at_send():
         wire.encode(wire.trajectory_to_msg(Trajectory(1, [1], [2, 3], [-1.0], [0, 0], finish_reason="eos")))
     with pytest.raises(MessageError, match="bool"):  # a bool is not an int
         wire.encode(message("heartbeat", rank=True, time=1.0))
+
+
+def test_a_moved_groups_messages_must_add_up():
+    with pytest.raises(MessageError, match="differ in length"):
+        wire.encode(message("progress", rank=0, version=1, group_ids=[7, 7], generated=[3], finished=[0, 1]))
+    ids, lps, vs = np.array([4, 5, 6], np.int32), np.array([-0.5, -1.0, -0.1], np.float32), np.array([2, 3], np.int32)
+    with pytest.raises(MessageError) as e:  # every problem at once
+        wire.encode(message("withdrawn", group_id=7, start_version=2, completion_ids=ids, logprobs=lps, versions=vs,
+                            lengths=[2, 2, -1], finish_reasons=["eos", 3]))
+    for problem in ("3 lengths for 2 finish_reasons", "must be strings", "add up to the 3", "differ in length"):
+        assert problem in str(e.value)
 
 
 def test_trajectory_conversion_round_trip():

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from hexrl.control.length_predictor import LengthPredictor, is_long, rank, recall
+from hexrl.control.length_predictor import LengthPredictor, LongTailWindow, is_long, outgrew, rank, recall
 from hexrl.data.problems import length_hint
 
 GROUP = 8
@@ -123,6 +123,22 @@ def test_is_long_marks_the_predicted_longest_alpha():
     assert is_long([1, 1, 1, 1, 1], alpha=0.4) == [True, True, False, False, False]  # ties: batch order
     assert recall([3, 2, 1, 0, 0], [9, 8, 0, 0, 0], alpha=0.4) == 1.0
     assert recall([0, 0, 0, 2, 3], [9, 8, 0, 0, 0], alpha=0.4) == 0.0
+
+
+def test_a_group_outgrows_its_prediction_when_its_samples_pass_the_long_ones_of_the_window():
+    predictor = LengthPredictor()
+    predictor.record("short", [10] * 4)
+    window = LongTailWindow(alpha=0.25, size=8)
+    for guess, long in [(10, False)] * 5 + [(100, True)] * 2:  # the window's quota of 2 long groups is full
+        window.add(guess, long)
+
+    def grown(finished=(), running=()):
+        return outgrew(predictor, window, "short", None, finished, running, group_size=2)
+
+    assert not grown(running=[12, 8])  # a little past its history: still short of the long ones
+    assert grown(running=[150, 8])  # one running sample is past them all: every running one is that long
+    assert grown(finished=[160], running=[3])  # a finished sibling says the same
+    assert not grown(finished=[160, 170])  # nothing left running: nothing to move
 
 
 @pytest.mark.parametrize("call, message", [

@@ -2,7 +2,9 @@
 the plan, the controller predicts each group's length (hint, else what the run has recorded) and
 sends the groups predicted among the longest alpha of the last batch's worth to the long-tail
 replicas, by their shares among themselves; the rest go to the regular replicas by share. With
-alpha 0, or no replica marked, dispatch is exactly the length-blind one.
+alpha 0, or no replica marked, dispatch is exactly the length-blind one. A group sent regular that
+outgrows its prediction (its samples' tokens at a weight update) moves to a long-tail replica with
+what it generated so far.
 
     ctl = Controller(rl, cursor, encode, [ReplicaInfo(0, 1.0), ReplicaInfo(1, 0.5, long_tail=True)],
                      router, vocab_size, long_tail_alpha=0.2)
@@ -12,12 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from hexrl.comm.wire import trajectory_to_msg
+from hexrl.comm.wire import decode, encode, message, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.length_predictor import LongTailWindow
 from hexrl.data.problems import Problem
+from hexrl.rollout.rollout_rank import PendingGroup, handback_message, resumed_group
+from hexrl.rollout.sequence import Finished, Prefix
 from hexrl.trajectory import Trajectory
 
 SHORT, LONG = 4, 40  # sampled tokens of a short and a long problem's samples
@@ -218,3 +222,76 @@ def test_a_plans_long_tail_replicas_and_the_jobs_alpha_reach_the_controller(tmp_
     finally:
         ctl.router.close()
         link.close()
+
+
+def handed_back(msg, finished_len, running_len):
+    """What the regular replica sends when asked to hand back the group of prompt `msg`: sample 0
+    finished at `finished_len` tokens, the others still running at `running_len` (through the wire)."""
+    gid = msg["group_id"]
+    group = PendingGroup(msg, start_version=0)
+    group.outputs[0] = Finished(f"{gid}:0", [3, 4], [5] * finished_len, [-0.5] * finished_len, [0] * finished_len,
+                                "eos")
+    taken = {f"{gid}:{i}": Prefix([6] * running_len, [-0.25] * running_len, [0] * running_len)
+             for i in range(1, msg["n"])}
+    return decode(encode(handback_message(group, taken, rank=0)))
+
+
+def progress(rows, version=1):
+    """A `progress` report: rows of (group id, tokens so far, finished)."""
+    gids, generated, finished = map(list, zip(*rows))
+    return decode(encode(message("progress", rank=0, version=version, group_ids=gids, generated=generated,
+                                 finished=finished)))
+
+
+def test_a_group_that_outgrows_its_prediction_moves_to_a_long_tail_replica_with_its_prefix():
+    problems = [Problem(f"q{i}", "1", id=i, kind="synthetic", length_hint=LONG if i % 4 == 3 else SHORT)
+                for i in range(N)]
+    ctl, router = controller([ReplicaInfo(0, 1.0), ReplicaInfo(1, 1.0, long_tail=True)], alpha=0.25,
+                             problems=problems)
+    ctl._dispatch()
+    regular = [msg for msg, r in router.sent if r == 0 and msg["problem_id"] % 4 != 3]
+    grows, stays = regular[0], regular[1]  # both hinted short; one of them now runs past every prediction
+    assert not ctl.dispatched[grows["group_id"]].long and ctl.limits.generated == 64 > LONG + 8
+    capacity, accounting = ctl.gate.capacity(0), ctl.buffer.accounting()
+    ctl.publish_version(1)
+    assert ctl.outbox.get()["report"] is True  # at the update, the replicas are asked for their progress
+    ctl._handle("replica-0", progress([(grows["group_id"], LONG + 8, 1), (grows["group_id"], LONG + 4, 0),
+                                       (stays["group_id"], SHORT, 1), (stays["group_id"], 2, 0)]))
+    withdraw, to = router.sent[-1]
+    assert withdraw["type"] == "withdraw" and withdraw["group_ids"] == [grows["group_id"]] and to == 0
+
+    ctl._handle("replica-0", handed_back(grows, finished_len=3, running_len=LONG + 4))
+    resume, to = router.sent[-1]
+    gid = grows["group_id"]
+    assert resume["type"] == "prompt" and resume["group_id"] == gid and to == 1 and ctl.moved == 1
+    assert ctl.dispatched[gid].replica == 1 and ctl.dispatched[gid].long and ctl.dispatcher.owner[gid] == 1
+    assert ctl.gate.capacity(0) == capacity and ctl.buffer.accounting() == accounting  # still one in-flight group
+
+    # the long-tail replica resumes it: sample 0 filed as finished, sample 1 from its prefix
+    group, requests = resumed_group(decode(encode(resume)))
+    assert group.start_version == 0 and group.outputs[0].token_ids == [5] * 3 and group.outputs[0].versions == [0] * 3
+    assert [r.id for r in requests] == [f"{gid}:1"] and requests[0].prefix.token_ids == [6] * (LONG + 4)
+    assert requests[0].prefix.logprobs == [-0.25] * (LONG + 4) and requests[0].seed == (grows["sampling"]["seed"] * 64
+                                                                                       + 1) % (1 << 62)
+    answer(ctl, grows, 0, LONG)  # a late answer from where it was is refused
+    assert ctl.rejected["not_dispatched"] == 2 and gid in ctl.dispatched
+    answer(ctl, grows, 1, LONG + 8)
+    assert gid not in ctl.dispatched and ctl.buffer.accounting()["accepted"] == accounting["accepted"] + grows["n"]
+    ctl._handle("replica-0", handed_back(stays, 1, 1))  # a hand-back nobody asked for changes nothing
+    assert ctl.rejected["handback_not_dispatched"] == 1 and ctl.dispatched[stays["group_id"]].replica == 0
+
+
+def test_with_alpha_zero_or_no_long_tail_replica_nothing_is_reported_or_moved():
+    problems = [Problem(f"q{i}", "1", id=i, kind="synthetic", length_hint=LONG if i % 4 == 3 else SHORT)
+                for i in range(N)]
+    for replicas, alpha in [([ReplicaInfo(0, 1.0), ReplicaInfo(1, 1.0, long_tail=True)], 0.0),
+                            ([ReplicaInfo(0, 1.0), ReplicaInfo(1, 1.0)], 0.25)]:
+        ctl, router = controller(replicas, alpha=alpha, problems=problems)
+        ctl._dispatch()
+        sent = list(router.sent)
+        ctl.publish_version(1)
+        assert ctl.outbox.get() == message("weights", version=1)  # no report asked for
+        grows = sent[0][0]
+        ctl._handle("replica-0", progress([(grows["group_id"], LONG + 8, 1), (grows["group_id"], LONG + 4, 0)]))
+        ctl._handle(f"replica-{sent[0][1]}", handed_back(grows, 3, LONG + 4))
+        assert router.sent == sent and ctl.moved == 0 and ctl.dispatched[grows["group_id"]].replica == sent[0][1]

@@ -7,9 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from hexrl.comm.wire import RESUME_FIELDS, decode, encode, message
 from hexrl.model.hf_checkpoint import load_pretrained, save_pretrained
 from hexrl.model.tiny import make_tiny_model
 from hexrl.rollout import Engine, EngineConfig, Prefix, Request
+from hexrl.rollout.rollout_rank import LeaderTime, RolloutLeader, sample_request
 
 transformers = pytest.importorskip("transformers")
 VOCAB = 256
@@ -237,6 +239,59 @@ def test_withdraw_leaves_finished_requests_and_bad_prefixes_are_refused(ckpts):
         engine.add(replace(greedy("full", p, 2), prefix=Prefix([5, 6], [-0.1, -0.2], [0, 0])))
     with pytest.raises(ValueError, match="an episode cannot resume"):
         engine.add(replace(greedy("ep", p, 12), episode=True, prefix=Prefix([5], [-0.1], [0])))
+
+
+class Outbox:
+    """A DealerChannel stand-in: keeps what is sent, through the wire."""
+
+    def __init__(self):
+        self.sent = []
+
+    def send(self, msg: dict, timeout_s: float = 0) -> bool:
+        self.sent.append(decode(encode(msg)))
+        return True
+
+
+def leader(engine) -> RolloutLeader:
+    """A replica's leader around `engine`, without its sockets and reward workers: it keeps what it
+    sends, and the groups it would score."""
+    lead = RolloutLeader.__new__(RolloutLeader)
+    lead.engine, lead.rank, lead.channel, lead.groups, lead.time = engine, 0, Outbox(), {}, LeaderTime()
+    lead.scored = []
+    lead._score = lead.scored.append
+    return lead
+
+
+def test_a_group_handed_back_over_the_wire_resumes_on_another_replica_as_if_unmoved(ckpts):
+    path = ckpts["qwen2"]
+    msg = message("prompt", group_id=3, problem_id=1, prompt_ids=prompts([7], seed=10)[0], n=4, version=0,
+                  sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 30, "max_new_tokens": 16, "seed": 9})
+    cfg = EngineConfig(page_size=4, max_pages=100, max_running=8)
+    same = {k: v.clone() for k, v in load_pretrained(path).state_dict().items()}
+    requests = [sample_request(msg, i) for i in range(msg["n"])]
+    unmoved = run_with_interrupts(Engine(load_pretrained(path), cfg), requests, {5: (same, 1)})
+
+    source, target = leader(Engine(load_pretrained(path), cfg)), leader(Engine(load_pretrained(path), cfg))
+    source._add_group(msg)
+    for _ in range(5):
+        source._collect(source.engine.step())
+    report = source._progress(1)  # what it sends when a weight update asks for a report
+    assert list(report["group_ids"]) == [3] * 4 and all(0 < n <= 5 for n in report["generated"])
+    source.engine.update_weights(same, 1)
+    source._hand_back([3, 99])  # the controller withdraws it (99: a group it does not hold)
+    back = source.channel.sent[-1]
+    assert back["type"] == "withdrawn" and list(back["lengths"]) == list(report["generated"])
+    assert 3 not in source.groups and not source.engine.has_work() and len(source.channel.sent) == 1
+    target._add_group(decode(encode({**msg, "resume": {k: back[k] for k in RESUME_FIELDS}})))  # sent on
+    target.engine.update_weights(same, 1)
+    while target.engine.has_work():
+        target._collect(target.engine.step())
+    (moved,) = target.scored
+    for i, r in enumerate(requests):
+        a, b = unmoved[r.id], moved.outputs[i]
+        assert b.token_ids == a.token_ids and b.versions == a.versions and b.finish_reason == a.finish_reason
+        torch.testing.assert_close(torch.tensor(b.logprobs), torch.tensor(a.logprobs), atol=1e-4, rtol=0)
+    assert moved.start_version == 0  # the group's own, as where it started
 
 
 def test_stop_ids_eos_and_seeded_sampling(ckpts):

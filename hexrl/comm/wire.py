@@ -29,7 +29,9 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "prompt": {"group_id": "int", "problem_id": "int|str", "prompt_ids": "list[int]", "n": "int",
                "sampling": "dict", "version": "int",
                # what the rollout side's reward needs: rewards run next to generation
-               "answer": "?str", "tests": "?list"},
+               "answer": "?str", "tests": "?list",
+               # a group moved from another replica: a `withdrawn` message's fields but v, type, group_id
+               "resume": "?dict"},
     # the token fields as packed arrays: checked per field by dtype and length, not per element
     "trajectory": {"group_id": "int", "prompt_ids": _IDS, "completion_ids": _IDS, "logprobs": _LOGPROBS,
                    "versions": _VERSIONS, "start_version": "int", "reward": "float",
@@ -37,7 +39,16 @@ SCHEMAS: dict[str, dict[str, str]] = {
                    "rank": "?int", "mask": f"?{_MASK}|None"},
     "heartbeat": {"rank": "int", "time": "float"},
     "stats": {"rank": "int", "time": "float", "values": "dict"},
-    "weights": {"version": "int"},  # trainer published `version`: join the weight broadcast
+    "weights": {"version": "int", "report": "?bool"},  # trainer published `version`: join the weight broadcast
+    # moving a group that outgrew its prediction (docs/long-tail.md): at a weight update asked to
+    # `report`, a replica sends its running groups' progress, one row per sample (tokens so far,
+    # finished or not); the controller may `withdraw` some, and the replica hands each back as it
+    # stands: per sample its tokens so far (concatenated), "" for a sample still running
+    "progress": {"rank": "int", "version": "int", "group_ids": "list[int]", "generated": "list[int]",
+                 "finished": "list[int]"},
+    "withdraw": {"group_ids": "list[int]"},
+    "withdrawn": {"group_id": "int", "start_version": "int", "completion_ids": _IDS, "logprobs": _LOGPROBS,
+                  "versions": _VERSIONS, "lengths": "list[int]", "finish_reasons": "list", "rank": "?int"},
     "stop": {"reason": "str"},
     "error": {"rank": "int", "cause": "str"},
     # between the trainer and the controller's own process (hexrl/control/controller_process.py)
@@ -46,6 +57,8 @@ SCHEMAS: dict[str, dict[str, str]] = {
     "group": {"group_id": "int", "n": "int", "problem_id": "?int|str|None", "seq": "int", "prompt_ids": _IDS,
               "trajectories": "list"},  # each a trajectory message's fields but v, type and prompt_ids
 }
+# what a moved group's `prompt` carries as its "resume": the `withdrawn` message's fields but its ids
+RESUME_FIELDS = ("start_version", "completion_ids", "logprobs", "versions", "lengths", "finish_reasons")
 
 # dtype name -> numpy dtype of the raw bytes (bfloat16 travels as its uint16 bit pattern)
 _ARRAY_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
@@ -194,6 +207,13 @@ def _semantic_problems(msg: dict) -> list[str]:
     kind = msg["type"]
     if kind == "prompt" and msg["n"] < 1:
         return [f"n must be >= 1, got {msg['n']}"]
+    if kind == "progress":
+        lens = {f: len(msg[f]) for f in ("group_ids", "generated", "finished")}
+        if len(set(lens.values())) != 1:
+            return [f"group_ids, generated and finished differ in length: {lens}"]
+        return []
+    if kind == "withdrawn":
+        return _handback_problems(msg)
     if kind == "trajectory":  # the token fields are 1-D arrays here: no per-element work but the mask's
         mask = msg.get("mask")
         if mask is None:
@@ -209,6 +229,21 @@ def _semantic_problems(msg: dict) -> list[str]:
         if len(set(lens.values())) != 1:
             return [f"generated tokens, logprobs and versions differ in length: {lens}"]
     return []
+
+
+def _handback_problems(msg: dict) -> list[str]:
+    """A `withdrawn` group: one length and finish reason per sample, the lengths adding up to the tokens."""
+    lengths, reasons = msg["lengths"], msg["finish_reasons"]
+    p = []
+    if len(lengths) != len(reasons):
+        p.append(f"{len(lengths)} lengths for {len(reasons)} finish_reasons: one of each per sample")
+    if any(not isinstance(r, str) for r in reasons):
+        p.append("finish_reasons must be strings (\"\" for a sample still running)")
+    if any(n < 0 for n in lengths) or sum(lengths) != len(msg["completion_ids"]):
+        p.append(f"lengths must be >= 0 and add up to the {len(msg['completion_ids'])} completion_ids")
+    if not len(msg["completion_ids"]) == len(msg["logprobs"]) == len(msg["versions"]):
+        p.append("completion_ids, logprobs and versions differ in length")
+    return p
 
 
 def validate(msg) -> None:

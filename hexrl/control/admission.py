@@ -25,6 +25,7 @@ class Dispatched:
     prompt_ids: np.ndarray  # of hexrl.trajectory.ID_DTYPE, as a trajectory message carries it
     long: bool = False  # routed as the long tail (predicted among the longest of its window)
     lengths: list[int] = field(default_factory=list)  # sampled tokens of each sample back so far
+    msg: dict = field(default_factory=dict)  # the prompt message sent (resent with a moved group's prefix)
 
 
 @dataclass
@@ -68,6 +69,25 @@ def trajectory_problem(msg: dict, sent: Dispatched | None, replica: int, vocab_s
     if len(msg["logprobs"]) > limits.generated:  # the schema made it the number of sampled tokens
         return "bad_tokens"
     if not (math.isfinite(msg["reward"]) and _finite(msg["logprobs"])):
+        return "not_finite"
+    if not (_ints_in(msg["versions"], 0, version + 1) and 0 <= msg["start_version"] <= version):
+        return "bad_versions"
+    return None
+
+
+def handback_problem(msg: dict, sent: Dispatched | None, replica: int, asked: bool, group_size: int,
+                     vocab_size: int, limits: TokenLimits, version: int) -> str | None:
+    """Why the (schema-valid) `withdrawn` group `msg` from `replica` must be refused, as a short
+    reason tag; None to move it. `asked`: the controller asked that replica to hand it back. Its
+    prefixes are checked as a trajectory's tokens are: they will be trained on."""
+    if sent is None or sent.replica != replica or not asked:
+        return "not_dispatched"
+    lengths = msg["lengths"]
+    if len(lengths) != group_size or max(lengths, default=0) > limits.generated:
+        return "bad_tokens"
+    if not _ints_in(msg["completion_ids"], 0, vocab_size):
+        return "bad_tokens"
+    if not _finite(msg["logprobs"]):
         return "not_finite"
     if not (_ints_in(msg["versions"], 0, version + 1) and 0 <= msg["start_version"] <= version):
         return "bad_versions"

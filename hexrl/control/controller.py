@@ -15,19 +15,19 @@ import queue
 import sys
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass
 
 from hexrl.comm.channel import RouterChannel
-from hexrl.comm.wire import message, msg_to_trajectory
-from hexrl.control.admission import Dispatched, token_limits, trajectory_problem
+from hexrl.comm.wire import RESUME_FIELDS, message, msg_to_trajectory
+from hexrl.control.admission import Dispatched, handback_problem, token_limits, trajectory_problem
 from hexrl.control.auto_eta import AutoEta
 from hexrl.control.buffer import Group, ReplayBuffer
 from hexrl.control.dataset import DatasetCursor
 from hexrl.control.dispatch import Dispatcher
 from hexrl.control.gate import StalenessGate
 from hexrl.control.heartbeat import Heartbeats
-from hexrl.control.length_predictor import LengthPredictor, LongTailWindow
+from hexrl.control.length_predictor import LengthPredictor, LongTailWindow, outgrew
 from hexrl.control.progress_watch import ProgressWatch
 from hexrl.data.datasets import token_budget
 from hexrl.trajectory import ID_DTYPE, to_array
@@ -75,6 +75,8 @@ class Controller:
         self.dispatcher = Dispatcher({r.id: r.share for r in replicas}, long_tail=tail)
         self.lengths = LengthPredictor() if tail else None  # learns each completed group's lengths
         self.window = LongTailWindow(long_tail_alpha, rl.batch_size) if tail else None
+        self.moving: set[int] = set()  # groups a regular replica was asked to hand back (outgrew their prediction)
+        self.moved = 0  # groups moved to a long-tail replica with their prefixes
         self.heartbeats = Heartbeats(heartbeat_timeout_s)
         self.version = 0
         self.next_group = 0
@@ -132,7 +134,8 @@ class Controller:
         """The trainer finished `version`: open the gate and tell replicas to join the broadcast."""
         with self.lock:
             self.version = version
-        self.outbox.put(message("weights", version=version))
+        # with a long-tail class, the replicas report their running groups at the update (moves)
+        self.outbox.put(message("weights", version=version, **({"report": True} if self.window else {})))
 
     def choose_eta(self, wait_s: float, busy_s: float, w_std: float | None, lag_hist: dict) -> int | None:
         """After a trainer step, before its version is published: with rl.eta "auto", the bound for the
@@ -263,7 +266,7 @@ class Controller:
                 self.window.add(guess, long)
             prompt = to_array(prompt_ids, ID_DTYPE, "prompt_ids")
             prompt.flags.writeable = False  # the group's trajectories will share it, read-only like their own arrays
-            self.dispatched[gid] = Dispatched(replica, problem.id, prompt, long)
+            self.dispatched[gid] = Dispatched(replica, problem.id, prompt, long, msg=msg)
             self.in_flight[gid] = index
             self.next_group += 1
 
@@ -319,6 +322,13 @@ class Controller:
             with self.lock:
                 self._admit(replica, msg)
                 self.lock.notify_all()
+        elif kind == "progress":
+            with self.lock:
+                self._on_progress(replica, msg)
+        elif kind == "withdrawn":
+            with self.lock:
+                self._move(replica, msg)
+                self.lock.notify_all()
         elif kind == "error":
             self._fail(f"rollout rank {msg['rank']} ({peer}) failed: {msg['cause']}")
 
@@ -348,6 +358,57 @@ class Controller:
             self._group_done(gid, trained=status == "accepted")
         self._watch_progress(traj.finish_reason, status)
 
+    def _on_progress(self, replica: int, msg: dict) -> None:
+        """A regular replica's running groups at a weight update: ask it to hand back those that
+        outgrew their prediction, when a long-tail replica is alive to take them."""
+        if self.window is None or replica in self.dispatcher.long_tail or not self.dispatcher.has_live(True):
+            return
+        if any(not 0 <= n <= self.limits.generated for n in msg["generated"]):
+            self.rejected["bad_progress"] += 1  # the predictor refuses such lengths: refuse them here
+            return
+        samples: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))  # gid -> (finished, running)
+        for gid, n, done in zip(msg["group_ids"], msg["generated"], msg["finished"]):
+            samples[int(gid)][0 if done else 1].append(int(n))
+        move = [gid for gid, (finished, running) in samples.items() if self._outgrew(replica, gid, finished, running)]
+        if move and self.router.send(message("withdraw", group_ids=move), to=self.replicas[replica].name,
+                                     timeout_s=5):
+            self.moving.update(move)
+
+    def _outgrew(self, replica: int, gid: int, finished: list[int], running: list[int]) -> bool:
+        """Whether the group `gid`, sent regular to `replica`, would now be marked long."""
+        sent = self.dispatched.get(gid)
+        if sent is None or sent.replica != replica or sent.long or gid in self.moving:
+            return False
+        if len(finished) + len(running) != self.rl.group_size:
+            return False
+        hint = self.cursor.problems[self.in_flight[gid]].length_hint
+        return outgrew(self.lengths, self.window, sent.problem_id, hint, finished, running, self.rl.group_size)
+
+    def _move(self, replica: int, msg: dict) -> None:
+        """A group handed back: send it on to a long-tail replica with what its samples generated so
+        far. It stays the same in-flight group (the gate and the buffer see no change)."""
+        gid = msg["group_id"]
+        sent = self.dispatched.get(gid)
+        why = handback_problem(msg, sent, replica, gid in self.moving, self.rl.group_size, self.vocab_size,
+                               self.limits, self.version)
+        if why is not None:
+            self.rejected[f"handback_{why}"] += 1
+            if why != "not_dispatched":
+                self.buffer.abandon(gid, f"rejected_{why}")
+                self._group_done(gid, trained=False)
+            return
+        self.moving.discard(gid)
+        self.dispatcher.done(gid)
+        target = self.dispatcher.assign(gid, long=True)
+        resume = {k: msg[k] for k in RESUME_FIELDS}
+        if target is None or not self.router.send({**sent.msg, "resume": resume}, to=self.replicas[target].name,
+                                                  timeout_s=5):
+            self.buffer.abandon(gid, "move_failed")
+            self._group_done(gid, trained=False)
+            return
+        sent.replica, sent.long = target, True
+        self.moved += 1
+
     def _watch_progress(self, finish_reason: str, status: str) -> None:
         """Count what keeps a run from progressing; print a warning when one is due."""
         self.progress.on_trajectory(finish_reason)
@@ -360,6 +421,7 @@ class Controller:
         """A group left the replica: it is complete (kept for training) or will never be trained."""
         self.dispatcher.done(gid)
         self.dispatched.pop(gid, None)
+        self.moving.discard(gid)
         if not trained:
             self.in_flight.pop(gid, None)
 

@@ -49,6 +49,10 @@ class Dispatcher:
         first = self._top(long)
         return first if first is not None else self._top(not long)
 
+    def has_live(self, long: bool) -> bool:
+        """Whether pool `long` (the long-tail replicas, or the regular ones) has a live replica."""
+        return self._top(long) is not None
+
     def assign(self, group_id: int, long: bool = False) -> int | None:
         """Pick a replica for `group_id` (predicted `long` or not) and record it as in flight there;
         None if all are dead."""

@@ -198,6 +198,18 @@ class LongTailWindow:
                 bisect.insort(self.ranked_long, predicted)
 
 
+def outgrew(predictor: LengthPredictor, window: LongTailWindow, prompt: Hashable, hint: float | None,
+            finished: Sequence[float], running: Sequence[float], group_size: int) -> bool:
+    """Whether a group sent as regular has outgrown its prediction: predicted again from what its
+    samples have produced (`finished`: the lengths of those done; `running`: the tokens each of the
+    others has generated so far, a floor for all of them), it would now be marked long in `window`.
+    A group with no sample running has nothing left to move."""
+    if not running:
+        return False
+    guess = predictor.predict(prompt, hint, finished=finished, group_size=group_size, generated=max(running))
+    return window.is_long(guess)
+
+
 def recall(predicted: Sequence[float], actual: Sequence[float], alpha: float = 0.2) -> float:
     """The share of the batch's truly longest round(alpha * len) that `is_long` marks (1.0 when
     that is none): how well `predicted` finds the long tail of `actual`."""

@@ -5,6 +5,11 @@ rewards are back, so a slow reward (math-verify, the code sandbox) never stalls 
 With a job `env`, each sample is an episode (hexrl/rollout/episodes.py): its turns go to the
 environment's workers in the same way, and the environment gives the reward.
 
+A group that outgrows its length prediction moves (docs/long-tail.md): at a weight update the
+controller asks for a `report`, the leader sends each running group's progress, and a group the
+controller withdraws goes back as it stands (`handback_message`); the long-tail replica that gets
+it resumes its samples from their prefixes (`resumed_group`).
+
 The replica leader (TP rank 0) talks to the controller; the other TP ranks of the replica
 mirror its engine steps in `Engine.follow`. Every rank of the replica joins the weight
 broadcast when the controller announces a new version (between decode steps: the engine
@@ -17,12 +22,13 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hexrl.comm.channel import DealerChannel
 from hexrl.comm.store import lookup_endpoint
 from hexrl.comm.weights import ShardLayout, SyncLink, current_values, load_into, receive_shards, receive_stage_ipc
-from hexrl.comm.wire import message, trajectory_to_msg
+from hexrl.comm.wire import message, trajectory_to_msg, validate
 from hexrl.envs.base import Problem
 from hexrl.envs.pool import EnvPool
 from hexrl.model.parallel import TPGroup
@@ -31,11 +37,11 @@ from hexrl.runtime import effective
 from hexrl.runtime.context import RankContext
 from hexrl.runtime.files import write_json_atomic
 from hexrl.runtime.watchdog import describe_exception
-from hexrl.trajectory import Trajectory
+from hexrl.trajectory import ID_DTYPE, LOGPROB_DTYPE, VERSION_DTYPE, Trajectory, to_array
 
 from .engine import Engine, EngineStats
 from .episodes import Episode, EpisodeDriver
-from .sequence import Finished, Request
+from .sequence import Finished, Prefix, Request
 
 HEARTBEAT_S = 1.0
 MAX_MESSAGES_PER_POLL = 256
@@ -163,24 +169,52 @@ class RolloutLeader:
             if kind == "prompt":
                 self._add_group(msg)
             elif kind == "weights":
+                if msg.get("report") and not self.episodes:  # before the update: the controller decides meanwhile
+                    self._send([self._progress(msg["version"])])
                 self.engine.update_weights(self.receive_weights(msg["version"]), msg["version"])
+            elif kind == "withdraw" and not self.episodes:
+                self._hand_back(msg["group_ids"])
         return True
 
     def _add_group(self, msg: dict) -> None:
-        s = msg["sampling"]
+        if msg.get("resume") is not None:
+            group, requests = resumed_group(msg)
+            self.groups[msg["group_id"]] = group
+            for r in requests:
+                self.engine.add(r)
+            if len(group.outputs) == msg["n"]:  # every sample had finished: nothing to generate
+                self._score(self.groups.pop(msg["group_id"]))
+            return
         self.groups[msg["group_id"]] = PendingGroup(msg, start_version=self.engine.version)
         problem = Problem(self.tokenizer.decode(msg["prompt_ids"]), msg.get("answer"), msg["problem_id"],
                           msg.get("tests")) if self.episodes else None
         for i in range(msg["n"]):
-            request = Request(
-                id=f"{msg['group_id']}:{i}", prompt_ids=list(msg["prompt_ids"]),
-                max_new_tokens=int(s["max_new_tokens"]),
-                temperature=float(s["temperature"]), top_p=float(s["top_p"]), top_k=int(s["top_k"]),
-                seed=(int(s["seed"]) * 64 + i) % (1 << 62))
+            request = sample_request(msg, i)
             if self.episodes:
                 self.episodes.start(request, problem)
             else:
                 self.engine.add(request)
+
+    def _progress(self, version: int) -> dict:
+        """One row per sample of each group still generating: its tokens so far, finished or not."""
+        running, rows = self.engine.progress(), []
+        for gid, group in self.groups.items():
+            for i in range(group.msg["n"]):
+                out = group.outputs.get(i)
+                rows.append((gid, len(out.token_ids) if out else running.get(f"{gid}:{i}", 0), int(out is not None)))
+        gids, generated, finished = (list(c) for c in zip(*rows)) if rows else ([], [], [])
+        return message("progress", rank=self.rank, version=version, group_ids=gids, generated=generated,
+                       finished=finished)
+
+    def _hand_back(self, group_ids: list[int]) -> None:
+        """Take the groups the controller withdraws out of the engine and send each back as it stands
+        (a group already complete is being scored: it is sent as trajectories as usual)."""
+        for gid in map(int, group_ids):
+            group = self.groups.get(gid)
+            if group is None:
+                continue
+            taken = self.engine.withdraw([f"{gid}:{i}" for i in range(group.msg["n"]) if i not in group.outputs])
+            self._send([handback_message(self.groups.pop(gid), taken, self.rank)])
 
     def _collect(self, finished: list[Finished]) -> None:
         for out in finished:
@@ -236,6 +270,50 @@ class RolloutLeader:
         if now - self._last_beat >= HEARTBEAT_S:
             self.channel.send(message("heartbeat", rank=self.rank, time=now), timeout_s=1)
             self._last_beat = now
+
+
+def sample_request(msg: dict, i: int, prefix: Prefix | None = None) -> Request:
+    """The engine request of sample `i` of the `prompt` message `msg` (its seed fixed by the group's)."""
+    s = msg["sampling"]
+    return Request(id=f"{msg['group_id']}:{i}", prompt_ids=list(msg["prompt_ids"]),
+                   max_new_tokens=int(s["max_new_tokens"]), temperature=float(s["temperature"]),
+                   top_p=float(s["top_p"]), top_k=int(s["top_k"]), seed=(int(s["seed"]) * 64 + i) % (1 << 62),
+                   prefix=prefix)
+
+
+def handback_message(group: PendingGroup, taken: dict, rank: int) -> dict:
+    """The `withdrawn` message of a group taken out of the engine (`taken`: Engine.withdraw's answer):
+    per sample its tokens, log-probs and versions so far, and its finish reason ("" if running)."""
+    ids, logprobs, versions, lengths, reasons = [], [], [], [], []
+    for i in range(group.msg["n"]):
+        out = group.outputs.get(i) or taken[f"{group.msg['group_id']}:{i}"]
+        ids += out.token_ids
+        logprobs += out.logprobs
+        versions += out.versions
+        lengths.append(len(out.token_ids))
+        reasons.append(out.finish_reason if isinstance(out, Finished) else "")
+    return message("withdrawn", group_id=group.msg["group_id"], start_version=group.start_version,
+                   completion_ids=to_array(ids, ID_DTYPE, "completion_ids"),
+                   logprobs=to_array(logprobs, LOGPROB_DTYPE, "logprobs"),
+                   versions=to_array(versions, VERSION_DTYPE, "versions"), lengths=lengths, finish_reasons=reasons,
+                   rank=rank)
+
+
+def resumed_group(msg: dict) -> tuple[PendingGroup, list[Request]]:
+    """A moved group (a `prompt` message with `resume`): its finished samples filed, and a request
+    resuming each of the others from its prefix. The prefix keeps its tokens' log-probs and versions,
+    and the group its start version: its trajectories are what they would have been unmoved."""
+    resume = msg["resume"]
+    validate(message("withdrawn", group_id=msg["group_id"], **resume))  # the controller checked it; so do we
+    group, requests, at = PendingGroup(msg, start_version=resume["start_version"]), [], 0
+    for i, (n, reason) in enumerate(zip(resume["lengths"], resume["finish_reasons"])):
+        ids, lps, vs = (np.asarray(resume[f])[at:at + n].tolist() for f in ("completion_ids", "logprobs", "versions"))
+        at += n
+        if reason:
+            group.outputs[i] = Finished(f"{msg['group_id']}:{i}", list(msg["prompt_ids"]), ids, lps, vs, reason)
+        else:
+            requests.append(sample_request(msg, i, Prefix(ids, lps, vs)))
+    return group, requests
 
 
 def reward_inputs(group: PendingGroup, reward: str, tokenizer) -> list[tuple[str, object]]:
