@@ -1,10 +1,11 @@
 """Dispatch by length class on the CPU with the real engine: rollout throughput and the staleness of
 the long tail's tokens, length-blind vs by class, side by side in one window; and what moving a
-group that outgrew its prediction would cost.
+group that outgrew its prediction costs.
 
     python -m tools.experiments.long_tail_cpu                 # both arms, then the move costs
     python -m tools.experiments.long_tail_cpu --steps 8 --regular 2 --tail 2 --tail-cap 8
-    python -m tools.experiments.long_tail_cpu --move-only     # only what a move costs: recompute vs decode
+    python -m tools.experiments.long_tail_cpu --move-only     # only what a move costs: recompute vs decode,
+                                                              # and a group handed from one engine to another
 
 The task: `--problems` problems, a quarter of them long (`--long` tokens a sample, the rest
 `--short`; each sample +-20%), every problem's length_hint its class's length. Each arm is the real
@@ -37,13 +38,14 @@ from types import SimpleNamespace
 
 import torch
 
-from hexrl.comm.wire import trajectory_to_msg
+from hexrl.comm.wire import RESUME_FIELDS, decode, encode, message, trajectory_to_msg
 from hexrl.control.controller import Controller, ReplicaInfo
 from hexrl.control.dataset import DatasetCursor
 from hexrl.data.problems import Problem
 from hexrl.model.config import ModelConfig
 from hexrl.model.decoder import Decoder
 from hexrl.rollout import Engine, EngineConfig, Request
+from hexrl.rollout.rollout_rank import PendingGroup, handback_message, resumed_group, sample_request
 from hexrl.trajectory import Trajectory
 
 SHAPE = dict(vocab_size=512, hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
@@ -254,6 +256,34 @@ def prefill_s(model: Decoder, tokens: int, reps: int = 5) -> float:
     return statistics.median(times)
 
 
+def moved_group_s(model: Decoder, group: int, prompt: int, generated: int, reps: int = 3) -> tuple[float, float]:
+    """Median seconds, per group of `group` samples that generated `generated` tokens each after a
+    `prompt`-token prompt, of the hand-off at a weight update (withdraw from the source, the
+    `withdrawn` message out and the resumed `prompt` in, through the wire, and the target's add) and
+    of the target's first step (the group's recompute, which the source pays instead when unmoved)."""
+    msg = message("prompt", group_id=0, problem_id=0, prompt_ids=[5] * prompt, n=group, version=0,
+                  sampling={"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_new_tokens": 2 * generated, "seed": 1})
+    handoff, recompute = [], []
+    for _ in range(reps):
+        source, target = (Engine(model, EngineConfig(overlap=False, cpu_kv_bytes=64 << 20), eos_ids=[])
+                          for _ in range(2))
+        for i in range(group):
+            source.add(sample_request(msg, i))
+        for _ in range(generated):
+            source.step()
+        source.update_weights(lambda m: None, 1)  # the interruption (same weights)
+        target.update_weights(lambda m: None, 1)
+        t0 = time.perf_counter()
+        taken = source.withdraw([f"0:{i}" for i in range(group)])
+        back = decode(encode(handback_message(PendingGroup(msg), taken, rank=0)))
+        _, requests = resumed_group(decode(encode({**msg, "resume": {k: back[k] for k in RESUME_FIELDS}})))
+        for r in requests:
+            target.add(r)
+        handoff.append(time.perf_counter() - t0)
+        recompute.append(timed_step(target))
+    return statistics.median(handoff), statistics.median(recompute)
+
+
 def move_costs(args) -> None:
     """A group that outgrew its prediction, moved at an interruption: its sequences are recomputed
     there (prompt + generated tokens) instead of on the source, which recomputes them at the same
@@ -270,6 +300,11 @@ def move_costs(args) -> None:
     print(f"a token left decodes {saved * 1e3:.2f} ms sooner in a batch of 8 than of 64; at an interruption the "
           f"recompute is paid wherever the sequence goes; outside one, recomputing 1,024 tokens pays back after "
           f"{recompute[1024] / max(saved, 1e-9):.0f} tokens left")
+    print(f"a group of {args.group} moved at a weight update (prompt {PROMPT_LEN}), ms: hand-off (withdraw, "
+          "both messages through the wire, add) / the target's recompute of it:")
+    for generated in (64, 256, 1024):
+        handoff, recompute = moved_group_s(model, args.group, PROMPT_LEN, generated)
+        print(f"  {generated} tokens generated each: {handoff * 1e3:.2f} / {recompute * 1e3:.1f}")
 
 
 def main() -> None:
