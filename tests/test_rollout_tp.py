@@ -1,6 +1,8 @@
 """A tensor-parallel replica (2 CPU processes over gloo) generates what a single process does,
 through an interrupt with new weights as well, and with an episode extended and released between
-turns (the followers apply the leader's extends in the same order)."""
+turns (the followers apply the leader's extends in the same order), and with a request withdrawn
+mid-generation and added back with its prefix (as a moved group's samples are)."""
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -14,6 +16,7 @@ from hexrl.rollout import Engine, EngineConfig, Request
 
 CONFIG = dict(page_size=4, max_pages=48, max_running=3, max_batch_tokens=24)
 SWITCH_AT = 4  # update weights before this step
+MOVE_AT = 6  # withdraw request 0 before this step and add it back with its prefix
 
 
 def checkpoint(path: Path, seed: int) -> Path:
@@ -34,13 +37,17 @@ def requests() -> list[Request]:
                                                      episode=True)]
 
 
-def run_leader(engine: Engine, new_weights) -> dict:
+def run_leader(engine: Engine, new_weights, move: bool = True) -> dict:
     for r in requests():
         engine.add(r)
     outs, k = {}, 0
     while engine.has_work():
         if k == SWITCH_AT:
             engine.update_weights(new_weights, 1)
+        if k == MOVE_AT and move:
+            prefix = engine.withdraw([0])[0]
+            assert 0 < len(prefix.token_ids) < 10 and 0 < prefix.versions.count(0) < len(prefix.versions)
+            engine.add(replace(requests()[0], prefix=prefix))
         for f in engine.step():
             key = str(f.id) if f.id != "ep" else f"ep{sum(x.startswith('ep') for x in outs)}"
             outs[key] = (f.token_ids, f.versions)
@@ -69,7 +76,8 @@ def worker(rank: int, world_size: int, path_a: str, path_b: str) -> dict | None:
 def test_tp2_equals_tp1_through_an_interrupt(tmp_path):
     a, b = checkpoint(tmp_path / "a", 0), checkpoint(tmp_path / "b", 1)
     single = run_leader(Engine(load_pretrained(a), EngineConfig(**CONFIG)), load_pretrained(b).state_dict())
+    unmoved = run_leader(Engine(load_pretrained(a), EngineConfig(**CONFIG)), load_pretrained(b).state_dict(), False)
     sharded, _ = run_world(worker, 2, str(a), str(b))
-    assert sharded == single
+    assert sharded == single == unmoved
     assert any(0 < versions.count(0) < 10 for _, versions in single.values())  # the switch hit mid-sequence
     assert [k for k in single if k.startswith("ep")] == ["ep0", "ep1", "ep2", "ep3"]

@@ -11,7 +11,7 @@ from hexrl.comm.store import broadcast_bytes
 from hexrl.model.parallel import TPGroup
 from hexrl.runtime.dist_rules import compute_device
 
-from .sequence import Request
+from .sequence import Prefix, Request
 
 
 def _group(tp: TPGroup):
@@ -21,9 +21,9 @@ def _group(tp: TPGroup):
 def broadcast_from_leader(event: tuple[str, object] | None, tp: TPGroup) -> tuple[str, object]:
     """Send an engine event `(kind, arg)` from TP rank 0 to the others; every rank returns it.
 
-    `arg` is None, an int (a version) or a list of Requests and episode ops (("extend", id, ids,
-    max_new_tokens) or ("release", id)). Events travel as msgpack bytes, never pickle: a length
-    broadcast, then the payload.
+    `arg` is None, an int (a version), a list of request ids (withdrawn) or a list of Requests and
+    episode ops (("extend", id, ids, max_new_tokens) or ("release", id)). Events travel as msgpack
+    bytes, never pickle: a length broadcast, then the payload.
     """
     group, src = _group(tp), dist.get_global_rank(_group(tp), 0)
     device = compute_device()  # the rank's own (rule 1 of hexrl/runtime/dist_rules.py)
@@ -41,9 +41,16 @@ def _encode(event: tuple[str, object]) -> bytes:
 def _decode(raw: bytes) -> tuple[str, object]:
     kind, arg = msgpack.unpackb(raw)
     if kind == "step":
-        arg = [Request(**{k: tuple(v) if k in ("stop_ids", "stop_strings") else v for k, v in r.items()})
-               if isinstance(r, dict) else tuple(r) for r in arg]
+        arg = [_request(r) if isinstance(r, dict) else tuple(r) for r in arg]
     return kind, arg
+
+
+def _request(fields: dict) -> Request:
+    """A Request from its `dataclasses.asdict` (tuples and a prefix come back as lists and a map)."""
+    fields = {k: tuple(v) if k in ("stop_ids", "stop_strings") else v for k, v in fields.items()}
+    if fields.get("prefix") is not None:
+        fields["prefix"] = Prefix(**fields["prefix"])
+    return Request(**fields)
 
 
 def gather_vocab(logits: torch.Tensor, tp: TPGroup) -> torch.Tensor:
