@@ -1,7 +1,8 @@
 """The controller: a thread that feeds prompts and collects trajectories.
 
 It hands out prompt groups while the staleness gate allows, spreads them over the rollout
-replicas (with a long-tail class: the groups predicted longest to the long-tail replicas), files
+replicas (with a long-tail class: the groups predicted longest to the long-tail replicas, and a
+group sent regular that outgrows its prediction moved to one at a weight update), files
 returning trajectories into the replay buffer, and gives the trainer thread batches of B complete
 groups. Only this thread touches the ZeroMQ socket; the trainer thread talks to it through
 `next_batch`, `publish_version` and `state` under one lock. A run keeps it off the trainer's GIL: it
@@ -406,7 +407,7 @@ class Controller:
             self.buffer.abandon(gid, "move_failed")
             self._group_done(gid, trained=False)
             return
-        sent.replica, sent.long = target, True
+        sent.replica, sent.long = target, target in self.dispatcher.long_tail  # regular if every long-tail one died
         self.moved += 1
 
     def _watch_progress(self, finish_reason: str, status: str) -> None:
@@ -431,6 +432,7 @@ class Controller:
                 for gid in self.dispatcher.mark_dead(replica):
                     self.buffer.abandon(gid, "replica_dead")
                     self.dispatched.pop(gid, None)
+                    self.moving.discard(gid)
                     self.redo.append(self.in_flight.pop(gid))
                 self.heartbeats.forget(replica)
                 # its ranks are in every weight broadcast: without them the next sync would hang
