@@ -79,7 +79,7 @@ class CostModel:
         self.train.clear_stage_cache()
 
     def rollout_wave(self, replicas) -> tuple[float, float]:
-        """(wave_s, reward_s) for replicas (objects with gpu_type, tp, batch, share): the time an idle
+        """(wave_s, reward_s) for replicas (objects with gpu_type, tp, batch, share, or ReplicaKinds): the time an idle
         rollout needs to generate one step's B groups dealt out by share (RolloutCost.idle_wave_s),
         and the reward work of the busiest replica over a step, which its reward workers do while
         it decodes (SyncCost.busiest_reward_s)."""

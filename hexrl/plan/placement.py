@@ -65,8 +65,12 @@ def counts_of(cluster: ClusterSpec, per_node: tuple[int, ...]) -> dict[str, int]
 
 def train_slots(cluster: ClusterSpec, per_node: tuple[int, ...], gpu_type: str) -> list[tuple[int, int]]:
     """(node, local_rank) of every training GPU of one type, in packing order."""
-    return [(i, j) for i, n in enumerate(cluster.nodes) if n.gpu_type == gpu_type
-            for j in range(per_node[i])]
+    ix = NodeIndex.of(cluster)
+    nodes = ix.of_type[ix.types.index(gpu_type)] if gpu_type in ix.types else np.zeros(0, dtype=np.int64)
+    taken = np.asarray(per_node, dtype=np.int64)[nodes]
+    nodes, taken = nodes[taken > 0], taken[taken > 0]
+    ranks = np.arange(int(taken.sum())) - np.repeat(np.cumsum(taken) - taken, taken)  # 0.. on each node
+    return list(zip(np.repeat(nodes, taken).tolist(), ranks.tolist()))
 
 
 def free_classes(cluster: ClusterSpec, per_node: tuple[int, ...]) -> list[FreeClass]:

@@ -21,7 +21,9 @@ for s = 1 it is an equality, because every rank of the plan needs a role.
 import ctypes
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
 
 import highspy
 import numpy as np
@@ -42,14 +44,49 @@ class RolloutReplica:
     share: float  # fraction of the step's prompts
 
 
+@dataclass(slots=True)
+class ReplicaKind:
+    """`count` replicas that differ only in where they sit. A plan holds its replicas as runs of
+    kinds and places them when asked: a search costs thousands of plans it never writes."""
+
+    gpu_type: str
+    tp: int
+    batch: int
+    tokens_per_s: float
+    share: float  # each replica's
+    count: int
+
+
 @dataclass
 class RolloutPlan:
-    replicas: list[RolloutReplica]
+    kinds: list[ReplicaKind]  # the replicas in runs of one kind, in order
     theta_s: float  # makespan of one step's rollouts, KV recompute after the weight update included
     gen_s: float  # the throughput makespan (the gate's long tail is added in candidate.py)
     tokens_per_s: float  # generated tokens/s of all replicas
     wave_s: float = 0.0  # one step's groups generated from idle (CostModel.rollout_wave)
     reward_s: float = 0.0  # reward work of the busiest replica per step (overlaps its decoding)
+    nodes: tuple[int, ...] = ()  # the nodes its replicas sit on
+    slots: Callable[[], list[tuple[int, list[int]]]] = field(default=list, repr=False)  # (node, locals) of each
+
+    @cached_property
+    def replicas(self) -> list[RolloutReplica]:
+        """Every replica in order, placed (built on first use)."""
+        where = iter(self.slots())
+        return [RolloutReplica(k.gpu_type, k.tp, k.batch, *next(where), k.tokens_per_s, k.share)
+                for k in self.kinds for _ in range(k.count)]
+
+    @property
+    def count(self) -> int:
+        """How many replicas."""
+        return sum(k.count for k in self.kinds)
+
+    @staticmethod
+    def placed(cm: CostModel, replicas: list[RolloutReplica], theta_s: float) -> "RolloutPlan":
+        """A plan of replicas already placed (a given layout), each its own kind."""
+        kinds = [ReplicaKind(r.gpu_type, r.tp, r.batch, r.tokens_per_s, r.share, 1) for r in replicas]
+        slots = [(r.node, r.locals) for r in replicas]
+        return RolloutPlan(kinds, theta_s, theta_s, cm.w.gen_tokens / theta_s, *cm.rollout_wave(kinds),
+                           tuple(dict.fromkeys(r.node for r in replicas)), lambda: slots)
 
 
 def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float):
@@ -113,7 +150,7 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
         # the makespan this choice really has, its recompute priced at that makespan: when the
         # rounds run out with the choice still changing, the MILP's own tokens / U would price
         # recompute at another step length (it under-predicted a step by 27% so)
-        theta = makespan(cm, [cols[j][1] for j in used for _ in range(y[j])])
+        theta = makespan(cm, [cols[j][1] for j in used], [y[j] for j in used])
         if period is not None and abs(w.gen_tokens / sol[-1] - period) <= 1e-2 * period:
             break
         period = theta
@@ -208,39 +245,66 @@ def _highs(cost, lower, upper, rows, lo, hi, n_int) -> highspy.Highs:
 
 
 def _assemble(cm: CostModel, classes, cols, y, sol, theta: float) -> RolloutPlan:
-    """Place the solved replica counts on nodes (largest TP first) and give each its share."""
+    """The solved replica counts as kinds (largest TP first in each class), each with its share;
+    placed on nodes when the plan's replicas are asked for (`_place`)."""
     n = len(cols)
     U = float(sol[-1])
     rate = np.asarray(sol[n:2 * n])
-    replicas = []
-    for ci, c in enumerate(classes):
-        free = {node: list(range(cm.cluster.nodes[node].gpus - c.free, cm.cluster.nodes[node].gpus))
-                for node in c.nodes}
-        mine = sorted((j for j in range(n) if cols[j][0] == ci and y[j] > 0), key=lambda j: -cols[j][1].tp)
-        at, tp = 0, None  # the first node that may have room: free GPUs only shrink, and TP only falls
-        for j in mine:
-            pt: DecodePoint = cols[j][1]
-            at = 0 if pt.tp != tp else at
-            tp = pt.tp
-            for _ in range(y[j]):
-                while len(free[c.nodes[at]]) < pt.tp:
-                    at += 1
-                node = c.nodes[at]
-                locs, free[node] = free[node][:pt.tp], free[node][pt.tp:]
-                share = max(0.0, rate[j]) / y[j] / U
-                replicas.append(RolloutReplica(pt.gpu_type, pt.tp, max(1, pt.batch), node, locs, pt.tokens_per_s,
-                                               share))  # an idle one (batch 0) keeps the knobs of batch 1
-    total = sum(r.share for r in replicas)  # replicas the gate leaves idle keep share 0
-    for r in replicas:
-        r.share /= total
-    return RolloutPlan(replicas, theta, theta, U, *cm.rollout_wave(replicas))
+    kinds = []
+    for j in _order(classes, cols, y):
+        pt: DecodePoint = cols[j][1]
+        share = max(0.0, rate[j]) / y[j] / U
+        kinds.append(ReplicaKind(pt.gpu_type, pt.tp, max(1, pt.batch), pt.tokens_per_s,
+                                 share, int(y[j])))  # an idle one (batch 0) keeps the knobs of batch 1
+    total = repeated_sum([k.share for k in kinds], [k.count for k in kinds])  # idle replicas keep share 0
+    for k in kinds:
+        k.share /= total
+    nodes = tuple(node for c in classes for node in c.nodes)
+    return RolloutPlan(kinds, theta, theta, U, *cm.rollout_wave(kinds), nodes,
+                       lambda: _place(cm, classes, cols, y))
 
 
-def makespan(cm: CostModel, points: list[DecodePoint]) -> float:
-    """Seconds for replicas (one DecodePoint each) to generate a step's tokens when each loses its
-    KV recompute once per step: T = (tokens + sum h R) / sum h."""
-    h = sum(pt.tokens_per_s for pt in points)
-    return (cm.w.gen_tokens + sum(pt.tokens_per_s * pt.recompute_s for pt in points)) / h
+def _order(classes, cols, y) -> list[int]:
+    """The columns with replicas, class by class, largest TP first: the order they are placed in."""
+    return [j for ci in range(len(classes))
+            for j in sorted((j for j in range(len(cols)) if cols[j][0] == ci and y[j] > 0),
+                            key=lambda j: -cols[j][1].tp)]
+
+
+def _place(cm: CostModel, classes, cols, y) -> list[tuple[int, list[int]]]:
+    """(node, local ranks) of each replica in `_order`: a class's nodes filled one after another."""
+    out, ci, free, at, tp = [], None, {}, 0, None
+    for j in _order(classes, cols, y):
+        cj, pt = cols[j]
+        c = classes[cj]
+        if cj != ci:
+            ci, at, tp = cj, 0, None
+            free = {node: list(range(cm.cluster.nodes[node].gpus - c.free, cm.cluster.nodes[node].gpus))
+                    for node in c.nodes}
+        at = 0 if pt.tp != tp else at  # the first node that may have room: free GPUs only shrink, TP only falls
+        tp = pt.tp
+        for _ in range(y[j]):
+            while len(free[c.nodes[at]]) < pt.tp:
+                at += 1
+            node = c.nodes[at]
+            locs, free[node] = free[node][:pt.tp], free[node][pt.tp:]
+            out.append((node, locs))
+    return out
+
+
+def repeated_sum(values, counts) -> float:
+    """sum() of each value repeated its count of times, in order: the same additions one after
+    another, bit for bit, without the list."""
+    added = np.add.accumulate(np.repeat(np.asarray(values, dtype=float), counts))
+    return float(added[-1]) if len(added) else 0.0
+
+
+def makespan(cm: CostModel, points: list[DecodePoint], counts: list[int] | None = None) -> float:
+    """Seconds for replicas (one DecodePoint each, or `counts` of each) to generate a step's tokens
+    when each loses its KV recompute once per step: T = (tokens + sum h R) / sum h."""
+    counts = [1] * len(points) if counts is None else counts
+    h = np.array([pt.tokens_per_s for pt in points])
+    return (cm.w.gen_tokens + repeated_sum(h * [pt.recompute_s for pt in points], counts)) / repeated_sum(h, counts)
 
 
 def combine(cm: CostModel, plans: list[RolloutPlan]) -> RolloutPlan:
@@ -249,8 +313,9 @@ def combine(cm: CostModel, plans: list[RolloutPlan]) -> RolloutPlan:
     gate's cap on running sequences is not applied across the plans, so this estimates the joint
     MILP's plan; it is not one."""
     rate = sum(p.tokens_per_s for p in plans)
-    replicas = [RolloutReplica(r.gpu_type, r.tp, r.batch, r.node, r.locals, r.tokens_per_s,
-                               r.share * p.tokens_per_s / rate)  # dataclasses.replace is 5x slower
-                for p in plans for r in p.replicas]
-    theta = makespan(cm, [cm.decode_point(r.gpu_type, r.tp, r.batch) for r in replicas if r.share > 0])
-    return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))
+    kinds = [ReplicaKind(k.gpu_type, k.tp, k.batch, k.tokens_per_s, k.share * p.tokens_per_s / rate, k.count)
+             for p in plans for k in p.kinds]
+    busy = [k for k in kinds if k.share > 0]
+    theta = makespan(cm, [cm.decode_point(k.gpu_type, k.tp, k.batch) for k in busy], [k.count for k in busy])
+    return RolloutPlan(kinds, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(kinds),
+                       tuple(n for p in plans for n in p.nodes), lambda: [s for p in plans for s in p.slots()])
