@@ -24,6 +24,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import chain
 
 import highspy
 import numpy as np
@@ -259,7 +260,7 @@ def _assemble(cm: CostModel, classes, cols, y, sol, theta: float) -> RolloutPlan
     total = repeated_sum([k.share for k in kinds], [k.count for k in kinds])  # idle replicas keep share 0
     for k in kinds:
         k.share /= total
-    nodes = tuple(node for c in classes for node in c.nodes)
+    nodes = tuple(chain.from_iterable(c.nodes for c in classes))
     return RolloutPlan(kinds, theta, theta, U, *cm.rollout_wave(kinds), nodes,
                        lambda: _place(cm, classes, cols, y))
 
@@ -318,4 +319,5 @@ def combine(cm: CostModel, plans: list[RolloutPlan]) -> RolloutPlan:
     busy = [k for k in kinds if k.share > 0]
     theta = makespan(cm, [cm.decode_point(k.gpu_type, k.tp, k.batch) for k in busy], [k.count for k in busy])
     return RolloutPlan(kinds, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(kinds),
-                       tuple(n for p in plans for n in p.nodes), lambda: [s for p in plans for s in p.slots()])
+                       tuple(chain.from_iterable(p.nodes for p in plans)),
+                       lambda: [s for p in plans for s in p.slots()])
