@@ -9,12 +9,12 @@ import sys
 import pytest
 from runtime_utils import ROOT
 
-from hexrl.plan import candidate
+from hexrl.plan import candidate, rollout_milp
 from hexrl.plan.candidate import Evaluator
 from hexrl.plan.cost import CostModel
-from hexrl.plan.partition import makespan_bound, two_phase
+from hexrl.plan.partition import TYPE_POINTS, makespan_bound, split_grid, two_phase
 from hexrl.plan.placement import counts_of, free_classes, train_per_node
-from hexrl.plan.rollout_milp import makespan
+from hexrl.plan.rollout_milp import makespan, repeated_sum
 from hexrl.schema import ClusterSpec, NodeSpec, load_job
 from tools.bench.bench_planner import cluster_job
 
@@ -51,38 +51,50 @@ def test_placement_by_type_matches_placing_node_by_node():
 
 
 def test_the_rollout_plan_memo_is_bounded_and_changes_no_answer(monkeypatch):
-    """The search memoises rollout plans; past HELD_REPLICAS replicas it drops the least recently used
-    (a sweep of a 65,536-GPU type solves thousands of plans of 16,000 replicas). A dropped plan is
-    solved again: the same plan as with every plan kept."""
+    """The search memoises rollout plans; past HELD_NODES nodes it drops the least recently used
+    (a sweep of a 4,096-node type solves thousands of plans). A dropped plan is solved again: the
+    same plan as with every plan kept."""
     cm = CostModel(load_job(cluster_job("r1-distill-qwen-7b", 128, 2), check_paths=False), use_profiles=False)
     kept = Evaluator(cm)
     best_kept, _ = two_phase(kept)
-    monkeypatch.setattr(candidate, "HELD_REPLICAS", 40)
+    monkeypatch.setattr(candidate, "HELD_NODES", 40)
     bounded = Evaluator(cm)
     best, _ = two_phase(bounded)
-    assert 0 < bounded._held <= 40 + max(len(p.replicas) for p in bounded._roll.values() if p)
-    assert kept._held > 40 and len(bounded._roll) < len(kept._roll)
+    assert 0 < bounded._roll.held <= 40 + max(len(p.nodes) for p in bounded._roll.entries.values() if p)
+    assert kept._roll.held > 40 and len(bounded._roll.entries) < len(kept._roll.entries)
     assert (best.per_node, best.step_s) == (best_kept.per_node, best_kept.step_s)
     assert [(r.gpu_type, r.tp, r.batch, r.node, r.share) for r in best.rollout.replicas] == \
         [(r.gpu_type, r.tp, r.batch, r.node, r.share) for r in best_kept.rollout.replicas]
 
 
+def plan_in_a_bounded_process(tmp_path, job: dict, cpu_s: int) -> dict:
+    """`python -m hexrl.plan` on `job` in a process limited to 3 GB of address space and cpu_s of CPU."""
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    limit = (f"import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
+             f"resource.setrlimit(resource.RLIMIT_CPU, ({cpu_s}, {cpu_s})); ")
+    code = limit + "import sys; from hexrl.plan.__main__ import main; sys.exit(main())"
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.json"), "-o", str(tmp_path / "plan.json"),
+                          "--no-profiles"], cwd=ROOT, capture_output=True, text=True, timeout=3600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    return json.loads((tmp_path / "plan.json").read_text())
+
+
 @pytest.mark.slow
 def test_the_ceiling_cluster_is_planned_in_bounded_memory(tmp_path):
     """65,536 GPUs (4,096 nodes of 16, four types), the largest cluster a job may give, planned in a
-    process limited to 3 GB of address space, in about 20 s of CPU (docs/planner.md; one type of that
-    size still takes minutes)."""
-    nodes = [{"name": f"{t.lower()}-{i}", "gpu_type": t, "gpus": 16}
-             for t in ("H800", "H20", "H100", "A100-80G") for i in range(1024)]
-    job = cluster_job("r1-distill-qwen-7b", 56, 4)
-    job["cluster"]["nodes"] = nodes
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    limit = "import resource; resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30)); "
-    code = limit + "import sys; from hexrl.plan.__main__ import main; sys.exit(main())"
-    res = subprocess.run([sys.executable, "-c", code, str(tmp_path / "job.json"), "-o", str(tmp_path / "plan.json"),
-                          "--no-profiles"], cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert len(json.loads((tmp_path / "plan.json").read_text())["ranks"]) == 65536
+    process limited to 3 GB of address space, in about 20 s of CPU (docs/planner.md)."""
+    job = cluster_job("r1-distill-qwen-7b", 65536, 4, node_gpus=16)
+    assert len(plan_in_a_bounded_process(tmp_path, job, 600)["ranks"]) == 65536
+
+
+@pytest.mark.slow
+def test_the_ceiling_cluster_of_one_gpu_type_is_planned_in_bounded_time_and_memory(tmp_path):
+    """65,536 GPUs of one type (4,096 nodes of 16 H800, the 1.5B model): no rollout plan is shared
+    between its splits, so what bounds the sweep is the grid (2,049 counts of the type), plans held
+    as replica kinds and the memos' bounds (docs/planner.md, the ceiling)."""
+    job = cluster_job("r1-distill-qwen-1.5b", 65536, 1, node_gpus=16)
+    plan = plan_in_a_bounded_process(tmp_path, job, 600)
+    assert len(plan["ranks"]) == 65536 and {r["gpu_type"] for r in plan["ranks"]} == {"H800"}
 
 
 class CountingEvaluator(Evaluator):
@@ -105,6 +117,47 @@ def test_one_type_sweep_bounds_the_rollout_before_solving_it():
     assert counts_of(cm.cluster, best.per_node) == {"H800": 76}
     assert best.step_s == pytest.approx(171.54966452699992, rel=1e-12)
     assert ev.combined <= 40
+
+
+def test_the_search_places_only_the_plan_it_writes(monkeypatch):
+    """Rollout plans hold replica kinds with counts; replicas are placed on nodes only when the
+    written plan asks for them, and the plan is the one of placing every costed plan's replicas
+    (the code before: the split, step time and every replica as pinned here)."""
+    placed = []
+
+    def counting_place(*args):
+        placed.append(args)
+        return place(*args)
+
+    place = rollout_milp._place
+    monkeypatch.setattr(rollout_milp, "_place", counting_place)
+    cm = CostModel(load_job(cluster_job("r1-distill-qwen-7b", 256, 1), check_paths=False), use_profiles=False)
+    best, _ = two_phase(Evaluator(cm))
+    assert placed == [] and best.rollout.count == 45
+    replicas = best.rollout.replicas
+    assert len(placed) == 1 and best.rollout.replicas is replicas  # placed once, then kept
+    assert counts_of(cm.cluster, best.per_node) == {"H800": 76} and best.step_s == 171.54966452699992
+    assert {(r.gpu_type, r.tp, r.batch, r.share) for r in replicas} == {("H800", 4, 256, 0.022222222222222206)}
+    assert [(r.node, r.locals) for r in replicas[:3]] == [(9, [4, 5, 6, 7]), (10, [0, 1, 2, 3]), (10, [4, 5, 6, 7])]
+    assert [(r.node, r.locals) for r in replicas[-1:]] == [(31, [4, 5, 6, 7])]
+
+
+def test_a_repeated_sum_adds_as_sum_does():
+    """Kinds with counts give the same sums as the replicas one by one, bit for bit (exact plans)."""
+    rng = random.Random(1)
+    for _ in range(200):
+        values = [rng.uniform(0, 1e5) for _ in range(rng.randint(1, 6))]
+        counts = [rng.randint(0, 3000) for _ in values]
+        assert repeated_sum(values, counts) == sum(v for v, c in zip(values, counts) for _ in range(c))
+
+
+def test_the_grid_holds_at_most_type_points_counts_of_a_type():
+    """One GPU type of 65,536 GPUs offers the sweep 2,049 counts (steps of 32), not 65,537; a type of
+    2,048 GPUs or fewer keeps every count, so plans there are unchanged."""
+    assert split_grid([2048])[:, 0].tolist() == list(range(2049))
+    assert split_grid([65536])[:, 0].tolist() == list(range(0, 65537, 32))
+    grid = split_grid([65528, 8])
+    assert len(set(grid[:, 0])) == TYPE_POINTS and len(set(grid[:, 1])) == 9
 
 
 def test_makespan_bound_is_under_every_rollout_plan_and_close():

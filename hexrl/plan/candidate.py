@@ -9,8 +9,11 @@ from hexrl.plan.progress import quiet
 from hexrl.plan.rollout_milp import RolloutPlan, combine, decode_point, makespan, solve_rollout
 from hexrl.plan.train_search import TrainPlan, search_train, train_bound
 
-# replicas of memoised rollout plans, about 0.3 GB: dropping one only costs solving it again
-HELD_REPLICAS = 1 << 20
+# what the memos may hold (dropping an entry only costs computing it again): nodes of rollout plans
+# (a plan holds its replica kinds and its nodes until it is placed), about 0.2 GB, and training GPUs
+# of training plans (each lists its GPUs), about 0.4 GB
+HELD_NODES = 1 << 22
+HELD_TRAIN_GPUS = 1 << 22
 
 
 @dataclass
@@ -35,28 +38,47 @@ class Candidate:
         return self.C_gen + self.C_reward + self.C_sync
 
 
+class Memo:
+    """A memo that drops its least recently used entries past `limit` in all by `weight(key, value)`
+    (a sweep of a 4,096-node type computes thousands of plans); a dropped one is computed again."""
+
+    def __init__(self, limit: int, weight):
+        self.limit, self.weight = limit, weight
+        self.entries: dict = {}  # oldest use first
+        self.held = 0
+
+    def get(self, key, make):
+        """The value of `key`, from make() the first time (or after it was dropped)."""
+        if key in self.entries:
+            self.entries[key] = value = self.entries.pop(key)  # now the most recently used
+            return value
+        self.entries[key] = value = make()
+        self.held += self.weight(key, value)
+        while self.held > self.limit and len(self.entries) > 1:
+            old = next(iter(self.entries))
+            self.held -= self.weight(old, self.entries.pop(old))
+        return value
+
+
 class Evaluator:
     """Search phase with memoisation: per_node split -> Candidate (or None if infeasible)."""
 
     def __init__(self, cm: CostModel, progress=quiet):
         self.cm = cm
         self.progress = progress  # (phase, done, total): hexrl/plan/progress.py
-        self._train: dict = {}
-        self._roll: dict = {}  # oldest use first
-        self._held = 0  # replicas of the plans in _roll
+        self._train = Memo(HELD_TRAIN_GPUS, lambda per_node, plan: sum(per_node))
+        self._roll = Memo(HELD_NODES, lambda key, plan: len(plan.nodes) if plan else 0)
         self._cand: dict = {}
         self.evaluations = 0
         self.last_failure = ""  # "train" or "rollout": which side did not fit
 
     def train(self, per_node: tuple[int, ...]) -> TrainPlan | None:
-        if per_node not in self._train:
-            self._train[per_node] = search_train(self.cm, per_node)
-        return self._train[per_node]
+        return self._train.get(per_node, lambda: search_train(self.cm, per_node))
 
     def train_bound(self, per_node: tuple[int, ...]) -> float:
         """A lower bound on train(per_node).time_s without the search (train_search.train_bound)."""
-        if per_node in self._train:
-            plan = self._train[per_node]
+        if per_node in self._train.entries:
+            plan = self._train.entries[per_node]
             return math.inf if plan is None else plan.time_s
         return train_bound(self.cm, per_node)
 
@@ -64,19 +86,11 @@ class Evaluator:
         return self._solve(free_classes(self.cm.cluster, per_node))
 
     def _solve(self, classes, period: float | None = None) -> RolloutPlan | None:
-        """The rollout MILP's plan on `classes`, memoised; the least recently used plans are dropped
-        past HELD_REPLICAS replicas in all (a sweep of a 65,536-GPU type solves thousands of plans)."""
+        """The rollout MILP's plan on `classes`, memoised (past HELD_NODES nodes in all, the least
+        recently used are dropped)."""
         key = (tuple((c.gpu_type, c.free, c.nodes) for c in classes), period)
-        if key in self._roll:
-            self._roll[key] = plan = self._roll.pop(key)  # now the most recently used
-            return plan
-        plan = solve_rollout(self.cm, classes, 1 if period else 4, period) if classes else None
-        self._roll[key] = plan
-        self._held += len(plan.replicas) if plan else 0
-        while self._held > HELD_REPLICAS and len(self._roll) > 1:
-            old = self._roll.pop(next(iter(self._roll)))
-            self._held -= len(old.replicas) if old else 0
-        return plan
+        return self._roll.get(key, lambda: solve_rollout(self.cm, classes, 1 if period else 4, period)
+                              if classes else None)
 
     def combined_rollout(self, per_node: tuple[int, ...]) -> RolloutPlan | None:
         """A rollout plan put together from one MILP per GPU type (rollout_milp.combine), so that a
@@ -93,9 +107,10 @@ class Evaluator:
         alone = [self._solve(cs) for cs in by_type]
         if not alone or None in alone:
             return None
-        reps = [r for p in alone for r in p.replicas]
-        split = any(r.long_tail for r in reps)
-        step = makespan(cm, [decode_point(cm, r, split) for r in reps], [r.long_tail for r in reps])
+        kinds = [k for p in alone for k in p.kinds]
+        split = any(k.long_tail for k in kinds)
+        step = makespan(cm, [decode_point(cm, k, split) for k in kinds], [k.count for k in kinds],
+                        [k.long_tail for k in kinds])
         period = 2 ** (math.floor(4 * math.log2(step)) / 4)
         plans = [self._solve(cs, period) or replace(p, tokens_per_s=0.0)  # None: too slow to use at this period
                  for cs, p in zip(by_type, alone)]
@@ -133,11 +148,11 @@ def candidate(cm: CostModel, per_node: tuple[int, ...], train: TrainPlan, roll: 
     """Put both plans together: weight sync from every trainer rank to the rollout nodes, step time.
     The trainer's batch hand-off comes before its step; the controller's work on its share of a
     core bounds the step from below (cost_host.py)."""
-    split = min((r.tp for r in roll.replicas), default=1)  # the smallest replica downloads through the fewest links
-    sync = cm.sync_s(stage_sync_bytes(cm, train), {r.node for r in roll.replicas}, train.dp, split)
+    split = min((k.tp for k in roll.kinds), default=1)  # the smallest replica downloads through the fewest links
+    sync = cm.sync_s(stage_sync_bytes(cm, train), set(roll.nodes), train.dp, split)
     handoff = cm.handoff_s()
     gen, reward, step = step_times(cm, train.time_s + handoff, sync, roll)
-    step = max(step, cm.controller_floor_s(len(roll.replicas)))
+    step = max(step, cm.controller_floor_s(roll.count))
     return Candidate(per_node, train, roll, train.time_s + handoff, gen, reward, sync, step, C_handoff=handoff)
 
 
@@ -158,9 +173,9 @@ def step_times(cm: CostModel, train_s: float, sync_s: float, roll: RolloutPlan,
     reward = cm.group_reward_s()
     wave = roll.wave_s
     if joined and cm.w.eta not in (0, None):  # the next step's groups join when training ends
-        wave = cm.joined_wave(roll.replicas, train_s + sync_s, sync_s)
+        wave = cm.joined_wave(roll.kinds, train_s + sync_s, sync_s)
     theta, wave = max(roll.gen_s, roll.reward_s - reward), max(wave, roll.reward_s - reward)
     gen = cm.gen_s(theta + reward, wave + reward, train_s, sync_s) - reward
     if joined:  # the gate may cap what runs at once (filtered groups)
-        gen = cm.gated_gen_s(roll.replicas, train_s, sync_s, at_least=gen)
+        gen = cm.gated_gen_s(roll.kinds, train_s, sync_s, at_least=gen)
     return gen, reward, cm.step_s(train_s, gen + reward, sync_s)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from hexrl.gpus import GPU, gpu, host_costs
 from hexrl.plan.cost_host import HostCost
-from hexrl.plan.cost_inputs import Memory, Params, Workload, tp_degrees, workload_of
+from hexrl.plan.cost_inputs import Memory, Params, Workload, replicas_in, tp_degrees, workload_of
 from hexrl.plan.cost_rollout import RolloutCost, tail_split
 from hexrl.plan.cost_sync import SyncCost
 from hexrl.plan.cost_train import TrainCost
@@ -32,7 +32,8 @@ class ClassReplica:
     gpu_type: str
     tp: int
     batch: int
-    share: float
+    share: float  # each replica's
+    count: int = 1  # replicas it stands for (a ReplicaKind's count)
 
 
 class CostModel:
@@ -92,7 +93,7 @@ class CostModel:
         self.train.clear_stage_cache()
 
     def rollout_wave(self, replicas) -> tuple[float, float]:
-        """(wave_s, reward_s) for replicas (objects with gpu_type, tp, batch, share): the time an idle
+        """(wave_s, reward_s) for replicas (objects with gpu_type, tp, batch, share, or ReplicaKinds): the time an idle
         rollout needs to generate one step's B groups dealt out by share (RolloutCost.idle_wave_s),
         and the reward work of the busiest replica over a step, which its reward workers do while
         it decodes (SyncCost.busiest_reward_s)."""
@@ -103,7 +104,7 @@ class CostModel:
 
     def long_tail_wave_s(self, plan) -> float:
         """Seconds the long tail's replicas of a rollout plan need for a step's long groups from idle."""
-        parts = self.by_length_class(plan.replicas)
+        parts = self.by_length_class(plan.kinds)
         return 0.0 if parts is None else parts[-1][0].idle_wave_s(parts[-1][1])
 
     def joined_wave(self, replicas, join_s: float, pause_s: float) -> float:
@@ -121,9 +122,9 @@ class CostModel:
         parts = []
         for long in (False, True):
             mine = [r for r in replicas if getattr(r, "long_tail", False) == long]
-            total = sum(r.share for r in mine) or 1.0  # all idle: shares stay 0
+            total = sum(r.share * replicas_in(r) for r in mine) or 1.0  # all idle: shares stay 0
             if mine:
-                shares = [ClassReplica(r.gpu_type, r.tp, r.batch, r.share / total) for r in mine]
+                shares = [ClassReplica(r.gpu_type, r.tp, r.batch, r.share / total, replicas_in(r)) for r in mine]
                 parts.append((self.tail.of(long), shares))
         return parts
 

@@ -142,6 +142,11 @@ class Memory:
         return min(WORKSPACE_BYTES, 0.1 * self.gpus[gpu_type].hbm_bytes)
 
 
+def replicas_in(r) -> int:
+    """How many replicas r stands for: a ReplicaKind its count, a replica one."""
+    return getattr(r, "count", 1)
+
+
 def active_replicas(replicas) -> list:
     """The replicas a step's groups are dealt to: those with a share (all of them where none has)."""
     return [r for r in replicas if r.share > 0] or list(replicas)

@@ -11,7 +11,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from hexrl.gpus import GPU
-from hexrl.plan.cost_inputs import Memory, Params, Workload, active_replicas, class_workload, tp_degrees
+from hexrl.plan.cost_inputs import (
+    Memory,
+    Params,
+    Workload,
+    active_replicas,
+    class_workload,
+    replicas_in,
+    tp_degrees,
+)
 from hexrl.plan.lengths import LengthDist, expected_max_wait, output_lengths
 from hexrl.plan.wave import Lengths, WaveSteps, bin_width, wave_steps
 from hexrl.schema import Job
@@ -238,10 +246,11 @@ class RolloutCost:
 
     def idle_wave_s(self, replicas) -> float:
         """Seconds an idle rollout needs to generate one step's B groups dealt out by share to
-        replicas (objects with gpu_type, tp, batch, share). Filtered groups (equal rewards) are
-        generated again once they are found, late in a wave (a group ends with its longest sample):
-        at eta = 0, where nothing else runs meanwhile, a wave for each round of them while a round
-        holds a whole group; with eta >= 1 one wave of them all (the gate lets the rounds overlap)."""
+        replicas (objects with gpu_type, tp, batch, share; one with a `count` stands for as many).
+        Filtered groups (equal rewards) are generated again once they are found, late in a wave (a
+        group ends with its longest sample): at eta = 0, where nothing else runs meanwhile, a wave
+        for each round of them while a round holds a whole group; with eta >= 1 one wave of them
+        all (the gate lets the rounds overlap)."""
         active = active_replicas(replicas)
         if self.w.eta != 0:
             return self._one_wave(active, self.w.gen_samples)
@@ -261,11 +270,12 @@ class RolloutCost:
         # an episode waits for its environment (turns - 1) times, holding no decode slot meanwhile:
         # decoding goes on, but the wave ends with the episode that waited longest
         wave = max(waves.values()) + self.env_wait_s(max(n))
-        if len(active) == 1:
+        m = sum(replicas_in(r) for r in active)
+        if m == 1:
             return wave
         # the slowest of m replicas, not the average one: E[max of m] ~ mean + sd sqrt(2 ln m)
         sd = max(self._wave_sd(*kind, samples, join_s, pause_s, waves[kind]) for kind in kinds)
-        return wave + sd * math.sqrt(2 * math.log(len(active)))
+        return wave + sd * math.sqrt(2 * math.log(m))
 
     def _wave_sd(self, gpu_type: str, tp: int, batch: int, n: float, n_all: float,
                  join_s: float | None, pause_s: float, wave: float) -> float:
@@ -311,7 +321,9 @@ class RolloutCost:
         if eta in (0, None) or not active:
             return at_least
         groups, per_group = w.samples / w.group, self._decoding_per_group
-        kinds = collections.Counter((r.gpu_type, r.tp, r.batch, r.share) for r in active)  # replicas repeat
+        kinds = collections.Counter()  # replicas repeat
+        for r in active:
+            kinds[r.gpu_type, r.tp, r.batch, r.share] += replicas_in(r)
 
         def gen_at(gen: float) -> float:  # generation time at the concurrency a step of gen + sync leaves
             running = groups * (eta + 0.5 - min(1.0, (train_s + sync_s) / (gen + sync_s)))

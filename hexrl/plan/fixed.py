@@ -230,4 +230,4 @@ def _rollout_plan(cm: CostModel, reps, p: list[str]) -> RolloutPlan | None:
     replicas = [RolloutReplica(k, tp, pt.batch, ranks[0] // cm.gpn, [r % cm.gpn for r in ranks],
                                pt.tokens_per_s, s, long)
                 for (k, tp, ranks, _, _, long), pt, s in zip(reps, pts, shares)]
-    return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))
+    return RolloutPlan.placed(cm, replicas, theta)

@@ -24,9 +24,12 @@ import numpy as np
 
 from hexrl.plan.candidate import Candidate, Evaluator, step_times
 from hexrl.plan.cost_sync import NCCL_EFFICIENCY
-from hexrl.plan.placement import train_per_node
+from hexrl.plan.placement import NodeIndex, train_per_node
 
 GRID_POINTS = 200_000  # splits scored per repartition (vectorised)
+# counts of one GPU type the grid holds at most: the sweep solves a rollout MILP for each count of a
+# type it estimates, and one type of 65,536 GPUs would otherwise offer 65,537 (docs/planner.md, the ceiling)
+TYPE_POINTS = 2_049
 ESTIMATES = 4_000  # splits the final sweep estimates at most (about 1.5 ms each)
 # The final sweep costs splits whose estimate is within MARGIN of the best step time: on the
 # clusters of tools/experiments/plan_quality.py the median estimate is the exact step time, most are within a
@@ -121,10 +124,12 @@ def bound_parts(ev: Evaluator, types: list[str], grid: np.ndarray) -> tuple[np.n
     return lb_t, lb_g, lb_s
 
 
-def split_grid(totals: list[int], limit: int = GRID_POINTS) -> np.ndarray:
-    """Training-count splits per type on a grid of at most ~limit points (step 1 when small)."""
+def split_grid(totals: list[int], limit: int = GRID_POINTS, per_type: int = TYPE_POINTS) -> np.ndarray:
+    """Training-count splits per type on a grid of at most ~limit points and ~per_type counts of
+    each type (step 1 when small)."""
     steps = [1] * len(totals)
-    while np.prod([t // s + 1 for t, s in zip(totals, steps)]) > limit:
+    while np.prod([t // s + 1 for t, s in zip(totals, steps)]) > limit or \
+            max(t // s + 1 for t, s in zip(totals, steps)) > per_type:
         i = int(np.argmax([t // s for t, s in zip(totals, steps)]))
         steps[i] *= 2
     axes = [list(range(0, t + 1, s)) + ([t] if t % s else []) for t, s in zip(totals, steps)]
@@ -190,7 +195,7 @@ def wide_search(ev: Evaluator, factor: int = 10) -> Candidate | None:
     splits and costing every one whose estimate is within 30% of the best (tools/bench/bench_planner.py --wide)."""
     best, log = two_phase(ev)
     types = ev.cm.cluster.types()
-    grid = split_grid([ev.cm.cluster.count(t) for t in types], factor * GRID_POINTS)
+    grid = split_grid([ev.cm.cluster.count(t) for t in types], factor * GRID_POINTS, factor * TYPE_POINTS)
     return _sweep(ev, types, grid, best, log, margin=0.3, budget=len(grid), estimates=factor * ESTIMATES)
 
 
@@ -245,7 +250,7 @@ def _raise(ev: Evaluator, types, grid, i: int, level: int, data, train_lb: float
         train = max(train_lb, ev.train_bound(nodes))
         if not np.isfinite(train):
             return None
-        free = {t: cm.cluster.count(t) - int(n) for t, n in zip(types, grid[i]) if cm.cluster.count(t) > n}
+        free = {t: int(left) for t, left in zip(types, _totals(cm, types) - grid[i]) if left > 0}
         if len(free) != 1:
             return cm.step_s(train, 0.0, sync_lb), i, 1, (nodes, train)
         # one type: no per-type plans are shared between splits, so bound its plan beside the exact
@@ -264,6 +269,13 @@ def _raise(ev: Evaluator, types, grid, i: int, level: int, data, train_lb: float
         # the heap keeps the split, not its plan: thousands of plans would hold every replica of each
         return step_times(cm, train, sync_lb, roll, joined=False)[2], i, 2, nodes
     return ev.estimate(data, ev.combined_rollout(data)), i, 3, data
+
+
+def _totals(cm, types) -> np.ndarray:
+    """GPUs of each type (ClusterSpec.count loops over every node: a sweep asks once per split)."""
+    ix = NodeIndex.of(cm.cluster)
+    per_type = np.bincount(ix.type_of, weights=ix.gpus, minlength=len(ix.types))
+    return np.array([per_type[ix.types.index(t)] for t in types])
 
 
 def makespan_bound(cm, gpu_type: str, n: int) -> float:

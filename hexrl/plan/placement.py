@@ -32,6 +32,8 @@ class NodeIndex:
     type_of: np.ndarray  # each node's type, an index into types
     gpus: np.ndarray  # each node's GPU count
     of_type: tuple[np.ndarray, ...]  # the nodes of each type, in order
+    slots: tuple[list[tuple[int, int]], ...]  # (node, local rank) of every GPU of each type, in order
+    first: tuple[np.ndarray, ...]  # where each node of a type starts in its slots
 
     @staticmethod
     def of(cluster: ClusterSpec) -> "NodeIndex":
@@ -40,8 +42,12 @@ class NodeIndex:
         if got is None or len(got.gpus) != len(cluster.nodes):
             types = tuple(dict.fromkeys(n.gpu_type for n in cluster.nodes))
             type_of = np.array([types.index(n.gpu_type) for n in cluster.nodes], dtype=np.int64)
-            got = NodeIndex(types, type_of, np.array([n.gpus for n in cluster.nodes], dtype=np.int64),
-                            tuple(np.flatnonzero(type_of == k) for k in range(len(types))))
+            gpus = np.array([n.gpus for n in cluster.nodes], dtype=np.int64)
+            of_type = tuple(np.flatnonzero(type_of == k) for k in range(len(types)))
+            got = NodeIndex(types, type_of, gpus, of_type,
+                            tuple([(i, j) for i in nodes.tolist() for j in range(cluster.nodes[i].gpus)]
+                                  for nodes in of_type),
+                            tuple(np.cumsum(gpus[nodes]) - gpus[nodes] for nodes in of_type))
             cluster.__dict__["_node_index"] = got
         return got
 
@@ -64,9 +70,15 @@ def counts_of(cluster: ClusterSpec, per_node: tuple[int, ...]) -> dict[str, int]
 
 
 def train_slots(cluster: ClusterSpec, per_node: tuple[int, ...], gpu_type: str) -> list[tuple[int, int]]:
-    """(node, local_rank) of every training GPU of one type, in packing order."""
-    return [(i, j) for i, n in enumerate(cluster.nodes) if n.gpu_type == gpu_type
-            for j in range(per_node[i])]
+    """(node, local_rank) of every training GPU of one type, in packing order: the first per_node[i]
+    of each node's slots (shared tuples: a training plan of 50,000 GPUs lists them all)."""
+    ix = NodeIndex.of(cluster)
+    if gpu_type not in ix.types:
+        return []
+    k = ix.types.index(gpu_type)
+    taken = np.asarray(per_node, dtype=np.int64)[ix.of_type[k]]
+    at = np.repeat(ix.first[k] - (np.cumsum(taken) - taken), taken) + np.arange(int(taken.sum()))
+    return list(map(ix.slots[k].__getitem__, at.tolist()))
 
 
 def free_classes(cluster: ClusterSpec, per_node: tuple[int, ...]) -> list[FreeClass]:

@@ -29,7 +29,10 @@ import ctypes
 import math
 import os
 import sys
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import cached_property
+from itertools import chain
 
 import highspy
 import numpy as np
@@ -51,14 +54,50 @@ class RolloutReplica:
     long_tail: bool = False  # serves the long-tail class (its share is of all prompts, like the others')
 
 
+@dataclass(slots=True)
+class ReplicaKind:
+    """`count` replicas that differ only in where they sit. A plan holds its replicas as runs of
+    kinds and places them when asked: a search costs thousands of plans it never writes."""
+
+    gpu_type: str
+    tp: int
+    batch: int
+    tokens_per_s: float
+    share: float  # each replica's
+    count: int
+    long_tail: bool = False  # serves the long-tail class
+
+
 @dataclass
 class RolloutPlan:
-    replicas: list[RolloutReplica]
+    kinds: list[ReplicaKind]  # the replicas in runs of one kind, in order
     theta_s: float  # makespan of one step's rollouts, KV recompute after the weight update included
     gen_s: float  # the throughput makespan (the gate's long tail is added in candidate.py)
     tokens_per_s: float  # generated tokens/s of all replicas
     wave_s: float = 0.0  # one step's groups generated from idle (CostModel.rollout_wave)
     reward_s: float = 0.0  # reward work of the busiest replica per step (overlaps its decoding)
+    nodes: tuple[int, ...] = ()  # the nodes its replicas sit on
+    slots: Callable[[], list[tuple[int, list[int]]]] = field(default=list, repr=False)  # (node, locals) of each
+
+    @cached_property
+    def replicas(self) -> list[RolloutReplica]:
+        """Every replica in order, placed (built on first use)."""
+        where = iter(self.slots())
+        return [RolloutReplica(k.gpu_type, k.tp, k.batch, *next(where), k.tokens_per_s, k.share, k.long_tail)
+                for k in self.kinds for _ in range(k.count)]
+
+    @property
+    def count(self) -> int:
+        """How many replicas."""
+        return sum(k.count for k in self.kinds)
+
+    @staticmethod
+    def placed(cm: CostModel, replicas: list[RolloutReplica], theta_s: float) -> "RolloutPlan":
+        """A plan of replicas already placed (a given layout), each its own kind."""
+        kinds = [ReplicaKind(r.gpu_type, r.tp, r.batch, r.tokens_per_s, r.share, 1, r.long_tail) for r in replicas]
+        slots = [(r.node, r.locals) for r in replicas]
+        return RolloutPlan(kinds, theta_s, theta_s, cm.w.gen_tokens / theta_s, *cm.rollout_wave(kinds),
+                           tuple(dict.fromkeys(r.node for r in replicas)), lambda: slots)
 
 
 def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float, long_tail: tuple[int, str] | None = None):
@@ -143,8 +182,7 @@ def _solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int, period:
         # the makespan this choice really has, its recompute priced at that makespan: when the
         # rounds run out with the choice still changing, the MILP's own tokens / U would price
         # recompute at another step length (it under-predicted a step by 27% so)
-        theta = makespan(cm, [cols[j][1] for j in used for _ in range(y[j])],
-                         [cols[j][2] for j in used for _ in range(y[j])])
+        theta = makespan(cm, [cols[j][1] for j in used], [y[j] for j in used], [cols[j][2] for j in used])
         if period is not None and abs(w.gen_tokens / sol[-1] - period) <= 1e-2 * period:
             break
         period = theta
@@ -249,64 +287,97 @@ def _highs(cost, lower, upper, rows, lo, hi, n_int, presolve: bool = True) -> hi
 
 
 def _assemble(cm: CostModel, classes, cols, y, sol, theta: float) -> RolloutPlan:
-    """Place the solved replica counts on nodes (largest TP first) and give each its share."""
+    """The solved replica counts as kinds (largest TP first in each class), each with its share;
+    placed on nodes when the plan's replicas are asked for (`_place`)."""
     n = len(cols)
     U = float(sol[-1])
     rate = np.asarray(sol[n:2 * n])
-    replicas = []
-    for ci, c in enumerate(classes):
-        free = {node: list(range(cm.cluster.nodes[node].gpus - c.free, cm.cluster.nodes[node].gpus))
-                for node in c.nodes}
-        mine = sorted((j for j in range(n) if cols[j][0] == ci and y[j] > 0), key=lambda j: -cols[j][1].tp)
-        at, tp = 0, None  # the first node that may have room: free GPUs only shrink, and TP only falls
-        for j in mine:
-            pt: DecodePoint = cols[j][1]
-            at = 0 if pt.tp != tp else at
-            tp = pt.tp
-            for _ in range(y[j]):
-                while len(free[c.nodes[at]]) < pt.tp:
-                    at += 1
-                node = c.nodes[at]
-                locs, free[node] = free[node][:pt.tp], free[node][pt.tp:]
-                share = max(0.0, rate[j]) / y[j] / U
-                replicas.append(RolloutReplica(pt.gpu_type, pt.tp, max(1, pt.batch), node, locs, pt.tokens_per_s,
-                                               share, cols[j][2]))  # an idle one (batch 0) keeps the knobs of batch 1
-    _prompt_shares(cm, replicas)
-    return RolloutPlan(replicas, theta, theta, U, *cm.rollout_wave(replicas))
+    kinds = []
+    for j in _order(classes, cols, y):
+        pt: DecodePoint = cols[j][1]
+        share = max(0.0, rate[j]) / y[j] / U
+        kinds.append(ReplicaKind(pt.gpu_type, pt.tp, max(1, pt.batch), pt.tokens_per_s,
+                                 share, int(y[j]), cols[j][2]))  # an idle one (batch 0) keeps the knobs of batch 1
+    _prompt_shares(cm, kinds)
+    nodes = tuple(chain.from_iterable(c.nodes for c in classes))
+    return RolloutPlan(kinds, theta, theta, U, *cm.rollout_wave(kinds), nodes,
+                       lambda: _place(cm, classes, cols, y))
 
 
-def _prompt_shares(cm: CostModel, replicas: list[RolloutReplica]) -> None:
-    """Token-rate shares -> shares of the step's groups, summing to 1 (replicas the gate leaves idle
-    keep share 0); with a long tail, each class's replicas share its groups by token rate."""
-    split = any(r.long_tail for r in replicas)
+def _prompt_shares(cm: CostModel, kinds: list[ReplicaKind]) -> None:
+    """Token-rate shares -> shares of the step's groups, summing to 1 over the replicas (replicas the
+    gate leaves idle keep share 0); with a long tail, each class's replicas share its groups by token rate."""
+    split = any(k.long_tail for k in kinds)
     for long in (False, True):
-        mine = [r for r in replicas if r.long_tail == long]
-        total = sum(r.share for r in mine)
-        for r in mine:
-            r.share /= total
+        mine = [k for k in kinds if k.long_tail == long]
+        total = repeated_sum([k.share for k in mine], [k.count for k in mine])
+        for k in mine:
+            k.share /= total
             if split:
-                r.share *= cm.tail.prompt_share(long)
+                k.share *= cm.tail.prompt_share(long)
 
 
-def makespan(cm: CostModel, points: list[DecodePoint], long: list[bool] | None = None) -> float:
-    """Seconds for replicas (one DecodePoint each) to generate a step's tokens when each loses its
-    KV recompute once per step: T = (tokens + sum h R) / sum h. long: which serve the long tail;
-    then each length class does so for its own tokens, and the slower class ends the step."""
+def _order(classes, cols, y) -> list[int]:
+    """The columns with replicas, class by class, largest TP first: the order they are placed in."""
+    return [j for ci in range(len(classes))
+            for j in sorted((j for j in range(len(cols)) if cols[j][0] == ci and y[j] > 0),
+                            key=lambda j: -cols[j][1].tp)]
+
+
+def _place(cm: CostModel, classes, cols, y) -> list[tuple[int, list[int]]]:
+    """(node, local ranks) of each replica in `_order`: a class's nodes filled one after another."""
+    out, ci, free, at, tp = [], None, {}, 0, None
+    for j in _order(classes, cols, y):
+        cj, pt = cols[j][0], cols[j][1]
+        c = classes[cj]
+        if cj != ci:
+            ci, at, tp = cj, 0, None
+            free = {node: list(range(cm.cluster.nodes[node].gpus - c.free, cm.cluster.nodes[node].gpus))
+                    for node in c.nodes}
+        at = 0 if pt.tp != tp else at  # the first node that may have room: free GPUs only shrink, TP only falls
+        tp = pt.tp
+        for _ in range(y[j]):
+            while len(free[c.nodes[at]]) < pt.tp:
+                at += 1
+            node = c.nodes[at]
+            locs, free[node] = free[node][:pt.tp], free[node][pt.tp:]
+            out.append((node, locs))
+    return out
+
+
+def repeated_sum(values, counts) -> float:
+    """sum() of each value repeated its count of times, in order: the same additions one after
+    another, bit for bit, without the list."""
+    added = np.add.accumulate(np.repeat(np.asarray(values, dtype=float), counts))
+    return float(added[-1]) if len(added) else 0.0
+
+
+def makespan(cm: CostModel, points: list[DecodePoint], counts: list[int] | None = None,
+             long: list[bool] | None = None) -> float:
+    """Seconds for replicas (one DecodePoint each, or `counts` of each) to generate a step's tokens
+    when each loses its KV recompute once per step: T = (tokens + sum h R) / sum h. long: which
+    serve the long tail; then each length class does so for its own tokens, and the slower class
+    ends the step."""
+    counts = [1] * len(points) if counts is None else counts
     if cm.tail is None or not long or not any(long):
-        h = sum(pt.tokens_per_s for pt in points)
-        return (cm.w.gen_tokens + sum(pt.tokens_per_s * pt.recompute_s for pt in points)) / h
+        return _class_makespan(cm.w.gen_tokens, points, counts)
     ends = []
     for kind in (False, True):
-        mine = [pt for pt, k in zip(points, long) if k == kind]
-        h = sum(pt.tokens_per_s for pt in mine)
+        mine = [(pt, n) for pt, n, k in zip(points, counts, long) if k == kind]
         tokens = cm.tail.of(kind).w.gen_tokens
-        ends.append((tokens + sum(pt.tokens_per_s * pt.recompute_s for pt in mine)) / h if h > 0 else math.inf)
+        ends.append(_class_makespan(tokens, [pt for pt, _ in mine], [n for _, n in mine]) if mine else math.inf)
     return max(ends)
 
 
+def _class_makespan(tokens: float, points: list[DecodePoint], counts: list[int]) -> float:
+    h = np.array([pt.tokens_per_s for pt in points])
+    rate = repeated_sum(h, counts)
+    return (tokens + repeated_sum(h * [pt.recompute_s for pt in points], counts)) / rate if rate > 0 else math.inf
+
+
 def decode_point(cm: CostModel, r, split: bool) -> DecodePoint:
-    """Replica r's operating point, priced for the lengths of the class it serves where the plan
-    splits them (split: some replica serves the long tail)."""
+    """Replica (or kind) r's operating point, priced for the lengths of the class it serves where the
+    plan splits them (split: some replica serves the long tail)."""
     cost = cm.tail.of(r.long_tail) if split else cm.rollout
     return cost.decode_point(r.gpu_type, r.tp, r.batch)
 
@@ -317,9 +388,11 @@ def combine(cm: CostModel, plans: list[RolloutPlan]) -> RolloutPlan:
     gate's cap on running sequences is not applied across the plans, so this estimates the joint
     MILP's plan; it is not one."""
     rate = sum(p.tokens_per_s for p in plans)
-    replicas = [RolloutReplica(r.gpu_type, r.tp, r.batch, r.node, r.locals, r.tokens_per_s,
-                               r.share * p.tokens_per_s / rate, r.long_tail)  # dataclasses.replace is 5x slower
-                for p in plans for r in p.replicas]
-    used, split = [r for r in replicas if r.share > 0], any(r.long_tail for r in replicas)
-    theta = makespan(cm, [decode_point(cm, r, split) for r in used], [r.long_tail for r in used])
-    return RolloutPlan(replicas, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(replicas))
+    kinds = [ReplicaKind(k.gpu_type, k.tp, k.batch, k.tokens_per_s, k.share * p.tokens_per_s / rate, k.count,
+                         k.long_tail) for p in plans for k in p.kinds]
+    busy, split = [k for k in kinds if k.share > 0], any(k.long_tail for k in kinds)
+    theta = makespan(cm, [decode_point(cm, k, split) for k in busy], [k.count for k in busy],
+                     [k.long_tail for k in busy])
+    return RolloutPlan(kinds, theta, theta, cm.w.gen_tokens / theta, *cm.rollout_wave(kinds),
+                       tuple(chain.from_iterable(p.nodes for p in plans)),
+                       lambda: [s for p in plans for s in p.slots()])

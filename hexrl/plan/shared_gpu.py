@@ -136,7 +136,7 @@ def colocated_candidate(cm: CostModel, gpu_type: str, layers: list[int] | None =
     train = _train_plan(cm, [(gpu_type, 1, [(0, 0)])], 1, layers, p)
     if cm.max_decode_batch(gpu_type, 1) < 1 or train is None:
         return None
-    roll = _rollout_plan(cm, [(gpu_type, 1, [0], 1.0, None)], p)
+    roll = _rollout_plan(cm, [(gpu_type, 1, [0], 1.0, None, False)], p)  # not a long-tail replica
     if roll is None:
         return None
     sync = shared_sync_s(cm)

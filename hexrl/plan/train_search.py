@@ -12,6 +12,7 @@ import heapq
 import math
 from dataclasses import dataclass
 from itertools import product
+from operator import itemgetter
 
 import numpy as np
 
@@ -79,7 +80,7 @@ def _divisors(n: int) -> list[int]:
 
 def _span(slots: list[tuple[int, int]]) -> tuple[int, int]:
     """(first node, nodes) of a stage's GPUs."""
-    nodes = {node for node, _ in slots}
+    nodes = set(map(itemgetter(0), slots))
     return min(nodes), len(nodes)
 
 

@@ -3,12 +3,13 @@ exhaustive search beside it where that is feasible.
 
     python tools/bench/bench_planner.py [--gpus 56,128,512,1024,2048,4096] [--types 2,3,4]
         [--cpu-limit 300] [--profile] [--wide] [--exhaustive-limit 5000] [--model r1-distill-qwen-7b]
+        [--node-gpus 8]
 
-Clusters: nodes of 8 GPUs dealt evenly to the first k of H800, H20, H100, A100-80G (the later
+Clusters: nodes of 8 GPUs (--node-gpus) dealt evenly to the first k of H800, H20, H100, A100-80G (the later
 types get the extra nodes: 56 GPUs of two types is the paper's 24 H800 + 32 H20; 512 of four is
 128 of each). Each cell plans in a fresh process (so one cell's caches do not help the next, and
-a cell over --cpu-limit CPU seconds is cut off and shown as such) and reports wall time and CPU time
-(time.process_time; HiGHS runs single-threaded), so on a shared machine the CPU time is the
+a cell over --cpu-limit CPU seconds is cut off and shown as such) and reports wall time, peak memory
+and CPU time (time.process_time; HiGHS runs single-threaded), so on a shared machine the CPU time is the
 fair measure: it is what the planner would take on a quiet 2-core machine. The load average is
 printed before and after. --profile prints, for each cell, where the CPU time goes (cProfile
 on process_time, the planner's own functions by cumulative time; profiling slows it ~2x).
@@ -38,12 +39,12 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TYPES = ["H800", "H20", "H100", "A100-80G"]
 
 
-def cluster_job(model: str, gpus: int, n_types: int) -> dict:
-    """The job of paper_7b_hetero.json on `gpus` GPUs (nodes of 8) of the first n_types of TYPES."""
+def cluster_job(model: str, gpus: int, n_types: int, node_gpus: int = 8) -> dict:
+    """The job of paper_7b_hetero.json on `gpus` GPUs (nodes of node_gpus) of the first n_types of TYPES."""
     base = json.loads((CONFIGS / "paper_7b_hetero.json").read_text())
-    nodes_total = gpus // 8
+    nodes_total = gpus // node_gpus
     per_type = [nodes_total // n_types + (i >= n_types - nodes_total % n_types) for i in range(n_types)]
-    nodes = [{"name": f"{t.lower()}-{i}", "gpu_type": t, "gpus": 8}
+    nodes = [{"name": f"{t.lower()}-{i}", "gpu_type": t, "gpus": node_gpus}
              for t, n in zip(TYPES, per_type) for i in range(n)]
     base.update(model={"preset": model}, cluster={"nodes": nodes, "inter_node_GBps": 5.0, "cross_type_GBps": 1.5},
                 prices={})
@@ -55,9 +56,10 @@ def counts(cm: CostModel, cand) -> str:
     return " + ".join(f"{n} {t}" for t, n in c.items())
 
 
-def run_cell(model: str, gpus: int, n_types: int, profile: bool, wide: bool, exhaustive_limit: int) -> dict:
+def run_cell(model: str, gpus: int, n_types: int, profile: bool, wide: bool, exhaustive_limit: int,
+             node_gpus: int = 8) -> dict:
     """Plan one cluster in this process; timings, the plan, and optionally the profile and yardsticks."""
-    cm = CostModel(load_job(cluster_job(model, gpus, n_types), check_paths=False), use_profiles=False)
+    cm = CostModel(load_job(cluster_job(model, gpus, n_types, node_gpus), check_paths=False), use_profiles=False)
     ev = Evaluator(cm)
     prof = cProfile.Profile(time.process_time) if profile else None
     w0, c0 = time.perf_counter(), time.process_time()
@@ -68,7 +70,8 @@ def run_cell(model: str, gpus: int, n_types: int, profile: bool, wide: bool, exh
         prof.disable()
     out = {"gpus": gpus, "types": n_types, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
            "step_s": best.step_s if best else None, "split": counts(cm, best) if best else None,
-           "evaluations": log.evaluations, "splits": n_splits(ev)}
+           "evaluations": log.evaluations, "splits": n_splits(ev),
+           "max_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6}  # Linux: kB
     if prof:
         out["profile"] = profile_lines(prof, out["cpu_s"])
     if wide:
@@ -115,20 +118,21 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true", help="print where each cell's time goes (cProfile)")
     ap.add_argument("--wide", action="store_true", help="also run the slower, wider search as a yardstick")
     ap.add_argument("--exhaustive-limit", type=int, default=5000, help="largest split count to enumerate")
+    ap.add_argument("--node-gpus", type=int, default=8, help="GPUs a node")
     ap.add_argument("--json", type=Path, help="also write the rows as JSON")
     ap.add_argument("--cell", help=argparse.SUPPRESS)  # GPUS,TYPES: plan one cell, print its row as JSON
     args = ap.parse_args(argv)
     if args.cell:
         g, k = (int(x) for x in args.cell.split(","))
-        print(json.dumps(run_cell(args.model, g, k, args.profile, args.wide, args.exhaustive_limit)))
+        print(json.dumps(run_cell(args.model, g, k, args.profile, args.wide, args.exhaustive_limit, args.node_gpus)))
         return 0
     print(f"before: {load()}", flush=True)
     rows = []
     for g in (int(x) for x in args.gpus.split(",")):
         for k in (int(x) for x in args.types.split(",")):
-            cmd = [sys.executable, __file__, "--cell", f"{g},{k}", "--model", args.model,
-                   "--exhaustive-limit", str(args.exhaustive_limit)] + ["--profile"] * args.profile + \
-                ["--wide"] * args.wide
+            cmd = [sys.executable, __file__, "--cell", f"{g},{k}", "--model", args.model, "--node-gpus",
+                   str(args.node_gpus), "--exhaustive-limit", str(args.exhaustive_limit)] + \
+                ["--profile"] * args.profile + ["--wide"] * args.wide
             res = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cpu_limit(args.cpu_limit))
             if res.returncode == 0:
                 row = json.loads(res.stdout.strip().splitlines()[-1])
@@ -150,8 +154,8 @@ def format_row(r: dict) -> str:
         return f"{head}  not done in {r['cpu_limit_s']} s of CPU time"
     if "error" in r:
         return f"{head}  error: {r['error']}"
-    s = (f"{head}  cpu {r['cpu_s']:7.2f} s  wall {r['wall_s']:7.2f} s  step {r['step_s']:8.2f} s "
-         f"[{r['split']} train]  {r['evaluations']} splits costed of {r['splits']:,}")
+    s = (f"{head}  cpu {r['cpu_s']:7.2f} s  wall {r['wall_s']:7.2f} s  {r['max_rss_gb']:.2f} GB  "
+         f"step {r['step_s']:8.2f} s [{r['split']} train]  {r['evaluations']} splits costed of {r['splits']:,}")
     for name in ("wide", "exhaustive"):
         if name in r:
             y = r[name]
