@@ -48,8 +48,8 @@ class Measured:
     rollout_tokens_per_s: float  # tokens generated per second, all replicas together
     wait_share: float  # share of a step the trainer waited for its batch
     output_len_mean: float  # mean generated tokens per sample
-    step_s: float = 0.0  # a step's seconds, start to end
-    last_step: int = 0  # the newest step measured: the run has rl.steps less it left
+    step_s: float  # a step's seconds, start to end
+    last_step: int  # the newest step measured: the run has rl.steps less it left
     # the median, 90th percentile and longest generated tokens per sample; None where the rows lack them
     output_len_p50: float | None = None
     output_len_p90: float | None = None
