@@ -90,6 +90,62 @@ def test_decode_speed_is_fitted_only_when_generation_is_the_bottleneck(short_pla
     assert (cal.decode, cal.generation_bound) == (1.0, False)  # what training consumes is no speed
 
 
+def test_each_gpu_types_decode_speed_is_fitted_from_its_replicas(short_plan):
+    """H20 replicas generate at half the rate the plan predicted for them, H800 replicas as predicted:
+    H20 decodes at 0.5, H800 at 1, and the new plan gives the H20s a smaller part of the groups."""
+    cm = CostModel(replan.drifted_job(short_plan.job, 2500))
+    predicted = cm.w.gen_tokens / plan_candidate(cm, short_plan).C_I  # tokens/s, all replicas together
+    total = sum(r.share for r in short_plan.replicas)
+    rates = {str(r.id): predicted * r.share / total * (0.5 if r.gpu_type == "H20" else 1.0)
+             for r in short_plan.replicas}
+    rows = [{**r, "replica_tokens_per_s": rates, "rollout_tokens_per_s": sum(rates.values()),
+             "wait_s": 0.3 * r["step_s"]} for r in rows_at(short_plan, 2500)]
+    row, new = replan.decide(short_plan, rows, now_s=10_000)
+    cal = row["calibration"]
+    assert cal["decode_by_type"] == {"H20": pytest.approx(0.5), "H800": pytest.approx(1.0)}
+    assert 0.5 < cal["decode"] < 1.0  # all replicas together: what a type no replica measured gets
+    h20_part = lambda plan: sum(r.share for r in plan.replicas if r.gpu_type == "H20") / sum(  # noqa: E731
+        r.share for r in plan.replicas)
+    assert row["taken"], row["why"]
+    assert h20_part(new) < 0.75 * h20_part(short_plan)
+    assert row["new_split"]["rollout"]["H800"] > row["running_split"]["rollout"]["H800"]  # H800s take it on
+
+
+def test_the_measured_length_distribution_shapes_the_job(short_plan):
+    """Rows that give the median, 90th percentile and longest output calibrate the job to lengths with
+    those quantiles and the measured mean; rows with the mean alone keep the long tail of that mean."""
+    quantiles = {"output_len_mean": 3000.0, "output_len_p50": 2400, "output_len_p90": 5600, "output_len_max": 8000}
+    rows = [{**r, **quantiles} for r in rows_at(short_plan, 3000)]
+    job, _ = replan.calibrate(short_plan, replan.measure(rows, short_plan.job))
+    lengths = sorted(job.workload.output_len["samples"])
+    assert sum(lengths) / len(lengths) == pytest.approx(3000)
+    assert lengths[49] <= 2400 <= lengths[50] and lengths[89] <= 5600 <= lengths[90] and lengths[-1] <= 8000
+    flat = [{**r, "output_len_mean": 3000.0, "output_len_p50": 3000, "output_len_p90": 3000, "output_len_max": 3000}
+            for r in rows]
+    job_flat, _ = replan.calibrate(short_plan, replan.measure(flat, short_plan.job))
+    assert set(job_flat.workload.output_len["samples"]) == {3000}
+    # every sample as long as the mean: no straggler to wait for, so a step generates sooner than a long tail's
+    mean_only = [{**r, "output_len_mean": 3000.0} for r in rows_at(short_plan, 3000)]
+    tail_job, _ = replan.calibrate(short_plan, replan.measure(mean_only, short_plan.job))
+    assert tail_job.workload.output_len == {"mean": 3000.0, "max": 8192.0}
+    gen_s = lambda job: plan_candidate(CostModel(job), short_plan).C_I  # noqa: E731
+    assert gen_s(job_flat) < gen_s(tail_job)
+    load_job(job.to_dict(), check_paths=False)  # a recorded plan's job loads again
+
+
+def test_a_switch_that_cannot_pay_back_before_the_run_ends_is_not_taken(short_plan):
+    early = replan.decide(short_plan, rows_at(short_plan, 5000), now_s=10_000)[0]
+    assert early["taken"] and early["payback_s"] == short_plan.job.replan.horizon_s
+    steps = short_plan.job.rl.steps  # 200: the rows of steps 194-198 leave 2 steps, about 2,100 s
+    late_rows = [{**r, "step": steps - 7 + r["step"]} for r in rows_at(short_plan, 5000)]
+    late = replan.decide(short_plan, late_rows, now_s=10_000)[0]
+    step_s = late_rows[0]["step_s"]
+    assert late["run_left_s"] == pytest.approx(2 * step_s, abs=0.01) and late["payback_s"] == late["run_left_s"]
+    assert late["predicted_gain"] == pytest.approx(early["predicted_gain"])  # the same plans, less time to pay
+    assert not late["taken"] and late["amortised_gain"] < 0.1 < early["amortised_gain"]
+    assert f"over the {2 * step_s:.0f} s the run has left, short of replan.horizon_s 36000 s" in late["why"]
+
+
 def test_no_measurements_no_switch(short_plan):
     row, new = replan.decide(short_plan, [{"step": 1, "reward_mean": 0.5}], now_s=10)
     assert (row["taken"], row["why"], new) == (False, "no step measured yet", None)

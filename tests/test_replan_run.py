@@ -191,21 +191,35 @@ def counters(tokens: dict) -> dict:
             "rejected_reasons": {}, "completion_tokens": sum(tokens.values()), "replica_tokens": tokens}
 
 
+STEP_OUT = ("loss", "clip_frac", "capped_frac", "mean_w", "w_std", "w_p05", "w_p50", "w_p95", "tokens",
+            "logprob_mismatch_mean", "logprob_mismatch_p99", "logprob_mismatch_tokens", "grad_norm", "kl", "entropy")
+
+
+def step_parts(tmp_path: Path, batch: list, counters_fn) -> tuple:
+    """(ctx, trainer, controller) for `run_step` without a model: the trainer's step only counts versions
+    (`trainer.trained`: the versions it made), the controller hands out `batch` and reads `counters_fn`."""
+    controller = NS(counters=counters_fn, next_batch=lambda: [NS(group_id=0, trajectories=batch)],
+                    choose_eta=lambda *a: 1, publish_version=lambda v: None, wait_delivered=lambda v: None)
+    trainer = NS(version=0, grid=NS(trainer_group=None), trained=[])
+    out = {**{k: 0.0 for k in STEP_OUT}, "token_staleness_hist": {}}
+
+    def step(share):
+        trainer.version += 1
+        trainer.trained.append(trainer.version)
+        return out
+
+    trainer.step = step
+    ctx = NS(plan=NS(job=NS(rl=NS(steps=10, checkpoint_every=0))), run_dir=tmp_path, device="cpu")
+    return ctx, trainer, controller
+
+
 def test_a_step_row_holds_each_replicas_rate_and_the_output_lengths(monkeypatch, tmp_path):
     monkeypatch.setattr(worker, "share_batch", lambda batch, *a: batch)
     monkeypatch.setattr(worker, "sync_weights", lambda *a: 0.0)
     batch = [Trajectory(0, [1], [2] * n, [-1.0] * n, [0] * n, reward=1.0) for n in (2, 4, 6, 20)]
-    controller = NS(counters=Counters(counters({0: 5, 1: 0}), counters({0: 25, 1: 12})),
-                    next_batch=lambda: [NS(group_id=0, trajectories=batch)], choose_eta=lambda *a: 1,
-                    publish_version=lambda v: None, wait_delivered=lambda v: None)
-    trainer = NS(version=0, grid=NS(trainer_group=None))
-    out = {k: 0.0 for k in ("loss", "clip_frac", "capped_frac", "mean_w", "w_std", "w_p05", "w_p50", "w_p95",
-                            "tokens", "logprob_mismatch_mean", "logprob_mismatch_p99", "logprob_mismatch_tokens",
-                            "grad_norm", "kl", "entropy")}
-    out["token_staleness_hist"] = {}
-    trainer.step = lambda share: setattr(trainer, "version", 1) or out
+    ctx, trainer, controller = step_parts(tmp_path, batch, Counters(counters({0: 5, 1: 0}),
+                                                                     counters({0: 25, 1: 12})))
     rows = []
-    ctx = NS(plan=NS(job=NS(rl=NS(steps=10, checkpoint_every=0))), run_dir=tmp_path, device="cpu")
     metrics_writer = NS(log=rows.append, log_lengths=lambda *a: None)
     evaluator = NS(seconds=0.0, wall=lambda: 0.0, maybe=lambda t, step: None)
     assert worker.run_step(ctx, trainer, controller, metrics_writer, evaluator, 0, torch.float32) is None
@@ -215,6 +229,57 @@ def test_a_step_row_holds_each_replicas_rate_and_the_output_lengths(monkeypatch,
     assert sum(rates.values()) == pytest.approx(row["rollout_tokens_per_s"])
     assert (row["output_len_mean"], row["output_len_p50"], row["output_len_p90"], row["output_len_max"]) == (
         8.0, 4, 20, 20)
+
+
+def test_a_decision_that_ends_during_an_evaluation_switches_at_the_boundary_after_it(
+        short_plan, run, monkeypatch):
+    """A decision to switch whose process ends while the held-out evaluation of step 4 runs: step 4 is
+    trained, evaluated and written once, and the switch comes at the boundary after it, before step 5
+    trains. The first step in the new plan, which evaluates for 30 s, leaves those 30 s out of what the
+    switch cost."""
+    monkeypatch.setattr(worker, "share_batch", lambda batch, *a: batch)  # a Stop too: every rank gets it
+    monkeypatch.setattr(worker, "sync_weights", lambda *a: 0.0)
+    batch = [Trajectory(0, [1], [2] * 8, [-1.0] * 8, [0] * 8, reward=1.0)]
+    ctx, trainer, controller = step_parts(run, batch, lambda: counters({0: 8}))
+    decisions = []
+
+    def start(cmd):  # the decision's process ends when the evaluation says
+        d = NS(ended=False, cancel=lambda: None, result=lambda: InProcess(cmd).result())
+        d.done = lambda: d.ended
+        decisions.append(d)
+        return d
+
+    evaluated = []
+
+    def evaluate(trainer, step):
+        evaluated.append(step)
+        for d in decisions:
+            d.ended = True
+        evaluator.seconds += 30.0
+        return 0.5
+
+    evaluator = NS(seconds=0.0, wall=lambda: 0.0, maybe=evaluate)
+    rows = []
+    metrics_writer = NS(log=rows.append, log_lengths=lambda *a: None)
+    clock = Clock()
+    r = replanning.Replanner(short_plan, run, MetricsWriter(run, console=None, tensorboard=False), 1, since_step=3,
+                             clock=clock, now=clock.unix, start=start)
+    clock.t = 100
+    args = (ctx, trainer, controller, metrics_writer, evaluator)
+    assert worker.run_step(*args, 3, torch.float32, None, r) is None  # the decision starts, step 4 trains
+    assert len(decisions) == 1 and decisions[0].ended  # it ended during step 4's evaluation
+    assert read_events(run / "metrics.jsonl", "replan") == []  # and waits for the boundary
+    stop = worker.run_step(*args, 4, torch.float32, None, r)
+    assert stop is not None and stop.reason.startswith("drift: at step 4")
+    (e,) = read_events(run / "metrics.jsonl", "replan")
+    assert (e["step"], e["taken"]) == (4, True)
+    assert trainer.trained == [1] and evaluated == [4] and [row["step"] for row in rows] == [4]  # each once
+    # the restarted attempt's first step ends 100 s after the ranks left the old plan, 30 s of it evaluating
+    clock.t = 200
+    restarted = replanning.Replanner(short_plan, run, MetricsWriter(run, console=None, tensorboard=False), 1,
+                                     since_step=4, switches=r.switches, clock=clock, now=clock.unix, start=start)
+    restarted.at_boundary(5, untimed_s=30.0)
+    assert restarted.switches.switch_s == 70.0
 
 
 # ------------------------------------------------------------------ a CPU job that switches plans

@@ -198,12 +198,13 @@ def replan_report(row: dict) -> str:
     return "\n".join([
         f"measured : {m['rows']} steps: train {m['train_s']:.2f} s/step, rollout {m['rollout_tokens_per_s']:.0f} "
         f"generated tokens/s, trainer waits {m['wait_share']:.0%}, mean output {m['output_len_mean']:.0f} tokens",
-        f"fitted   : train x{c['train']:.3f}, decode x{c['decode']:.3f} against the cost model"
+        f"fitted   : train x{c['train']:.3f}, decode x{c['decode']:.3f}"
+        + "".join(f", {t} x{f:.3f}" for t, f in c.get("decode_by_type", {}).items()) + " against the cost model"
         + ("" if c["generation_bound"] else " (decode not measured: training is the bottleneck)"),
         f"running  : {split(row['running_split'])}: {row['running_tokens_per_s']:.0f} tokens/s predicted",
         f"new plan : {split(row['new_split'])}: {row['new_tokens_per_s']:.0f} tokens/s predicted",
         f"gain     : {row['predicted_gain']:+.1%}; {row['amortised_gain']:+.1%} after a {row['switch_s']:g} s switch "
-        f"over {row['horizon_s']:g} s (replan.min_gain {row['min_gain']:.0%})",
+        f"over {row.get('payback_s', row['horizon_s']):g} s (replan.min_gain {row['min_gain']:.0%})",
         f"decision : {'switch' if row['taken'] else 'no switch'} ({row['why']})",
     ])
 

@@ -2,6 +2,7 @@
 
 The job's `workload.output_len` (checked by hexrl.schema) is one of {samples: [...]},
 {histogram: {edges, counts}} or {mean, max}; `output_lengths` turns it into a LengthDist.
+`quantile_samples` gives samples for a distribution a run measured by its mean and quantiles.
 """
 
 import math
@@ -74,6 +75,24 @@ def long_tail(mean: float, maximum: float, buckets: int = 64) -> LengthDist:
         m = sum(a * b for a, b in zip(mids, dist(mid)))
         lo, hi = (mid, hi) if m > mean else (lo, mid)
     return LengthDist(mids, dist((lo + hi) / 2))
+
+
+def quantile_samples(mean: float, p50: float, p90: float, top: float, n: int = 100) -> list[float]:
+    """`n` lengths at evenly spaced probabilities of a measured distribution known by its mean, median,
+    90th percentile and longest: the quantile function runs straight from the shortest to the median,
+    the 90th percentile and the longest. The shortest (unmeasured, in [1, median]) makes the mean the
+    measured one; where none can, the lengths are scaled to it (capped at the longest)."""
+    # the mean of that quantile function: 0.25 (lo + p50) + 0.2 (p50 + p90) + 0.05 (p90 + top)
+    lo = min(max(1.0, 4 * (mean - 0.2 * (p50 + p90) - 0.05 * (p90 + top)) - p50), p50)
+    knots = [(0.0, lo), (0.5, p50), (0.9, p90), (1.0, top)]
+
+    def at(u: float) -> float:
+        (u0, x0), (u1, x1) = next((a, b) for a, b in zip(knots, knots[1:]) if u <= b[0])
+        return x0 + (x1 - x0) * (u - u0) / (u1 - u0)
+
+    out = [at((i + 0.5) / n) for i in range(n)]  # n a multiple of 10: exact means on each straight piece
+    scale = mean / (sum(out) / n)
+    return [round(min(top, max(1.0, x * scale)), 2) for x in out]
 
 
 def output_lengths(spec: dict) -> LengthDist:

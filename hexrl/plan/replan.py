@@ -3,28 +3,32 @@
 What a run measures (its metrics.jsonl rows) is set against what the running plan assumed:
 
 1. `measure`: the last rows' medians: the trainer's seconds per step and tokens per step, the
-   rollout's generated tokens/s, the trainer's wait, and the mean output length (a row's
-   `output_len_mean` where the run records it, else its trained tokens per sample less the prompt).
-2. `calibrate`: the job with the measured output length, and one speed factor per role, the way a
+   step's seconds, the rollout's generated tokens/s (all replicas, and each replica's), the trainer's
+   wait, and the output lengths (a row's `output_len_mean` and its median, 90th percentile and
+   longest where the run records them, else its trained tokens per sample less the prompt).
+2. `calibrate`: the job with the measured output lengths (`drifted_job`), and speed factors the way a
    kernel profile calibrates the catalogue (hexrl/gpus.py `scaled_entry`): training by the
    predicted over the measured training time; decode by the measured over the predicted generation
-   rate, which the run shows only when generation is the bottleneck (the trainer waits). When the
-   trainer is the bottleneck the rollout generates only what training consumes, which says nothing
-   of its speed: decode stays as the model has it.
+   rate, one factor per rollout GPU type from its replicas' rates (the one factor of all replicas
+   together for a type none of them measured). The run shows its decode speed only when generation
+   is the bottleneck (the trainer waits). When the trainer is the bottleneck the rollout generates
+   only what training consumes, which says nothing of its speed: decode stays as the model has it.
 3. `decide`: the planner reruns on the calibrated cost model and the running plan is priced on the
    same model. The switch is taken when the new plan's tokens/s, after `switch_s` seconds without
-   progress spread over `horizon_s`, beats the running plan's by more than `min_gain`, and no switch
-   was taken within the horizon (hysteresis). Every decision, taken or not, is one dict for
-   metrics.jsonl.
+   progress spread over the payback time, beats the running plan's by more than `min_gain`, and no
+   switch was taken within `horizon_s` (hysteresis). The payback time is `horizon_s`, or the time the
+   run has left (its remaining steps at the measured step time) where that is shorter. Every
+   decision, taken or not, is one dict for metrics.jsonl.
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from hexrl.gpus import scaled_entry
 from hexrl.plan.cost import CostModel
+from hexrl.plan.lengths import quantile_samples
 from hexrl.plan.planner import feasibility_problems, materialize, plan_candidate, search
 from hexrl.schema import ConfigError, Job, Plan
 from hexrl.schema.replan_spec import ReplanSpec
@@ -44,15 +48,32 @@ class Measured:
     rollout_tokens_per_s: float  # tokens generated per second, all replicas together
     wait_share: float  # share of a step the trainer waited for its batch
     output_len_mean: float  # mean generated tokens per sample
+    step_s: float  # a step's seconds, start to end
+    last_step: int  # the newest step measured: the run has rl.steps less it left
+    # the median, 90th percentile and longest generated tokens per sample; None where the rows lack them
+    output_len_p50: float | None = None
+    output_len_p90: float | None = None
+    output_len_max: float | None = None
+    replica_tokens_per_s: dict = field(default_factory=dict)  # {replica id (a string): tokens/s}
+
+    @property
+    def quantiles(self) -> tuple[float, float, float] | None:
+        """(median, 90th percentile, longest) output length, or None where the rows do not give all three."""
+        q = (self.output_len_p50, self.output_len_p90, self.output_len_max)
+        return None if None in q else q
 
 
 @dataclass(frozen=True)
 class Calibration:
     """Speed factors against the cost model (1: as predicted; 2: twice as fast)."""
 
-    decode: float
+    decode: float  # all rollout replicas together; the factor of every GPU type not in decode_by_type
     train: float
     generation_bound: bool  # the trainer waited: the decode factor is measured (else 1)
+    decode_by_type: dict = field(default_factory=dict)  # {GPU type: decode factor} from its replicas' rates
+
+    def decode_of(self, gpu_type: str) -> float:
+        return self.decode_by_type.get(gpu_type, self.decode)
 
 
 def measure(records: list[dict], job: Job, window: int = WINDOW) -> Measured | None:
@@ -74,34 +95,78 @@ def measure(records: list[dict], job: Job, window: int = WINDOW) -> Measured | N
         tokens_trained=med(r["tokens_trained"] for r in rows),
         rollout_tokens_per_s=med(r["rollout_tokens_per_s"] for r in rows),
         wait_share=med(r["wait_s"] / r["step_s"] for r in rows),
-        output_len_mean=max(1.0, med(out_len(r) for r in rows)))
+        output_len_mean=max(1.0, med(out_len(r) for r in rows)),
+        step_s=med(r["step_s"] for r in rows), last_step=int(rows[-1].get("step", 0)),
+        output_len_p50=median_of(rows, "output_len_p50"), output_len_p90=median_of(rows, "output_len_p90"),
+        output_len_max=median_of(rows, "output_len_max"), replica_tokens_per_s=replica_medians(rows))
 
 
-def drifted_job(job: Job, mean_out: float) -> Job:
-    """The job with its output lengths replaced by a long tail of the measured mean."""
+def median_of(rows: list[dict], key: str) -> float | None:
+    """The median of the rows' numbers under `key`; None where no row has one."""
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return statistics.median(values) if values else None
+
+
+def replica_medians(rows: list[dict]) -> dict[str, float]:
+    """{replica id: median tokens/s} over the rows' `replica_tokens_per_s`, each over the rows that name it."""
+    rates: dict[str, list[float]] = {}
+    for r in rows:
+        for rid, v in (r.get("replica_tokens_per_s") or {}).items():
+            if isinstance(v, (int, float)):
+                rates.setdefault(str(rid), []).append(v)
+    return {rid: statistics.median(v) for rid, v in sorted(rates.items())}
+
+
+def drifted_job(job: Job, mean_out: float, quantiles: tuple[float, float, float] | None = None) -> Job:
+    """The job with its output lengths replaced by the measured ones: lengths that match the measured
+    mean and `quantiles` (median, 90th percentile, longest) where given, else a long tail of the mean."""
     longest = float(job.rl.max_new_tokens * (job.env.max_turns if job.env else 1))
-    mean = min(mean_out, 0.95 * longest)  # a long tail needs room above its mean
-    return replace(job, workload=replace(job.workload, output_len={"mean": round(mean, 2), "max": longest}))
+    if quantiles is not None:
+        p50, p90, top = (min(max(1.0, q), longest) for q in quantiles)
+        spec = {"samples": quantile_samples(min(mean_out, top), p50, p90, top)}
+    else:
+        spec = {"mean": round(min(mean_out, 0.95 * longest), 2), "max": longest}  # a tail needs room above its mean
+    return replace(job, workload=replace(job.workload, output_len=spec))
 
 
 def calibrated_model(job: Job, cal: Calibration, use_profiles: bool = True) -> CostModel:
     """The cost model of `job` with every GPU type sped up by the calibration's factors."""
     cm = CostModel(job, use_profiles)
-    for t, g in list(cm.gpus.items()):
-        cm.gpus[t] = scaled_entry(g, decode=cal.decode, train=cal.train)  # before any prediction is cached
+    for t, g in list(cm.gpus.items()):  # before any prediction is cached
+        cm.gpus[t] = scaled_entry(g, decode=cal.decode_of(t), train=cal.train)
     return cm
 
 
 def calibrate(plan: Plan, m: Measured, use_profiles: bool = True) -> tuple[Job, Calibration]:
     """The job with the measured lengths, and the speed factors that make the running plan's
     predictions match the measurements on it."""
-    job = drifted_job(plan.job, m.output_len_mean)
+    job = drifted_job(plan.job, m.output_len_mean, m.quantiles)
     cm = CostModel(job, use_profiles)
     cand = plan_candidate(cm, plan)
     train = cand.C_T * m.tokens_trained / cm.w.tokens / m.train_s
-    ratio = m.rollout_tokens_per_s / (cm.w.gen_tokens / cand.C_I)
+    predicted = cm.w.gen_tokens / cand.C_I  # generated tokens/s, all replicas together
     bound = m.wait_share >= GEN_BOUND_WAIT
-    return job, Calibration(decode=ratio if bound else 1.0, train=train, generation_bound=bound)
+    if not bound:
+        return job, Calibration(decode=1.0, train=train, generation_bound=False)
+    by_type = decode_by_type(plan, m.replica_tokens_per_s, predicted)
+    return job, Calibration(decode=float(m.rollout_tokens_per_s / predicted), train=train, generation_bound=True,
+                            decode_by_type=by_type)
+
+
+def decode_by_type(plan: Plan, rates: dict[str, float], predicted: float) -> dict[str, float]:
+    """{GPU type: its replicas' measured tokens/s over their part of the `predicted` rate}, a replica's
+    part being its share of the groups; a type none of whose replicas measured is left out. Empty for a
+    plan with a long-tail class, whose replicas' shares are of their class's groups, not of the tokens."""
+    if any(r.long_tail for r in plan.replicas):
+        return {}
+    total = sum(r.share for r in plan.replicas)
+    measured: dict[str, float] = {}
+    expected: dict[str, float] = {}
+    for r in plan.replicas:
+        if str(r.id) in rates:
+            measured[r.gpu_type] = measured.get(r.gpu_type, 0.0) + rates[str(r.id)]
+            expected[r.gpu_type] = expected.get(r.gpu_type, 0.0) + r.share / total * predicted
+    return {t: float(measured[t] / expected[t]) for t in sorted(measured) if expected[t] > 0}
 
 
 def split_of(plan: Plan) -> dict:
@@ -117,8 +182,9 @@ def layout_of(plan: Plan) -> tuple:
     return tuple((r.role, r.dp, r.pp, r.tp, r.replica) for r in plan.ranks)
 
 
-def replanned(plan: Plan, records: list[dict], use_profiles: bool = True) -> tuple[Plan, float, dict] | None:
-    """(new plan, running plan's tokens/s, what was measured and fitted) on the calibrated cost
+def replanned(plan: Plan, records: list[dict], use_profiles: bool = True
+              ) -> tuple[Plan, float, Measured, Calibration] | None:
+    """(new plan, running plan's tokens/s, what was measured, what was fitted) on the calibrated cost
     model; None when the records measure nothing yet."""
     m = measure(records, plan.job)
     if m is None:
@@ -131,13 +197,18 @@ def replanned(plan: Plan, records: list[dict], use_profiles: bool = True) -> tup
     if problems:
         raise ConfigError(problems, "infeasible job")
     cand, info = search(cm)
-    return materialize(cm, cand, info), running_tps, {"measured": asdict(m), "calibration": asdict(cal)}
+    return materialize(cm, cand, info), running_tps, m, cal
 
 
-def worth_switching(new_tps: float, old_tps: float, spec: ReplanSpec, switch_s: float) -> float:
-    """The gain over the horizon after paying the switch: new tokens in (horizon - switch) over
-    old tokens in the horizon, less 1."""
-    return new_tps * max(0.0, spec.horizon_s - switch_s) / (old_tps * spec.horizon_s) - 1
+def worth_switching(new_tps: float, old_tps: float, payback_s: float, switch_s: float) -> float:
+    """The gain over `payback_s` seconds after paying the switch: new tokens in (payback - switch) over
+    old tokens in the payback time, less 1 (-1 when the switch takes all of it)."""
+    return new_tps * max(0.0, payback_s - switch_s) / (old_tps * payback_s) - 1 if payback_s > 0 else -1.0
+
+
+def run_left_s(job: Job, m: Measured) -> float:
+    """Seconds the run has left: its steps after the newest measured one, at the measured step time."""
+    return max(0, job.rl.steps - m.last_step) * m.step_s
 
 
 def decide(plan: Plan, records: list[dict], now_s: float, last_switch_s: float | None = None,
@@ -154,11 +225,13 @@ def decide(plan: Plan, records: list[dict], now_s: float, last_switch_s: float |
     found = replanned(plan, records, use_profiles)
     if found is None:
         return {**row, "taken": False, "why": "no step measured yet"}, None
-    new, old_tps, fit = found
-    new_tps = new.predicted["tokens_per_s"]
-    gain, net = new_tps / old_tps - 1, worth_switching(new_tps, old_tps, spec, switch_s)
-    row.update(fit, running_tokens_per_s=round(old_tps, 2), new_tokens_per_s=round(new_tps, 2),
-               predicted_gain=round(gain, 4), amortised_gain=round(net, 4), new_split=split_of(new))
+    new, old_tps, m, cal = found
+    new_tps, left_s = new.predicted["tokens_per_s"], run_left_s(plan.job, m)
+    payback_s = min(spec.horizon_s, left_s)
+    gain, net = new_tps / old_tps - 1, worth_switching(new_tps, old_tps, payback_s, switch_s)
+    row.update(measured=asdict(m), calibration=asdict(cal), running_tokens_per_s=round(old_tps, 2),
+               new_tokens_per_s=round(new_tps, 2), predicted_gain=round(gain, 4), amortised_gain=round(net, 4),
+               run_left_s=round(left_s, 3), payback_s=round(payback_s, 3), new_split=split_of(new))
     why = "the new plan is the running one" if layout_of(new) == layout_of(plan) else reason(
         row, spec, now_s, last_switch_s)
     taken = why is None
@@ -169,8 +242,10 @@ def decide(plan: Plan, records: list[dict], now_s: float, last_switch_s: float |
 def reason(row: dict, spec: ReplanSpec, now_s: float, last_switch_s: float | None) -> str | None:
     """Why the decision in `row` is not to switch; None when it is to switch."""
     if row["amortised_gain"] <= spec.min_gain:
+        over = ("" if row["payback_s"] >= spec.horizon_s else
+                f" over the {row['payback_s']:.0f} s the run has left, short of replan.horizon_s {spec.horizon_s:g} s")
         return (f"amortised gain {row['amortised_gain']:.1%} (predicted {row['predicted_gain']:.1%} less the "
-                f"switch) is not above replan.min_gain {spec.min_gain:.0%}")
+                f"switch{over}) is not above replan.min_gain {spec.min_gain:.0%}")
     if last_switch_s is not None and now_s - last_switch_s < spec.horizon_s:
         return f"switched {now_s - last_switch_s:.0f} s ago, within replan.horizon_s {spec.horizon_s:g} s"
     return None

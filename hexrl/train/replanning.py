@@ -14,7 +14,9 @@ decision as not taken.
 Time is Unix seconds (`time.time()`): what the run knows of its switches (`Switches`) is kept in the
 checkpoint, and a switch's own restart counts against the horizon. The first step after a switch
 measures what it cost: from leaving the old plan to the end of that step (checkpoint, restart, reload,
-warm-up); later decisions price a switch at that, in place of replan.switch_s.
+warm-up), less any held-out evaluation in it; later decisions price a switch at that, in place of
+replan.switch_s. A decision that finishes while the held-out evaluation runs is read at the next step
+boundary, after that evaluation: a switch leaves only between steps.
 """
 from __future__ import annotations
 
@@ -122,12 +124,14 @@ class Replanner:
         return (cmd + (["--last-switch-s", repr(sw.last_switch_s)] if sw.last_switch_s is not None else [])
                 + (["--switch-s", repr(sw.switch_s)] if sw.switch_s is not None else []))
 
-    def at_boundary(self, step: int) -> Stop | None:
+    def at_boundary(self, step: int, untimed_s: float = 0.0) -> Stop | None:
         """At the step boundary after `step` trained steps: write the decision that finished since the last
-        boundary, if any; start the next one when it is due. A Stop when the job is to switch now."""
+        boundary, if any; start the next one when it is due. A Stop when the job is to switch now.
+        `untimed_s`: the seconds this attempt has spent on untimed work, the held-out evaluation and the
+        policy probe (HeldoutEval.seconds), which a switch's measured cost leaves out."""
         sw, stop = self.switches, None
         if sw.left_s is not None and step > self.since_step:  # the new plan's first step: the switch is over
-            sw.switch_s, sw.left_s = round(max(0.0, self.now() - sw.left_s), 3), None
+            sw.switch_s, sw.left_s = round(max(0.0, self.now() - sw.left_s - untimed_s), 3), None
         if self.pending is not None and self.pending.done():
             stop = self._finish(self.pending.result(), step)
             self.pending = None

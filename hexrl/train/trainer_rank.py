@@ -243,7 +243,8 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: ControllerProcess |
     the metrics), or, when the controller rank's re-planning decides to switch plans at this boundary,
     train nothing and return the Stop on every trainer rank."""
     job, t0 = ctx.plan.job, time.perf_counter()
-    stop = replanner.at_boundary(step) if replanner else None
+    # the boundary: the previous step's evaluation is done, and a switch keeps it (eval.jsonl)
+    stop = replanner.at_boundary(step, evaluator.seconds) if replanner else None
     before = controller.counters() if controller else None
     groups = controller.next_batch() if controller and stop is None else None
     # in group-id order, not completion order: which replica finished first must not change the

@@ -57,6 +57,7 @@ def scenario_job(config: str, growth: float, steps: int, switch_s: float, horizo
     d["workload"].update(output_len={"mean": START_MEAN, "max": d["rl"]["max_new_tokens"]},
                          output_len_growth={"factor": growth, "steps": steps})
     d["replan"] = {"switch_s": switch_s, "horizon_s": horizon_s}
+    d["rl"]["steps"] = steps  # the run played: a decision pays a switch back only within the steps left
     return load_job(d, check_paths=False)
 
 
