@@ -138,7 +138,8 @@ def test_a_switch_is_the_runs_next_round_and_its_time_survives_the_restart(short
                                                 "reason": stop.reason, "switched_at_s": T0 + 100}
 
     # torchrun restarts every rank: a first attempt runs the plan given, a restarted one the recorded plan
-    args = NS(run_dir=str(run), plan="not read")
+    short_plan.save(run / "given.json")
+    args = NS(run_dir=str(run), plan=str(run / "given.json"))
     monkeypatch.setenv(hexrl_main.RESTART_ENV, "0")
     assert hexrl_main.recorded_plan(args, rank=1) is None
     monkeypatch.setenv(hexrl_main.RESTART_ENV, "1")
