@@ -32,7 +32,7 @@ from hexrl.schema.replan_spec import ReplanSpec
 
 WINDOW = 20  # metrics rows a decision looks at: the last ones, medians (one slow step does not decide)
 GEN_BOUND_WAIT = 0.05  # the trainer waits this share of its step or more: generation is the bottleneck
-FIT_BOUND = 100.0  # a speed factor beyond it either way is no calibration: the rows are not this plan's
+FIT_BOUND = 1e6  # a speed factor beyond it either way is no calibration (the CPU stand-in fits ~300x slower)
 MEASURED_KEYS = ("train_s", "tokens_trained", "rollout_tokens_per_s", "wait_s", "step_s")
 
 
@@ -145,7 +145,7 @@ def implausible(cal: Calibration) -> str | None:
     far = [f"{role} x{x:.3g}" for role, x in (("train", cal.train), ("decode", cal.decode))
            if not 1 / FIT_BOUND <= x <= FIT_BOUND]
     return (f"the measurements do not fit the running plan ({', '.join(far)} against the cost model, beyond "
-            f"{FIT_BOUND:g}x either way)") if far else None
+            f"{FIT_BOUND:,.0f}x either way)") if far else None
 
 
 def replanned(plan: Plan, records: list[dict], use_profiles: bool = True) -> tuple[Plan, float, dict] | str:
