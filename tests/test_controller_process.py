@@ -206,6 +206,15 @@ def test_a_killed_controller_process_ends_the_trainers_wait_naming_it():
         controller.stop()
 
 
+def test_a_controller_process_stopped_before_it_started_exits_cleanly(capfd):
+    """A trainer that fails between starting the process and its start() (a checkpoint's state refused)
+    stops it: the process exits 0, without a traceback (Controller.stop joined a thread never started)."""
+    controller = process_controller()
+    controller.stop()
+    assert controller.proc.returncode == 0
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def interrupt(signum, frame):
     raise KeyboardInterrupt  # as Ctrl-C does
 
