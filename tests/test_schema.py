@@ -320,6 +320,7 @@ def test_long_tail_defaults_off_is_validated_and_rides_in_the_plan():
                        ({"alpha": "most"}, "long_tail.alpha"), ({"caps": []}, "long_tail.caps"),
                        ({"caps": [0]}, "long_tail.caps"), ({"caps": [10**6]}, "long_tail.caps"),
                        ({"caps": [8, 8]}, "long_tail.caps"), ({"caps": [8.5]}, "long_tail.caps"),
+                       ({"caps": list(range(1, 4097))}, "long_tail.caps"),  # one MILP a cap: planned for minutes
                        ({"cap": 8}, "long_tail.cap")):
         with pytest.raises(ConfigError) as e:
             load_job(small_job(long_tail=bad))
