@@ -75,7 +75,8 @@ def another_jobs(plan: dict) -> str:
     (lambda plan: json.dumps({**plan, "ranks": "all"}), "not a valid plan, refusing to run it: "),
     (another_jobs, "the plan of another job (rl differ from this job's), refusing to run it"),
     (lambda plan: json.dumps({**plan, "cluster": {**plan["cluster"], "nodes": [
-        {**n, "name": "elsewhere"} for n in plan["cluster"]["nodes"]]}}), "the plan of another job (cluster.nodes differ"),
+        {**n, "name": "elsewhere"} for n in plan["cluster"]["nodes"]]}}),
+     "the plan of another job (cluster.nodes differ"),
 ])
 def test_a_recorded_plan_a_restart_cannot_trust_is_refused_naming_it(tmp_path, monkeypatch, capsys, write, says):
     """A restart runs the run's newest recorded plan (RUN_DIR/plans/<round>.json, where a switch of plans
