@@ -67,6 +67,9 @@ def read_bytes(path: str | os.PathLike, what: str = "file", limit: int = _MAX_TE
     return data
 
 
+_SURROGATE = re.compile(r"\\u[dD][89a-fA-F]")  # the escape of a UTF-16 surrogate (half of a pair, or a lone one)
+
+
 def _no_constant(name: str):
     raise ValueError(f"{name} is not a number hexrl accepts")
 
@@ -89,13 +92,20 @@ def loads_json(text: str | bytes, where: str, what: str = "JSON"):
     if _depth(text) > MAX_DEPTH:
         raise TooDeepError(f"{where}: nested too deeply to be a {what} (more than {MAX_DEPTH} levels)")
     try:
-        return json.loads(text, parse_constant=_no_constant)
+        value = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as e:
         raise InputFileError(f"{where}: invalid JSON: {e}") from None
     except ValueError as e:  # NaN, Infinity
         raise InputFileError(f"{where}: {e}") from None
     except RecursionError:
         raise TooDeepError(f"{where}: nested too deeply to be a {what}") from None
+    if _SURROGATE.search(text):  # only a \u escape makes one; the check below re-encodes everything
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InputFileError(f"{where}: a \\u escape names half a surrogate pair ({e.object[e.start]!r}): "
+                                 "not Unicode text") from None
+    return value
 
 
 def read_json(path: str | os.PathLike, what: str = "JSON file"):

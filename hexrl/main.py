@@ -217,16 +217,18 @@ def recorded_plan(args, rank: int) -> dict | None:
     if restart_count() == 0:
         return None
     try:
-        run_dir = Path(args.run_dir or load_plan(args.plan).job.out_dir)
-        found = elastic.newest_plan(run_dir / "plans")
-    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: a recorded plan that is not JSON
+        job = load_plan(args.plan, check_paths=False).job  # the checks that follow name a missing path
+        run_dir = Path(args.run_dir or job.out_dir)
+        found = elastic.newest_plan(run_dir / "plans", job)
+    except (ConfigError, FileNotFoundError, ValueError) as e:  # ValueError: a recorded plan that is not this job's
         refuse(rank, str(e))
     if found is None:
         return None
     round_no, plan = found
     if rank == 0:
+        why = elastic.recorded(plan, "reason", "no reason recorded")
         errors.say(f"hexrl.main: torchrun restart {restart_count()}: the run's newest recorded plan, "
-                   f"{run_dir / 'plans' / f'{round_no}.json'} ({plan['predicted']['elastic']['reason']})")
+                   f"{run_dir / 'plans' / f'{round_no}.json'} ({why})")
     return plan
 
 

@@ -206,6 +206,31 @@ def test_a_killed_controller_process_ends_the_trainers_wait_naming_it():
         controller.stop()
 
 
+def test_a_controller_process_stopped_before_it_started_exits_cleanly(capfd):
+    """A trainer that fails between starting the process and its start() (a checkpoint's state refused)
+    stops it: the process exits 0, without a traceback (Controller.stop joined a thread never started)."""
+    controller = process_controller()
+    controller.stop()
+    assert controller.proc.returncode == 0
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_controller_process_that_stops_answering_ends_a_call_naming_it(monkeypatch):
+    """A process alive but stuck (here SIGSTOP) ended no call: the trainer waited for ever, saying nothing.
+    A call that does not wait on the rollouts now has CALL_S to answer."""
+    from hexrl.control import controller_process
+
+    monkeypatch.setattr(controller_process, "CALL_S", 1.0)
+    controller = process_controller()
+    try:
+        os.kill(controller.pid, signal.SIGSTOP)
+        with pytest.raises(ControllerFailure, match="the controller process did not answer counters within 1 s"):
+            controller.counters()
+    finally:
+        os.kill(controller.pid, signal.SIGCONT)
+        controller.stop()
+
+
 def interrupt(signum, frame):
     raise KeyboardInterrupt  # as Ctrl-C does
 

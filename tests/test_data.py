@@ -86,12 +86,15 @@ def test_a_length_hint_is_read_and_a_bad_one_skips_its_line_naming_the_field(tmp
         {"prompt": "x", "answer": "3", "length_hint": "long"},
         {"prompt": "y", "answer": "4", "length_hint": -5},
         {"prompt": "z", "answer": "5", "length_hint": 12.5},
+        {"prompt": "w", "answer": "6", "length_hint": 10**400},  # beyond a float: no length (was OverflowError)
     ])
-    with pytest.warns(UserWarning, match="skipped 2 malformed"):
+    with pytest.warns(UserWarning, match="skipped 3 malformed"):
         result = load_jsonl(path)
     assert [p.length_hint for p in result.problems] == [4000.0, None, 12.5]
     assert dict(result.skipped) == {3: "'length_hint' must be a non-negative number of tokens, got 'long'",
-                                    4: "'length_hint' must be a non-negative number of tokens, got -5"}
+                                    4: "'length_hint' must be a non-negative number of tokens, got -5",
+                                    6: "'length_hint' must be a non-negative number of tokens, got "
+                                       + "1" + "0" * 17 + "..." + "0" * 19}
     again = load_jsonl(write_jsonl(result.problems, tmp_path / "out.jsonl"))
     assert again.problems == result.problems  # written back with its hint
 

@@ -109,17 +109,29 @@ def test_a_round_on_the_nodes_of_the_newest_recorded_plan_keeps_that_plan(tmp_pa
     plan = load_plan(two_node_plan(tmp_path))
     run = tmp_path / "run"
     switched = plan.to_dict()
-    switched["ranks"][0]["role"], switched["ranks"][2]["role"] = "marked", "marked"  # not what the planner makes
+    switched["predicted"]["marked"] = True  # not what the planner makes
     elastic.record_plan(run / "plans", switched, 3, "drift: at step 40, ...")
     both = [hello(0, 0, "A"), hello(1, 0, "A"), hello(2, 1, "B"), hello(3, 1, "B")]
     out = elastic.plan_round(plan, "j", run, 4, both)
     assert out["reason"] == "round 4: nodes A, B (in node-rank order); no node left or joined; the plan of round 3 kept"
-    assert [r["role"] for r in out["plan"]["ranks"]] == [r["role"] for r in switched["ranks"]]
+    assert out["plan"]["predicted"]["marked"]
     assert json.loads((run / "plans" / "4.json").read_text())["predicted"]["elastic"]["plan_of"] == 3
     assert elastic.plan_round(plan, "j", run, 5, both)["reason"].endswith("the plan of round 3 kept")
     swapped = [hello(0, 0, "B"), hello(1, 0, "B"), hello(2, 1, "A"), hello(3, 1, "A")]
     out = elastic.plan_round(plan, "j", run, 6, swapped)  # other node ranks: the planner plans them
-    assert "kept" not in out["reason"] and "marked" not in {r["role"] for r in out["plan"]["ranks"]}
+    assert "kept" not in out["reason"] and "marked" not in out["plan"]["predicted"]
+
+
+def test_a_round_refuses_a_newest_recorded_plan_of_another_job_naming_it(tmp_path):
+    plan = load_plan(two_node_plan(tmp_path))
+    run = tmp_path / "run"
+    other = plan.to_dict()
+    other["name"] = "someone-else"
+    elastic.record_plan(run / "plans", other, 3, "drift: at step 40, ...")
+    both = [hello(0, 0, "A"), hello(1, 0, "A"), hello(2, 1, "B"), hello(3, 1, "B")]
+    out = elastic.plan_round(plan, "j", run, 4, both)
+    assert out["error"].startswith(f"{run / 'plans' / '3.json'}: the plan of another job (name differ")
+    assert not (run / "plans" / "4.json").exists()
 
 
 def test_a_round_the_gpus_left_cannot_run_ends_with_what_is_missing(tmp_path):

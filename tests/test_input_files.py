@@ -109,3 +109,17 @@ def test_nan_and_infinity_are_not_json_numbers_here():
         with pytest.raises(InputFileError, match="is not a number hexrl accepts"):
             loads_json(text, "f")
     assert loads_json('{"x": "NaN", "y": [1e308]}', "f") == {"x": "NaN", "y": [1e308]}
+
+
+def test_a_lone_surrogate_escape_is_not_text_and_its_line_is_named(tmp_path):
+    """`"\\ud800"` parses to a str no encoder takes: a prompt with one was tokenized or sent to the
+    controller process (msgpack: UnicodeEncodeError) long after the file was read."""
+    with pytest.raises(InputFileError, match=r"job.json: a \\u escape names half a surrogate pair \('\\ud800'\)"):
+        loads_json('{"name": "a\\ud800b"}', "job.json")
+    assert loads_json('{"name": "\\ud83d\\ude00 \\\\ud800"}', "job.json") == {"name": "\U0001F600 \\ud800"}
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4\\udcff"}\n')
+    with pytest.warns(UserWarning, match="skipped 1 malformed"):
+        result = load_jsonl(data)
+    assert [p.prompt for p in result.problems] == ["1+1="]
+    assert "half a surrogate pair ('\\udcff')" in dict(result.skipped)[2]

@@ -1,6 +1,8 @@
 """The long tail in the plan: two length classes in the rollout MILP, the long groups' replicas at a
 batch cap from the job's caps, the split printed, and the simulator playing both classes."""
 
+import copy
+
 import numpy as np
 import pytest
 
@@ -9,7 +11,7 @@ from hexrl.plan.cost import CostModel
 from hexrl.plan.lengths import LengthDist
 from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
-from hexrl.schema import load_job
+from hexrl.schema import load_job, load_plan
 from tools.experiments.long_tail_study import heavy_tail
 
 CAPS = [4, 8, 16]
@@ -94,3 +96,17 @@ def test_simulator_without_long_groups_draws_as_before(plans):
     a = simulate(plans[0], steps=4, warmup=1)
     b = simulate(plans[0], steps=4, warmup=1, long_share=0.0)
     assert a.step_time_s == b.step_time_s and a.tail_staleness == {} and np.isfinite(a.step_time_s)
+
+
+def test_hand_edited_long_tail_marks_simulate_as_the_controller_dispatches(plans):
+    """Every replica marked long: the regular groups go to the long pool, as the controller's dispatcher
+    hands a class with no replica to the other (the simulator raised KeyError). Marks in a plan whose job
+    has no long tail are ignored, as the controller ignores them: the same run as without them."""
+    blind, skewed = (p.to_dict() for p in plans)
+    for r in skewed["rollout"]["replicas"]:
+        r["long_tail"] = True
+    assert simulate(load_plan(skewed, check_paths=False), 4, 1).tokens_per_s > 0
+    marked = copy.deepcopy(blind)
+    marked["rollout"]["replicas"][0]["long_tail"] = True
+    as_marked, as_blind = (simulate(load_plan(p, check_paths=False), 4, 1) for p in (marked, blind))
+    assert as_marked.tokens_per_s == as_blind.tokens_per_s

@@ -180,6 +180,43 @@ def test_cli_prints_what_a_run_implies(short_plan, tmp_path, capsys):
     assert "plan.json" in capsys.readouterr().err
 
 
+def hostile_lines(good: dict) -> list[bytes]:
+    """metrics.jsonl lines no run writes: values that are no measurement, rows that are not objects,
+    steps that are not numbers, bytes that are not UTF-8, nesting deeper than the parser goes."""
+    bad_values = [("train_s", float("inf")), ("train_s", "1"), ("train_s", True), ("tokens_trained", float("nan")),
+                  ("tokens_trained", 10**400), ("rollout_tokens_per_s", 0), ("rollout_tokens_per_s", -5),
+                  ("wait_s", -1.0), ("step", "x"), ("step", None)]
+    rows = [json.dumps({**good, k: v}).encode() for k, v in bad_values]
+    return rows + [b"[1, 2]", b"5", b"\xff\xfe\x00", b"[" * 100_000 + b"]" * 100_000]
+
+
+def test_metrics_rows_that_are_no_measurement_are_not_measured(short_plan, tmp_path, capsys):
+    short_plan.save(tmp_path / "plan.json")
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(hostile_lines(rows_at(short_plan, 5000)[0])) + b"\n")
+    assert plan_cli(["replan", str(tmp_path), "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)
+    assert (row["taken"], row["why"]) == (False, "no step measured yet")
+
+
+def test_measurements_that_cannot_be_the_running_plans_switch_nothing(short_plan):
+    rows = [{**r, "tokens_trained": 1e308, "rollout_tokens_per_s": 1e308} for r in rows_at(short_plan, 5000)]
+    row, new = replan.decide(short_plan, rows, now_s=10_000)
+    assert new is None and not row["taken"]
+    assert row["why"].startswith("the measurements do not fit the running plan (train x")
+    json.loads(json.dumps(row, allow_nan=False))  # nothing infinite reaches metrics.jsonl
+
+
+def test_cli_times_must_be_finite_and_an_unwritable_new_plan_is_named(short_plan, tmp_path, capsys):
+    short_plan.save(tmp_path / "plan.json")
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows_at(short_plan, 5000)))
+    for flag in ("--now-s", "--last-switch-s", "--switch-s"):
+        with pytest.raises(SystemExit) as e:
+            plan_cli(["replan", str(tmp_path), flag, "nan"])
+        assert e.value.code == 2 and f"{flag}: must be a finite number of seconds" in capsys.readouterr().err
+    assert plan_cli(["replan", str(tmp_path), "--now-s", "1e6", "--new-plan", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"--new-plan: cannot write {tmp_path}: Is a directory\n"
+
+
 def test_simulated_outputs_grow_with_the_step(short_plan):
     job = load_job(paper_job(2500, workload={"prompt_len": 256, "output_len": {"mean": 2500, "max": 8192},
                                              "output_len_growth": {"factor": 3, "steps": 6}}), check_paths=False)

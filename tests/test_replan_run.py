@@ -21,6 +21,7 @@ from hexrl import main as hexrl_main
 from hexrl.control.metrics import MetricsWriter, read_events
 from hexrl.plan.__main__ import main as plan_cli
 from hexrl.plan.planner import plan_job
+from hexrl.plan.replan import split_of
 from hexrl.schema import load_job, load_plan
 from hexrl.schema.replan_spec import ReplanSpec
 from hexrl.train import replanning
@@ -138,7 +139,8 @@ def test_a_switch_is_the_runs_next_round_and_its_time_survives_the_restart(short
                                                 "reason": stop.reason, "switched_at_s": T0 + 100}
 
     # torchrun restarts every rank: a first attempt runs the plan given, a restarted one the recorded plan
-    args = NS(run_dir=str(run), plan="not read")
+    short_plan.save(run / "given.json")
+    args = NS(run_dir=str(run), plan=str(run / "given.json"))
     monkeypatch.setenv(hexrl_main.RESTART_ENV, "0")
     assert hexrl_main.recorded_plan(args, rank=1) is None
     monkeypatch.setenv(hexrl_main.RESTART_ENV, "1")
@@ -350,3 +352,54 @@ def test_an_elastic_job_switches_plans_and_its_next_round_keeps_the_switched_pla
 
 def replanning_split(plan) -> tuple[int, int]:
     return len(plan.train_ranks()), len(plan.rollout_ranks())
+
+
+def answer_to_switch(plan) -> dict:
+    """A decision row to switch, as `python -m hexrl.plan replan --json` prints it."""
+    split = split_of(plan)
+    return {"event": "replan", "time_s": T0 + 100, "taken": True, "why": "amortised gain 40.0% is above ...",
+            "running_split": split, "new_split": split, "measured": {"output_len_mean": 5000.0},
+            "predicted_gain": 0.5, "amortised_gain": 0.4}
+
+
+@pytest.mark.parametrize("answer, next_plan, why", [
+    ([1, 2], None, "the planner's answer is not a decision: a JSON list, not an object"),
+    ("switch", None, None),  # the row below, with time_s a string
+    ("row", "torn", "next.json: not a valid plan, refusing to run it"),
+    ("row", "another job", "next.json: the plan of another job (name differ"),
+])
+def test_a_planner_answer_that_is_no_decision_or_no_plan_of_this_job_switches_nothing(short_plan, run, answer,
+                                                                                      next_plan, why):
+    clock = Clock()
+    r = replanner(short_plan, run, clock, restarts_left=1, since_step=0)
+    row = answer_to_switch(short_plan)
+    answer = {**row, "time_s": "soon"} if answer == "switch" else row if answer == "row" else answer
+    why = why or "the planner's answer is not a decision: time_s missing or malformed"
+    text = {"torn": json.dumps(short_plan.to_dict())[:500],
+            "another job": json.dumps({**short_plan.to_dict(), "name": "other"})}.get(next_plan)
+
+    def start(cmd):
+        if text is not None:
+            r.new_plan.write_text(text)
+        return NS(done=lambda: True, result=lambda: answer)
+
+    r.start = start
+    clock.t = 100
+    r.at_boundary(1)
+    assert r.at_boundary(2) is None and r.switch_to is None
+    (e,) = read_events(run / "metrics.jsonl", "replan")
+    assert not e["taken"] and why in e["why"], e["why"]
+
+
+def test_a_planner_that_hangs_is_stopped_and_the_next_decision_starts(short_plan, run):
+    clock = Clock()
+    r = replanner(short_plan, run, clock, restarts_left=1, since_step=0)
+    started, cancelled = [], []
+    r.start = lambda cmd: started.append(cmd) or NS(done=lambda: False, cancel=lambda: cancelled.append(1))
+    clock.t = 100
+    r.at_boundary(1)
+    clock.t = 100 + replanning.PATIENCE_S + 1
+    assert r.at_boundary(2) is None
+    (e,) = read_events(run / "metrics.jsonl", "replan")
+    assert (e["taken"], e["why"]) == (False, f"the planner gave no answer in {replanning.PATIENCE_S:g} s (stopped)")
+    assert cancelled == [1] and len(started) == 2  # the next decision was due long ago: it starts at once

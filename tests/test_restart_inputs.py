@@ -7,7 +7,7 @@ import pytest
 from runtime_utils import write_job
 from test_bad_inputs import layout_checkpoint
 
-from hexrl.main import RESTART_ENV, main, parse_args, restart_resume
+from hexrl.main import RESTART_ENV, main, parse_args, recorded_plan, restart_resume
 from hexrl.train import checkpoint as ckpt
 
 
@@ -64,3 +64,31 @@ def test_a_latest_that_holds_no_step_name_is_named(tmp_path, monkeypatch, capsys
     assert start(monkeypatch, plan, run_dir, "2") == 2  # a restart
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"{root / 'latest'}: " in err[0], err
+
+
+def another_jobs(plan: dict) -> str:
+    return json.dumps({**plan, "rl": {**plan["rl"], "lr": plan["rl"]["lr"] * 10}})
+
+
+@pytest.mark.parametrize("write, says", [
+    (lambda plan: json.dumps(plan)[:300], "not a valid plan, refusing to run it: "),  # torn
+    (lambda plan: json.dumps({**plan, "ranks": "all"}), "not a valid plan, refusing to run it: "),
+    (another_jobs, "the plan of another job (rl differ from this job's), refusing to run it"),
+    (lambda plan: json.dumps({**plan, "cluster": {**plan["cluster"], "nodes": [
+        {**n, "name": "elsewhere"} for n in plan["cluster"]["nodes"]]}}),
+     "the plan of another job (cluster.nodes differ"),
+])
+def test_a_recorded_plan_a_restart_cannot_trust_is_refused_naming_it(tmp_path, monkeypatch, capsys, write, says):
+    """A restart runs the run's newest recorded plan (RUN_DIR/plans/<round>.json, where a switch of plans
+    or an elastic round wrote it): one torn or edited, or another job's, is refused, never run."""
+    plan, run_dir = write_job(tmp_path, steps=1), tmp_path / "run"
+    (run_dir / "plans").mkdir(parents=True)
+    (run_dir / "plans" / "0.json").write_text(json.dumps(json.loads(plan.read_text())))
+    recorded = run_dir / "plans" / "1.json"
+    recorded.write_text(write(json.loads(plan.read_text())))
+    assert start(monkeypatch, plan, run_dir, "1") == 2
+    (err,) = capsys.readouterr().err.strip().splitlines()
+    assert err.startswith(f"hexrl.main (rank 0): {recorded}: {says}"), err
+    recorded.unlink()  # the plan it ran before, this job's own, is what the restart runs
+    args = parse_args([str(plan), "--run-dir", str(run_dir)])
+    assert recorded_plan(args, 1) == json.loads(plan.read_text())

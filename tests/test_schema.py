@@ -196,6 +196,14 @@ def test_output_length_forms():
         load_job(small_job(rl=rl, workload={"output_len": {"histogram": {"edges": [0, 1], "counts": [1, 2]}}}))
 
 
+def test_an_output_length_that_is_a_bare_number_is_named():
+    """`"output_len": 3` (a number, not a distribution) is one problem naming the field, with the others."""
+    with pytest.raises(ConfigError) as e:
+        load_job(small_job(rl={"batch_size": 4, "group_size": 2, "max_new_tokens": 32, "eta": -1},
+                           workload={"output_len": 3}))
+    assert "workload.output_len: must be {samples: [...]}" in str(e.value) and "rl.eta" in str(e.value)
+
+
 def test_equal_reward_fraction():
     """The share of groups filtered for equal rewards: generation does 1 / (1 - f) of a step."""
     from hexrl.plan.cost_inputs import workload_of
@@ -312,6 +320,7 @@ def test_long_tail_defaults_off_is_validated_and_rides_in_the_plan():
                        ({"alpha": "most"}, "long_tail.alpha"), ({"caps": []}, "long_tail.caps"),
                        ({"caps": [0]}, "long_tail.caps"), ({"caps": [10**6]}, "long_tail.caps"),
                        ({"caps": [8, 8]}, "long_tail.caps"), ({"caps": [8.5]}, "long_tail.caps"),
+                       ({"caps": list(range(1, 4097))}, "long_tail.caps"),  # one MILP a cap: planned for minutes
                        ({"cap": 8}, "long_tail.cap")):
         with pytest.raises(ConfigError) as e:
             load_job(small_job(long_tail=bad))

@@ -154,7 +154,8 @@ class Controller:
         while not self.outbox.empty() and time.monotonic() < deadline and self._thread.is_alive():
             time.sleep(0.05)
         self._stop.set()
-        self._thread.join(timeout=10)
+        if self._thread.ident is not None:  # stopped before it started (a failed resume): no thread to wait for
+            self._thread.join(timeout=10)
         with self.lock:
             self.buffer.drain("shutdown")
 

@@ -60,6 +60,8 @@ METHODS = frozenset({"start", "next_batch", "wait_delivered", "publish_version",
 POLL_S = 0.2  # how often a waiting proxy checks that the process is alive
 SEND_S = 60.0  # how long a link send may wait for room
 STOP_S = 60.0  # how long stopping may take (the controller's own stop waits up to 15 s)
+CALL_S = 600.0  # how long a call that does not wait on rollouts may take: its work is a lock and a copy
+WAITING = frozenset({"next_batch", "wait_delivered"})  # calls that wait on the rollouts, as long as they take
 
 
 @dataclass
@@ -331,6 +333,7 @@ class ControllerProcess:
         if not self.link.send(message("call", method=method, args=args or {}), timeout_s=SEND_S):
             raise ControllerFailure(self._gone() or f"the controller process took no call for {SEND_S:.0f} s")
         self.waiting = True
+        wait_s = min(wait_s, math.inf if method in WAITING else CALL_S)  # a process stopped (SIGSTOP) or stuck
         deadline = time.monotonic() + wait_s
         while True:
             msg = self.link.recv(timeout_s=POLL_S)

@@ -67,13 +67,16 @@ def replica_rates(before: dict, after: dict, seconds: float) -> dict[str, float]
 
 
 def read_records(path: str | os.PathLike) -> list[dict]:
-    """All complete records of a JSONL file (a torn last line from a crash is skipped)."""
+    """All complete records of a JSONL file: a line that is not a JSON object (a torn last line from a
+    crash, an edit, bytes that are not UTF-8, nesting deeper than the parser goes) is skipped."""
     records = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_bytes().decode(errors="replace").splitlines():
         try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+            record = json.loads(line)
+        except (json.JSONDecodeError, RecursionError):
             continue
+        if isinstance(record, dict):
+            records.append(record)
     return records
 
 

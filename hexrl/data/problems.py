@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import reprlib
 from dataclasses import dataclass
 
 KINDS = ("math", "synthetic", "code", "gym")
@@ -17,9 +18,13 @@ HINT_FIELD = "length_hint"  # a record's optional field: the problem's expected 
 def check_length(value, what: str) -> float:
     """`value` as a float if it is a finite non-negative number (numpy's too, not a bool), else
     ValueError naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{what} must be a non-negative number of tokens, got {value!r}")
-    return float(value)
+    try:  # an int beyond a float's range is no length either
+        length = None if isinstance(value, bool) or not isinstance(value, numbers.Real) else float(value)
+    except OverflowError:
+        length = None
+    if length is None or not math.isfinite(length) or length < 0:
+        raise ValueError(f"{what} must be a non-negative number of tokens, got {reprlib.repr(value)}")
+    return length
 
 
 def length_hint(record: dict) -> float | None:

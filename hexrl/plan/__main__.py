@@ -20,6 +20,7 @@ as plan.json stores them: [0, 12) is layers 0 to 11.
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -209,14 +210,26 @@ def replan_report(row: dict) -> str:
     ])
 
 
+def finite_float(text: str) -> float:
+    """An argparse type: a finite number of seconds (nan and inf are no time)."""
+    try:
+        x = float(text)
+    except ValueError:
+        x = math.nan
+    if not math.isfinite(x):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, got {text!r}")
+    return x
+
+
 def replan_main(argv) -> int:
     ap = argparse.ArgumentParser(prog="python -m hexrl.plan replan",
                                  description="What a run's measurements imply; the run is not touched.")
     ap.add_argument("run_dir", help="a run directory holding plan.json and metrics.jsonl")
     ap.add_argument("--plan", help="the running plan (default: RUN_DIR/plan.json)")
-    ap.add_argument("--switch-s", type=float, help="seconds a switch costs (default: the job's replan.switch_s)")
-    ap.add_argument("--now-s", type=float, default=0.0, help="the decision's time (the clock of --last-switch-s)")
-    ap.add_argument("--last-switch-s", type=float, help="when the run last switched plans (default: never)")
+    ap.add_argument("--switch-s", type=finite_float, help="seconds a switch costs (default: the job's replan.switch_s)")
+    ap.add_argument("--now-s", type=finite_float, default=0.0,
+                    help="the decision's time (the clock of --last-switch-s)")
+    ap.add_argument("--last-switch-s", type=finite_float, help="when the run last switched plans (default: never)")
     ap.add_argument("--since-step", type=int, default=0, help="measure only the steps after this one "
                     "(those the running plan trained)")
     ap.add_argument("--new-plan", help="write the plan to switch to here, when the decision is to switch")
@@ -234,14 +247,19 @@ def replan_main(argv) -> int:
         return 2
     try:
         plan = load_plan(plan_path, check_paths=False)
-        records = [r for r in read_metrics(run / "metrics.jsonl") if r.get("step", 0) > args.since_step]
+        records = [r for r in read_metrics(run / "metrics.jsonl")
+                   if isinstance(r.get("step"), int) and r["step"] > args.since_step]
         row, new = decide(plan, records, now_s=args.now_s, last_switch_s=args.last_switch_s, switch_s=args.switch_s,
                           use_profiles=not args.no_profiles)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2
     if new is not None and args.new_plan:
-        new.save(args.new_plan)
+        try:
+            new.save(args.new_plan)
+        except OSError as e:
+            print(f"--new-plan: cannot write {args.new_plan}: {e.strerror or e}", file=sys.stderr)
+            return 2
     print(json.dumps(row) if args.json else replan_report(row))
     return 0
 

@@ -23,6 +23,7 @@ What a run measures (its metrics.jsonl rows) is set against what the running pla
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import asdict, dataclass, field, replace
 
@@ -35,6 +36,7 @@ from hexrl.schema.replan_spec import ReplanSpec
 
 WINDOW = 20  # metrics rows a decision looks at: the last ones, medians (one slow step does not decide)
 GEN_BOUND_WAIT = 0.05  # the trainer waits this share of its step or more: generation is the bottleneck
+FIT_BOUND = 1e6  # a speed factor beyond it either way is no calibration (the CPU stand-in fits ~300x slower)
 MEASURED_KEYS = ("train_s", "tokens_trained", "rollout_tokens_per_s", "wait_s", "step_s")
 
 
@@ -76,18 +78,45 @@ class Calibration:
         return self.decode_by_type.get(gpu_type, self.decode)
 
 
+def measurement(value, zero_ok: bool = False) -> float | None:
+    """`value` as a float if it is a finite number above 0 (or 0 itself, where `zero_ok`), not a bool;
+    else None: a metrics row is read from a file anyone may have edited."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:  # an int beyond a float
+        return None
+    return x if math.isfinite(x) and (x > 0 or zero_ok and x == 0) else None
+
+
+def measured_row(r: dict) -> dict | None:
+    """A step row's measured keys as floats, or None when one is missing or is no measurement (each
+    finite and above 0; the trainer's wait may be 0); its step, output-length quantiles and
+    per-replica rates beside them, each kept only where it is a measurement."""
+    got = {k: measurement(r.get(k), zero_ok=k == "wait_s") for k in MEASURED_KEYS}
+    if None in got.values():
+        return None
+    step, rates = r.get("step"), r.get("replica_tokens_per_s")
+    rates = rates if isinstance(rates, dict) else {}
+    return {**got, "step": step if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else 0,
+            **{k: measurement(r.get(k)) for k in ("output_len_mean", "output_len_p50", "output_len_p90",
+                                                   "output_len_max")},
+            "replica_tokens_per_s": {str(rid): x for rid, v in rates.items()
+                                     if (x := measurement(v, zero_ok=True)) is not None}}
+
+
 def measure(records: list[dict], job: Job, window: int = WINDOW) -> Measured | None:
     """The medians of the last `window` step rows that carry every measured key; None if none do."""
-    rows = [r for r in records if all(isinstance(r.get(k), (int, float)) for k in MEASURED_KEYS)
-            and r["train_s"] > 0 and r["step_s"] > 0][-window:]
+    rows = [m for m in map(measured_row, records) if m is not None][-window:]
     if not rows:
         return None
     samples = job.rl.batch_size * job.rl.group_size
     context = job.workload.prompt_len + (job.workload.turns - 1) * job.workload.obs_len
 
     def out_len(r: dict) -> float:
-        given = r.get("output_len_mean")
-        return float(given) if isinstance(given, (int, float)) else r["tokens_trained"] / samples - context
+        given = r["output_len_mean"]
+        return given if given is not None else r["tokens_trained"] / samples - context
 
     med = statistics.median
     return Measured(
@@ -182,14 +211,26 @@ def layout_of(plan: Plan) -> tuple:
     return tuple((r.role, r.dp, r.pp, r.tp, r.replica) for r in plan.ranks)
 
 
+def implausible(cal: Calibration) -> str | None:
+    """Why a calibration cannot describe the running plan (a factor beyond FIT_BOUND either way: the
+    rows are another plan's, or edited); None when it can."""
+    factors = [("train", cal.train), ("decode", cal.decode),
+               *((f"decode on {t}", x) for t, x in cal.decode_by_type.items())]
+    far = [f"{role} x{x:.3g}" for role, x in factors if not 1 / FIT_BOUND <= x <= FIT_BOUND]
+    return (f"the measurements do not fit the running plan ({', '.join(far)} against the cost model, beyond "
+            f"{FIT_BOUND:,.0f}x either way)") if far else None
+
+
 def replanned(plan: Plan, records: list[dict], use_profiles: bool = True
-              ) -> tuple[Plan, float, Measured, Calibration] | None:
+              ) -> tuple[Plan, float, Measured, Calibration] | str:
     """(new plan, running plan's tokens/s, what was measured, what was fitted) on the calibrated cost
-    model; None when the records measure nothing yet."""
+    model; or why there is none (nothing measured yet, or measurements that cannot be this plan's)."""
     m = measure(records, plan.job)
     if m is None:
-        return None
+        return "no step measured yet"
     job, cal = calibrate(plan, m, use_profiles)
+    if why := implausible(cal):
+        return why
     cm = calibrated_model(job, cal, use_profiles)
     running_tps = cm.w.tokens / plan_candidate(cm, plan).step_s
     cm = calibrated_model(job, cal, use_profiles)  # the search on a model of its own, as plan_job does
@@ -223,8 +264,8 @@ def decide(plan: Plan, records: list[dict], now_s: float, last_switch_s: float |
     if plan.job.layout is not None or plan.job.colocate is not None:
         return {**row, "taken": False, "why": "the job fixes its layout"}, None
     found = replanned(plan, records, use_profiles)
-    if found is None:
-        return {**row, "taken": False, "why": "no step measured yet"}, None
+    if isinstance(found, str):
+        return {**row, "taken": False, "why": found}, None
     new, old_tps, m, cal = found
     new_tps, left_s = new.predicted["tokens_per_s"], run_left_s(plan.job, m)
     payback_s = min(spec.horizon_s, left_s)

@@ -163,7 +163,8 @@ class Simulation:
         self.equal_fraction = self.job.workload.equal_reward_fraction
         self.buffer = ReplayBuffer(self.gate, filter_equal_rewards=self.equal_fraction > 0)
         self.equal: set[int] = set()  # groups whose rewards come out all equal (filtered)
-        by_class = {long: {r.id: r.share for r in plan.replicas if r.share > 0 and r.long_tail == long}
+        split = plan.job.long_tail.on  # as the controller: without the job's long tail the marks are ignored
+        by_class = {long: {r.id: r.share for r in plan.replicas if r.share > 0 and (r.long_tail and split) == long}
                     for long in (False, True)}
         self.dispatchers = {long: Dispatcher(shares) for long, shares in by_class.items() if shares}
         self.classes = LongGroups(self, long_share, recall)
@@ -209,7 +210,10 @@ class Simulation:
         while self.gate.capacity(self.trained) > 0:
             gid = self.issued
             long, predicted = self.classes.peek()
-            rid = self.dispatchers[predicted and True in self.dispatchers].assign(gid)
+            pool = bool(predicted)
+            if pool not in self.dispatchers:  # as the controller: a class with no replica gives its groups to the other
+                pool = not pool
+            rid = self.dispatchers[pool].assign(gid)
             if rid is None:
                 return
             self.classes.take(gid)

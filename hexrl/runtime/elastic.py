@@ -30,7 +30,7 @@ from pathlib import Path
 
 from hexrl.gpus import canonical_name, gpu_type_name
 from hexrl.runtime.nodes import is_local_address
-from hexrl.schema import Plan
+from hexrl.schema import ConfigError, Job, Plan, load_plan
 
 PREFIX = "hexrl/elastic/"
 PLAN_TIMEOUT = timedelta(minutes=10)  # rank 0 runs the planner while the others wait
@@ -151,13 +151,37 @@ def next_round(plans_dir: Path) -> int:
     return max(done, default=-1) + 1
 
 
-def newest_plan(plans_dir: Path) -> tuple[int, dict] | None:
+# what a recorded plan may change of its job: the nodes a round has (and so the layout), the output
+# lengths a switch measured; the rest is what the job trains, and another value is another job
+ROUND_FIELDS = ("cluster", "layout", "workload", "prices")
+
+
+def read_recorded_plan(path: Path, job: Job) -> dict:
+    """The plan recorded at `path` (plan.json as a dict) for a run of `job`; ValueError naming the file
+    when it is not a valid plan (torn, edited) or is another job's: a restart must never run it."""
+    try:
+        plan = load_plan(path, check_paths=False)
+    except ConfigError as e:
+        raise ValueError(f"{path}: not a valid plan, refusing to run it: {'; '.join(e.problems[:3])}") from None
+    mine, theirs = job.to_dict(), plan.job.to_dict()
+    differ = sorted(k for k in mine.keys() | theirs.keys() if k not in ROUND_FIELDS and mine.get(k) != theirs.get(k))
+    known = {json.dumps(n, sort_keys=True) for n in mine["cluster"]["nodes"]}
+    if any(json.dumps(n, sort_keys=True) not in known for n in theirs["cluster"]["nodes"]):
+        differ.append("cluster.nodes")
+    if differ:
+        raise ValueError(f"{path}: the plan of another job ({', '.join(differ)} differ from this job's), "
+                         "refusing to run it; move it out of the run directory or give the run its own --run-dir")
+    return json.loads(path.read_text())
+
+
+def newest_plan(plans_dir: Path, job: Job) -> tuple[int, dict] | None:
     """(round, plan.json as a dict) of the run's newest recorded plan (RUN_DIR/plans/<round>.json), the one
-    the job ran last; None when none is recorded."""
+    the job ran last; None when none is recorded. ValueError naming the file when it cannot be `job`'s
+    (read_recorded_plan)."""
     round_no = next_round(plans_dir) - 1
     if round_no < 0:
         return None
-    return round_no, json.loads((plans_dir / f"{round_no}.json").read_text())
+    return round_no, read_recorded_plan(plans_dir / f"{round_no}.json", job)
 
 
 def record_plan(plans_dir: Path, plan: dict, round_no: int, why: str, **more) -> Path:
@@ -259,13 +283,10 @@ def reason(names: list[str], before: list[str], round_no: int) -> str:
     return f"round {round_no}: nodes {', '.join(names)} (in node-rank order); " + (change or "no node left or joined")
 
 
-def previous_nodes(plans_dir: Path, plan: Plan, round_no: int) -> list[str]:
-    """The nodes of the newest recorded plan before this round, else of the job's plan.json."""
-    for r in range(round_no - 1, -1, -1):
-        path = plans_dir / f"{r}.json"
-        if path.is_file():
-            return [n["name"] for n in json.loads(path.read_text())["cluster"]["nodes"]]
-    return [n.name for n in plan.job.cluster.nodes]
+def recorded(plan: dict, key: str, default):
+    """`key` of the plan's predicted.elastic (what record_plan wrote), else `default`."""
+    info = plan["predicted"].get("elastic")
+    return info.get(key, default) if isinstance(info, dict) else default
 
 
 def run_planner(job: dict, out: Path) -> tuple[dict | None, str]:
@@ -289,11 +310,15 @@ def plan_round(plan: Plan, job: str, run_dir: Path, round_no: int, hellos: list[
     names = present_nodes(hellos)
     plans = run_dir / "plans"
     plans.mkdir(parents=True, exist_ok=True)
-    why = reason(names, previous_nodes(plans, plan, round_no), round_no)
-    newest, kept = newest_plan(plans), {}
-    if newest is not None and [n["name"] for n in newest[1]["cluster"]["nodes"]] == names:
+    try:
+        newest, kept = newest_plan(plans, plan.job), {}
+    except ValueError as e:
+        return {"error": str(e)}
+    before = [n["name"] for n in (newest[1]["cluster"] if newest else plan.job.to_dict()["cluster"])["nodes"]]
+    why = reason(names, before, round_no)
+    if newest is not None and before == names:
         new = newest[1]
-        kept = {"plan_of": new["predicted"].get("elastic", {}).get("plan_of", newest[0])}  # the round that made it
+        kept = {"plan_of": recorded(new, "plan_of", newest[0])}  # the round that made it
         why += f"; the plan of round {kept['plan_of']} kept"
     else:
         new, message = run_planner(restrict(plan, names), plans / f"{round_no}.json")

@@ -449,7 +449,7 @@ def _read_workload(r: Reader, d, rl: RLSpec, env: EnvSpec | None = None) -> Work
     if longest is not None and longest > max_out + 1e-9:
         r.bad(where, f"longest output {longest:g} > " + (f"env.max_turns x rl.max_new_tokens {max_out}" if env
                                                          else f"rl.max_new_tokens {max_out}"))
-    w.output_len = {**raw, "max": raw.get("max", max_out)} if "mean" in raw else raw
+    w.output_len = {**raw, "max": raw.get("max", max_out)} if isinstance(raw, dict) and "mean" in raw else raw
     w.output_len_growth = _read_growth(r, d.get("output_len_growth"))
     return w
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from hexrl.schema.fields import Reader
 
 MAX_CAP = 4096  # sequences decoding at once on one replica: above it a cap is no cap
+MAX_CAPS = 16  # caps to choose from: the planner solves one rollout MILP per cap and GPU type
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ def read_long_tail(r: Reader, d) -> LongTailSpec:
     caps = d.get("caps", list(base.caps))
     if not (isinstance(caps, list) and caps and all(isinstance(c, int) and not isinstance(c, bool) for c in caps)):
         r.bad("long_tail.caps", f"must be a non-empty list of whole numbers of sequences, got {caps!r}")
+        caps = list(base.caps)
+    elif len(caps) > MAX_CAPS:
+        r.bad("long_tail.caps", f"{len(caps)} caps; give at most {MAX_CAPS} (the planner solves one rollout "
+              "problem per cap and GPU type)")
         caps = list(base.caps)
     elif any(not 1 <= c <= MAX_CAP for c in caps):
         r.bad("long_tail.caps", f"each cap must be in 1..{MAX_CAP} sequences, got {caps}")

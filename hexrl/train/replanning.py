@@ -21,6 +21,7 @@ boundary, after that evaluation: a switch leaves only between steps.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,9 +33,13 @@ from typing import Callable
 
 from hexrl.runtime import errors
 from hexrl.runtime.context import RankContext
+from hexrl.runtime.elastic import read_recorded_plan
 from hexrl.schema import Plan
 
 from .handoff import Stop
+
+PATIENCE_S = 1800.0  # a decision still running after max(replan.every_s, this) is stopped and logged
+MAX_WHY = 2000  # characters of a decision's reason: the log line and metrics.jsonl carry it
 
 
 @dataclass
@@ -99,7 +104,7 @@ class Replanner:
     def __init__(self, plan: Plan, run_dir: Path, metrics, restarts_left: int, since_step: int,
                  switches: Switches | None = None, clock: Callable[[], float] = time.monotonic,
                  now: Callable[[], float] = time.time, start: Callable[[list[str]], Decision] = Decision):
-        self.spec, self.run_dir, self.metrics = plan.job.replan, Path(run_dir), metrics
+        self.spec, self.job, self.run_dir, self.metrics = plan.job.replan, plan.job, Path(run_dir), metrics
         self.restarts_left, self.since_step, self.switches = restarts_left, since_step, switches or Switches()
         self.clock, self.now, self.start = clock, now, start
         self.dir = self.run_dir / "replan"
@@ -109,7 +114,7 @@ class Replanner:
         self.world = plan.world_size
         self.due = clock() + self.spec.every_s
         self.pending: Decision | None = None
-        self.asked_at = 0.0
+        self.asked_at, self.started = 0.0, 0.0  # Unix time the decision was asked at; clock() then
         self.switch_to: dict | None = None  # the plan a Stop restarts into (plan.json as a dict)
 
     def state(self) -> dict:
@@ -135,18 +140,29 @@ class Replanner:
         if self.pending is not None and self.pending.done():
             stop = self._finish(self.pending.result(), step)
             self.pending = None
+        elif self.pending is not None and self.clock() - self.started > self.patience_s:
+            self.close()  # a planner that hangs would hold every later decision back, silently
+            self._finish(f"the planner gave no answer in {self.patience_s:g} s (stopped)", step)
         if self.pending is None and stop is None and self.clock() >= self.due:
             self.new_plan.unlink(missing_ok=True)
-            self.asked_at = self.now()
+            self.asked_at, self.started = self.now(), self.clock()
             self.pending = self.start(self.command(self.asked_at))
             self.due = self.clock() + self.spec.every_s
         return stop
 
+    @property
+    def patience_s(self) -> float:
+        """How long a decision may run before it is stopped: the planner takes seconds to minutes."""
+        return max(self.spec.every_s, PATIENCE_S)
+
     def _finish(self, result: dict | str, step: int) -> Stop | None:
-        """Log one decision (a row, or the planner's failure); a Stop if it is to switch and can."""
-        row = result if isinstance(result, dict) else {"event": "replan", "time_s": round(self.asked_at, 3),
-                                                        "taken": False, "why": result}
-        row = {**row, "step": step}
+        """Log one decision (a row, or why there is none); a Stop if it is to switch and can."""
+        why = result if isinstance(result, str) else not_a_decision(result)
+        if why is None:
+            row = {**result, "event": "replan", "step": step}
+        else:
+            why = why if isinstance(result, str) else f"the planner's answer is not a decision: {why}"
+            row = {"event": "replan", "time_s": round(self.asked_at, 3), "taken": False, "why": why, "step": step}
         plan = self._switchable(row)
         self.metrics.log_event(row)
         errors.say(log_line(row))
@@ -161,10 +177,13 @@ class Replanner:
         the decision is not to switch or the launch cannot act on it."""
         if not row["taken"]:
             return None
-        plan, why = json.loads(self.new_plan.read_text()), None
-        if self.restarts_left < 1:
+        try:  # the planner wrote it for this job: a torn or edited file, or another job's, is refused
+            plan, why = read_recorded_plan(self.new_plan, self.job), None
+        except (ValueError, OSError) as e:
+            plan, why = None, str(e)
+        if why is None and self.restarts_left < 1:
             why = "the launch cannot restart (no torchrun restart left; launch with torchrun --max-restarts K)"
-        elif len(plan["ranks"]) != self.world:  # torchrun restarts the same number of ranks
+        elif why is None and len(plan["ranks"]) != self.world:  # torchrun restarts the same number of ranks
             why = f"the new plan has {len(plan['ranks'])} ranks, the launch {self.world}"
         if why is None:
             return plan
@@ -176,6 +195,35 @@ class Replanner:
         if self.pending is not None:
             self.pending.cancel()
             self.pending = None
+
+
+def not_a_decision(row) -> str | None:
+    """What in the planner's answer is not a decision row of `python -m hexrl.plan replan --json` (the
+    fields the log line, the switch and the next decision read); None when it is one."""
+    if not isinstance(row, dict):
+        return f"a JSON {type(row).__name__}, not an object"
+    bad = [k for k, ok in (("taken", isinstance(row.get("taken"), bool)),
+                           ("why", isinstance(row.get("why"), str) and len(row["why"]) <= MAX_WHY),
+                           ("time_s", _finite(row.get("time_s")))) if not ok]
+    gains = ("predicted_gain", "amortised_gain")
+    if row.get("taken") is True or any(k in row for k in gains):
+        bad += [k for k in gains if not _finite(row.get(k))]
+    if row.get("taken") is True:
+        bad += [k for k in ("running_split", "new_split") if not _split(row.get(k))]
+        if not _finite((row.get("measured") if isinstance(row.get("measured"), dict) else {}).get("output_len_mean")):
+            bad.append("measured.output_len_mean")
+    return f"{', '.join(bad)} missing or malformed" if bad else None
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _split(s) -> bool:
+    """{"train": {gpu type: count}, "rollout": {...}}, as replan.split_of writes it."""
+    return isinstance(s, dict) and all(isinstance(s.get(role), dict) and all(
+        isinstance(t, str) and isinstance(n, int) and not isinstance(n, bool) for t, n in s[role].items())
+        for role in ("train", "rollout"))
 
 
 def log_line(row: dict) -> str:
