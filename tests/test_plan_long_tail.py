@@ -5,8 +5,10 @@ import numpy as np
 import pytest
 
 from hexrl.plan.__main__ import report, summary
+from hexrl.plan.candidate import Evaluator
 from hexrl.plan.cost import CostModel
 from hexrl.plan.lengths import LengthDist
+from hexrl.plan.partition import _raise, bound_parts, lower_bounds, makespan_bound, split_grid
 from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
 from hexrl.schema import load_job
@@ -94,3 +96,43 @@ def test_simulator_without_long_groups_draws_as_before(plans):
     a = simulate(plans[0], steps=4, warmup=1)
     b = simulate(plans[0], steps=4, warmup=1, long_share=0.0)
     assert a.step_time_s == b.step_time_s and a.tail_staleness == {} and np.isfinite(a.step_time_s)
+
+
+def small_cluster_job() -> dict:
+    """heavy_job with the 7B model on one node of 4 L40S (whose memory limits its batches) and one of
+    4 H20, long_tail caps up to 256, eta 2."""
+    nodes = [{"name": "l40s-0", "gpu_type": "L40S", "gpus": 4}, {"name": "h20-0", "gpu_type": "H20", "gpus": 4}]
+    return heavy_job(eta=2, model={"preset": "r1-distill-qwen-7b"},
+                     long_tail={"alpha": 0.25, "caps": [32, 64, 128, 256]},
+                     cluster={"nodes": nodes, "inter_node_GBps": 5, "cross_type_GBps": 1.5})
+
+
+def test_every_sweep_bound_stays_under_the_two_class_step():
+    """The sweep prunes a split whose lower bound cannot beat the best step and orders the rest by
+    bounds of their estimates: with two length classes (the regular class's short samples decode
+    faster than the one class's) each must still be at most the split's exact step and estimate,
+    and makespan_bound at most the two-class makespan of the MILP's plan (it was 1.42x it on 3 free
+    L40S, priced as one class). Every split of the cluster; a split where a type alone cannot hold both
+    classes is estimated with the joint plan (its per-type plans do not exist)."""
+    cm = CostModel(load_job(small_cluster_job(), check_paths=False))
+    ev = Evaluator(cm)
+    types = cm.cluster.types()
+    grid = split_grid([cm.cluster.count(t) for t in types])
+    train_lb, gen_lb, sync_lb = bound_parts(ev, types, grid)
+    lb = lower_bounds(ev, types, grid)
+    checked = 0
+    for i, n in enumerate(grid):
+        cand = ev.counts({t: int(v) for t, v in zip(types, n)})
+        if cand is None:
+            continue
+        checked += 1
+        assert lb[i] <= cand.step_s * (1 + 1e-9)
+        up, levels = (None, i, 0, None), []
+        while up is not None and up[2] < 3:
+            up = _raise(ev, types, grid, i, up[2], up[3], train_lb[i], sync_lb[i])
+            levels.append(up[0])
+        assert levels == sorted(levels) and levels[-1] == ev.estimate(cand.per_node, ev.combined_rollout(cand.per_node))
+        free = {t: cm.cluster.count(t) - int(v) for t, v in zip(types, n) if cm.cluster.count(t) > v}
+        if len(free) == 1:
+            assert makespan_bound(cm, *free.popitem()) <= cand.rollout.gen_s
+    assert checked > 3

@@ -65,11 +65,13 @@ def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float, long_t
     """One column (free class, operating point, long tail?) per (class, tp, operating point); all
     batch sizes only if the gate can bind. long_tail (cap, GPU type): the long tail's columns too,
     at that batch cap on that type's GPUs."""
-    cap = sum(len(c.nodes) * c.free * max((cm.max_decode_batch(c.gpu_type, tp) / tp
+    regular = cm.rollout if long_tail is None else cm.tail.regular
+    # the regular class's batches are the largest (its samples are the shortest): past this cap the
+    # gate cannot bind, whatever the plan
+    cap = sum(len(c.nodes) * c.free * max((regular.max_decode_batch(c.gpu_type, tp) / tp
                                              for tp in cm.tp_options(c.gpu_type)), default=0)
               for c in classes)
     all_batches = concurrency < cap
-    regular = cm.rollout if long_tail is None else cm.tail.regular
     cols = []
     for ci, c in enumerate(classes):
         for tp in cm.tp_options(c.gpu_type):
