@@ -1,6 +1,8 @@
 """The long tail in the plan: two length classes in the rollout MILP, the long groups' replicas at a
 batch cap from the job's caps, the split printed, and the simulator playing both classes."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -138,6 +140,27 @@ def test_every_sweep_bound_stays_under_the_two_class_step():
         if len(free) == 1:
             assert makespan_bound(cm, *free.popitem()) <= cand.rollout.gen_s
     assert checked > 3
+
+
+def test_gate_prices_each_length_class_by_what_it_holds_in_flight():
+    """Under a binding gate (eta 1) the running groups split between the classes by Little's law, not
+    by the share of groups handed out: long-tail replicas whose caps cannot hold the long class's
+    share queue it, and the step waits for the long class at their full rate (priced as one class,
+    cap 4 came out at 125 s against the 332 s its two replicas need for the long tokens)."""
+    cm = CostModel(load_job(heavy_job(eta=1, long_tail={"alpha": 0.25, "caps": [4, 64]}), check_paths=False))
+
+    def gen_s(cap: int) -> tuple[float, float]:
+        """(gated generation, the long tokens at the long-tail replicas' full rate) with 2 H20 at cap."""
+        long = [SimpleNamespace(gpu_type="H20", tp=1, batch=cap, share=0.25 / 2, long_tail=True)] * 2
+        regular = [SimpleNamespace(gpu_type="H800", tp=1, batch=256, share=0.75 / 4, long_tail=False)] * 4
+        full = 2 * cm.tail.long.decode_point("H20", 1, cap).tokens_per_s
+        return cm.gated_gen_s(long + regular, 100.0, 5.0, at_least=1.0), cm.tail.long.w.gen_tokens / full
+
+    for cap in (4, 8, 16, 64):
+        gen, long_alone = gen_s(cap)
+        assert gen >= long_alone * (1 - 1e-3)  # no class generates faster than its replicas running full
+    assert gen_s(4)[0] == pytest.approx(gen_s(4)[1], rel=1e-3)  # the small cap: the long class's queue is the step
+    assert gen_s(64)[0] < gen_s(16)[0] < gen_s(4)[0]
 
 
 def test_rollout_solves_only_the_caps_that_can_win(monkeypatch):
