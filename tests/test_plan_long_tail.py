@@ -1,6 +1,7 @@
 """The long tail in the plan: two length classes in the rollout MILP, the long groups' replicas at a
 batch cap from the job's caps, the split printed, and the simulator playing both classes."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -16,7 +17,8 @@ from hexrl.plan.placement import free_classes
 from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
 from hexrl.schema import load_job
-from tools.experiments.long_tail_study import heavy_tail
+from tools.experiments.long_tail_study import heavy_tail, job_dict, recorded_lengths
+from tools.experiments.long_tail_study import main as study_main
 
 CAPS = [4, 8, 16]
 
@@ -184,3 +186,16 @@ def test_rollout_solves_only_the_caps_that_can_win(monkeypatch):
     gen = [cm.gen_s(p.gen_s, p.wave_s, 0.0, 0.0) for p in plans]
     best = min((p for p, g in zip(plans, gen) if g <= 1.01 * min(gen)), key=cm.long_tail_wave_s)
     assert plan == best
+
+
+def test_study_takes_a_runs_recorded_lengths(tmp_path, capsys):
+    """--lengths RUN_DIR: the workload's output lengths are every sample length the run recorded."""
+    rows = [{"step": 1, "problem_ids": [3, 3], "group_ids": [0, 0], "lengths": [12, 0]},
+            {"step": 2, "problem_ids": [5, 5], "group_ids": [1, 1], "lengths": [300, 7]}]
+    (tmp_path / "lengths.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lengths = recorded_lengths(tmp_path)
+    assert lengths == [12, 1, 300, 7]  # an empty answer still takes a token
+    job = load_job(job_dict("1.5b", 4, 0.2, lengths), check_paths=False)
+    assert job.workload.output_len == {"samples": [12, 1, 300, 7]} and job.long_tail.alpha == 0.2
+    assert study_main(["--lengths", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().out.strip().endswith("none/lengths.jsonl: no recorded lengths")
