@@ -22,7 +22,8 @@ class, and the token rate of each class's columns must be its share of the step'
 (one row per class in place of sum r = U), so both classes end together. The long tail's columns run at
 one batch cap on one GPU type: one MILP per cap in the job's caps and GPU type, and the plan that
 generates a step soonest (the throughput makespan or the wave, as the gate lets them bind:
-CostModel.gen_s) is kept, or within 1% of it the one whose long tail ends soonest.
+CostModel.gen_s) is kept, or within 1% of it the one whose long tail ends soonest. A try whose
+relaxed MILP cannot come within that 1% is not solved (solve_rollout).
 """
 
 import ctypes
