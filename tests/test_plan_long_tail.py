@@ -2,17 +2,24 @@
 batch cap from the job's caps, the split printed, and the simulator playing both classes."""
 
 import copy
+import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from hexrl.plan import rollout_milp
 from hexrl.plan.__main__ import report, summary
+from hexrl.plan.candidate import Evaluator
 from hexrl.plan.cost import CostModel
 from hexrl.plan.lengths import LengthDist
+from hexrl.plan.partition import _raise, bound_parts, lower_bounds, makespan_bound, split_grid
+from hexrl.plan.placement import free_classes
 from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
 from hexrl.schema import load_job, load_plan
-from tools.experiments.long_tail_study import heavy_tail
+from tools.experiments.long_tail_study import heavy_tail, job_dict, recorded_lengths
+from tools.experiments.long_tail_study import main as study_main
 
 CAPS = [4, 8, 16]
 
@@ -110,3 +117,100 @@ def test_hand_edited_long_tail_marks_simulate_as_the_controller_dispatches(plans
     marked["rollout"]["replicas"][0]["long_tail"] = True
     as_marked, as_blind = (simulate(load_plan(p, check_paths=False), 4, 1) for p in (marked, blind))
     assert as_marked.tokens_per_s == as_blind.tokens_per_s
+
+
+def small_cluster_job() -> dict:
+    """heavy_job with the 7B model on one node of 4 L40S (whose memory limits its batches) and one of
+    4 H20, long_tail caps up to 256, eta 2."""
+    nodes = [{"name": "l40s-0", "gpu_type": "L40S", "gpus": 4}, {"name": "h20-0", "gpu_type": "H20", "gpus": 4}]
+    return heavy_job(eta=2, model={"preset": "r1-distill-qwen-7b"},
+                     long_tail={"alpha": 0.25, "caps": [32, 64, 128, 256]},
+                     cluster={"nodes": nodes, "inter_node_GBps": 5, "cross_type_GBps": 1.5})
+
+
+def test_every_sweep_bound_stays_under_the_two_class_step():
+    """The sweep prunes a split whose lower bound cannot beat the best step and orders the rest by
+    bounds of their estimates: with two length classes (the regular class's short samples decode
+    faster than the one class's) each must still be at most the split's exact step and estimate,
+    and makespan_bound at most the two-class makespan of the MILP's plan (it was 1.42x it on 3 free
+    L40S, priced as one class). Every split of the cluster; a split where a type alone cannot hold both
+    classes is estimated with the joint plan (its per-type plans do not exist)."""
+    cm = CostModel(load_job(small_cluster_job(), check_paths=False))
+    ev = Evaluator(cm)
+    types = cm.cluster.types()
+    grid = split_grid([cm.cluster.count(t) for t in types])
+    train_lb, gen_lb, sync_lb = bound_parts(ev, types, grid)
+    lb = lower_bounds(ev, types, grid)
+    checked = 0
+    for i, n in enumerate(grid):
+        cand = ev.counts({t: int(v) for t, v in zip(types, n)})
+        if cand is None:
+            continue
+        checked += 1
+        assert lb[i] <= cand.step_s * (1 + 1e-9)
+        up, levels = (None, i, 0, None), []
+        while up is not None and up[2] < 3:
+            up = _raise(ev, types, grid, i, up[2], up[3], train_lb[i], sync_lb[i])
+            levels.append(up[0])
+        assert levels == sorted(levels) and levels[-1] == ev.estimate(cand.per_node, ev.combined_rollout(cand.per_node))
+        free = {t: cm.cluster.count(t) - int(v) for t, v in zip(types, n) if cm.cluster.count(t) > v}
+        if len(free) == 1:
+            assert makespan_bound(cm, *free.popitem()) <= cand.rollout.gen_s
+    assert checked > 3
+
+
+def test_gate_prices_each_length_class_by_what_it_holds_in_flight():
+    """Under a binding gate (eta 1) the running groups split between the classes by Little's law, not
+    by the share of groups handed out: long-tail replicas whose caps cannot hold the long class's
+    share queue it, and the step waits for the long class at their full rate (priced as one class,
+    cap 4 came out at 125 s against the 332 s its two replicas need for the long tokens)."""
+    cm = CostModel(load_job(heavy_job(eta=1, long_tail={"alpha": 0.25, "caps": [4, 64]}), check_paths=False))
+
+    def gen_s(cap: int) -> tuple[float, float]:
+        """(gated generation, the long tokens at the long-tail replicas' full rate) with 2 H20 at cap."""
+        long = [SimpleNamespace(gpu_type="H20", tp=1, batch=cap, share=0.25 / 2, long_tail=True)] * 2
+        regular = [SimpleNamespace(gpu_type="H800", tp=1, batch=256, share=0.75 / 4, long_tail=False)] * 4
+        full = 2 * cm.tail.long.decode_point("H20", 1, cap).tokens_per_s
+        return cm.gated_gen_s(long + regular, 100.0, 5.0, at_least=1.0), cm.tail.long.w.gen_tokens / full
+
+    for cap in (4, 8, 16, 64):
+        gen, long_alone = gen_s(cap)
+        assert gen >= long_alone * (1 - 1e-3)  # no class generates faster than its replicas running full
+    assert gen_s(4)[0] == pytest.approx(gen_s(4)[1], rel=1e-3)  # the small cap: the long class's queue is the step
+    assert gen_s(64)[0] < gen_s(16)[0] < gen_s(4)[0]
+
+
+def test_rollout_solves_only_the_caps_that_can_win(monkeypatch):
+    """One MILP per (cap, GPU type) is the slow part of planning a long tail: a try whose relaxed
+    MILP already generates slower than 1% past the best plan solved is skipped, and the plan is the
+    one solving every try gives."""
+    cm = CostModel(load_job(heavy_job(eta=2, long_tail={"alpha": 0.25, "caps": [4, 8, 16, 64]}), check_paths=False))
+    classes = free_classes(cm.cluster, (0,) * len(cm.cluster.nodes))
+    solved = []
+    every = rollout_milp._solve_rollout
+
+    def counting(*args):
+        solved.append(args[-1])
+        return every(*args)
+
+    monkeypatch.setattr(rollout_milp, "_solve_rollout", counting)
+    plan = rollout_milp.solve_rollout(cm, classes)
+    tries = [(cap, kind) for cap in cm.tail.caps for kind in ("H800", "H20")]
+    assert 0 < len(solved) < len(tries)
+    plans = [p for t in tries if (p := every(cm, classes, 4, None, t)) is not None]
+    gen = [cm.gen_s(p.gen_s, p.wave_s, 0.0, 0.0) for p in plans]
+    best = min((p for p, g in zip(plans, gen) if g <= 1.01 * min(gen)), key=cm.long_tail_wave_s)
+    assert (plan.gen_s, plan.wave_s, plan.tokens_per_s) == (best.gen_s, best.wave_s, best.tokens_per_s)
+
+
+def test_study_takes_a_runs_recorded_lengths(tmp_path, capsys):
+    """--lengths RUN_DIR: the workload's output lengths are every sample length the run recorded."""
+    rows = [{"step": 1, "problem_ids": [3, 3], "group_ids": [0, 0], "lengths": [12, 0]},
+            {"step": 2, "problem_ids": [5, 5], "group_ids": [1, 1], "lengths": [300, 7]}]
+    (tmp_path / "lengths.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    lengths = recorded_lengths(tmp_path)
+    assert lengths == [12, 1, 300, 7]  # an empty answer still takes a token
+    job = load_job(job_dict("1.5b", 4, 0.2, lengths), check_paths=False)
+    assert job.workload.output_len == {"samples": [12, 1, 300, 7]} and job.long_tail.alpha == 0.2
+    assert study_main(["--lengths", str(tmp_path / "none")]) == 2
+    assert capsys.readouterr().out.strip().endswith("none/lengths.jsonl: no recorded lengths")

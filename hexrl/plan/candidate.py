@@ -100,13 +100,15 @@ class Evaluator:
         all types together, rounded down to a power of 2^(1/4). Each type may use the gate's
         whole cap on running sequences, so where the cap binds the estimate can miss either
         way (splitting the cap by decode rate made it pessimistic more often: docs/planner.md, plan
-        quality). None if a type's free GPUs hold no replica (the joint MILP fails then too)."""
+        quality). None if a type's free GPUs hold no replica (the joint MILP fails then too); with a long
+        tail, where a type cannot hold both classes, the joint MILP's own plan."""
         cm = self.cm
         classes = free_classes(cm.cluster, per_node)
         by_type = [[c for c in classes if c.gpu_type == t] for t in dict.fromkeys(c.gpu_type for c in classes)]
         alone = [self._solve(cs) for cs in by_type]
         if not alone or None in alone:
-            return None
+            # a type too small for both length classes may still serve one of them in the joint plan
+            return self.rollout(per_node) if alone and cm.tail is not None else None
         kinds = [k for p in alone for k in p.kinds]
         split = any(k.long_tail for k in kinds)
         step = makespan(cm, [decode_point(cm, k, split) for k in kinds], [k.count for k in kinds],

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from hexrl.gpus import GPU, gpu, host_costs
 from hexrl.plan.cost_host import HostCost
 from hexrl.plan.cost_inputs import Memory, Params, Workload, replicas_in, tp_degrees, workload_of
-from hexrl.plan.cost_rollout import RolloutCost, tail_split
+from hexrl.plan.cost_rollout import RolloutCost, gate_fixed_point, replica_kinds, tail_split
 from hexrl.plan.cost_sync import SyncCost
 from hexrl.plan.cost_train import TrainCost
 from hexrl.schema import Job
@@ -67,7 +67,7 @@ class CostModel:
         self.kv_bytes_per_token, self.max_decode_batch = r.kv_bytes_per_token, r.max_decode_batch
         self.decode_point, self.decode_points = r.decode_point, r.decode_points
         self.decode_coeffs, self.decode_fixed_s, self.prefill_s = r.decode_coeffs, r.decode_fixed_s, r.prefill_s
-        self.decode_rate_bound, self.gated_gen_s, self.gen_s = r.decode_rate_bound, r.gated_gen_s, r.gen_s
+        self.decode_rate_bound, self.gen_s = r.decode_rate_bound, r.gen_s
         self.wave_s, self.joined_wave_s = r.wave_s, r.joined_wave_s
         self.sync_s, self.group_reward_s = s.sync_s, s.group_reward_s
         self.handoff_s, self.controller_floor_s = self.host.handoff_s, self.host.controller_floor_s
@@ -113,6 +113,35 @@ class CostModel:
         if parts is None:
             return self.rollout.joined_wave(replicas, join_s, pause_s)
         return max(cost.joined_wave(mine, join_s, pause_s) for cost, mine in parts)
+
+    def gated_gen_s(self, replicas, train_s: float, sync_s: float, at_least: float) -> float:
+        """RolloutCost.gated_gen_s; with a long tail, per length class. Of the groups the gate lets run,
+        each class holds as many as make both classes' generation take equally long: by Little's law a
+        class whose groups run longer holds more of the gate's slots (long groups 8x as long at 25% of
+        those handed out are 73% of those running), not its share of the groups handed out. Where the
+        long tail's replicas cannot run that many at their caps the rest queue, holding slots the
+        regular class then lacks: the step waits for the long class at its replicas' full rate."""
+        parts = self.by_length_class(replicas)
+        if parts is None:
+            return self.rollout.gated_gen_s(replicas, train_s, sync_s, at_least)
+        classes = [(cost, replica_kinds([r for r in mine if r.share > 0])) for cost, mine in parts]
+        if self.w.eta in (0, None) or len(classes) < 2 or not all(kinds for _, kinds in classes):
+            return self.rollout.gated_gen_s(replicas, train_s, sync_s, at_least)
+        (reg, reg_kinds), (long, long_kinds) = classes
+
+        def gen_at(gen: float) -> float:  # both classes' generation at the balance of the running groups
+            running = self.rollout.gate_running(gen, train_s, sync_s)
+            def times(n_long: float) -> tuple[float, float]:
+                return (long.w.gen_tokens / long.running_rate(long_kinds, n_long),
+                        reg.w.gen_tokens / reg.running_rate(reg_kinds, running - n_long))
+            lo, hi = 0.0, running  # the long class's running groups: its time falls as they grow
+            while hi - lo > 1e-4 * running:
+                mid = (lo + hi) / 2
+                t_long, t_reg = times(mid)
+                lo, hi = (mid, hi) if t_long > t_reg else (lo, mid)
+            return min(max(times(lo)), max(times(hi)))
+
+        return gate_fixed_point(gen_at, at_least)
 
     def by_length_class(self, replicas) -> list[tuple[RolloutCost, list[ClassReplica]]] | None:
         """Where some replica serves the long tail: each length class's costs with its replicas, their

@@ -81,6 +81,29 @@ def tail_split(job: Job, w: Workload, gpus: dict[str, GPU], memory: Memory, para
                      groups, spec.caps)
 
 
+def replica_kinds(replicas) -> collections.Counter:
+    """Replicas (objects with gpu_type, tp, batch, share, or ReplicaKinds) counted by kind: plans repeat them."""
+    kinds = collections.Counter()
+    for r in replicas:
+        kinds[r.gpu_type, r.tp, r.batch, r.share] += replicas_in(r)
+    return kinds
+
+
+def gate_fixed_point(gen_at, at_least: float) -> float:
+    """The generation time g = gen_at(g), at least `at_least` (gen_at falls as g grows: the gate lets
+    more run over a longer step), by bisection; at_least where gen_at(at_least) <= at_least (not binding)."""
+    lo = at_least
+    if lo <= 0 or gen_at(lo) <= lo:
+        return at_least
+    hi = 2 * lo
+    while gen_at(hi) > hi:
+        hi *= 2
+    while hi - lo > 1e-4 * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if gen_at(mid) > mid else (lo, mid)
+    return hi
+
+
 class RolloutCost:
     """Rollout costs of one job on the cluster's GPU types."""
 
@@ -312,35 +335,29 @@ class RolloutCost:
         the sequences in flight (1 <= eta < inf): what filtered groups make binding, as the B accepted
         groups per step then take B / (1 - f) generated ones. Of the (eta + 1) B groups the gate
         admits, the accepted and untrained ones average B (C / T + 1/2) over a step of T (the batch in
-        training is held for C = train + sync, acceptances arrive evenly), the rest run; a running
-        group decodes G mean(L) / E[max of G L] sequences on average, since it holds its slot until its
-        longest ends. Replicas get running groups by share (control/dispatch.py) and decode at that
-        batch. The generation time g these rates give falls as g grows: bisection finds the fixed point."""
-        w, eta = self.w, self.w.eta
+        training is held for C = train + sync, acceptances arrive evenly), the rest run (gate_running);
+        a running group decodes G mean(L) / E[max of G L] sequences on average, since it holds its slot
+        until its longest ends. Replicas get running groups by share (control/dispatch.py) and decode
+        at that batch (running_rate). The generation time g these rates give falls as g grows:
+        bisection finds the fixed point (gate_fixed_point)."""
         active = [r for r in replicas if r.share > 0]
-        if eta in (0, None) or not active:
+        if self.w.eta in (0, None) or not active:
             return at_least
-        groups, per_group = w.samples / w.group, self._decoding_per_group
-        kinds = collections.Counter()  # replicas repeat
-        for r in active:
-            kinds[r.gpu_type, r.tp, r.batch, r.share] += replicas_in(r)
+        kinds = replica_kinds(active)
+        return gate_fixed_point(
+            lambda gen: self.w.gen_tokens / self.running_rate(kinds, self.gate_running(gen, train_s, sync_s)), at_least)
 
-        def gen_at(gen: float) -> float:  # generation time at the concurrency a step of gen + sync leaves
-            running = groups * (eta + 0.5 - min(1.0, (train_s + sync_s) / (gen + sync_s)))
-            rate = sum(self.decode_point(t, tp, max(1, min(b, round(running * per_group * share)))).tokens_per_s * n
-                       for (t, tp, b, share), n in kinds.items())
-            return w.gen_tokens / rate
+    def gate_running(self, gen: float, train_s: float, sync_s: float) -> float:
+        """Groups running on average over a step of `gen` s of generation (gated_gen_s)."""
+        w = self.w
+        return w.samples / w.group * (w.eta + 0.5 - min(1.0, (train_s + sync_s) / (gen + sync_s)))
 
-        lo = at_least
-        if lo <= 0 or gen_at(lo) <= lo:
-            return at_least  # the gate leaves enough running: not binding
-        hi = 2 * lo
-        while gen_at(hi) > hi:
-            hi *= 2
-        while hi - lo > 1e-4 * hi:
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if gen_at(mid) > mid else (lo, mid)
-        return hi
+    def running_rate(self, kinds: collections.Counter, groups: float) -> float:
+        """Generated tokens/s of replicas (replica_kinds) while `groups` groups run, dealt by share: each
+        decodes at that batch, at most its own."""
+        per_group = self._decoding_per_group
+        return sum(self.decode_point(t, tp, max(1, min(b, round(groups * per_group * share)))).tokens_per_s * n
+                   for (t, tp, b, share), n in kinds.items())
 
     @functools.cached_property
     def _decoding_per_group(self) -> float:

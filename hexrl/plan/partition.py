@@ -105,7 +105,7 @@ def bound_parts(ev: Evaluator, types: list[str], grid: np.ndarray) -> tuple[np.n
     hbm = np.array([cm.gpus[t].hbm_Bps for t in types])
     train_rate = grid @ eff
     mem = grid @ np.array([cm.usable_bytes(t) for t in types])
-    dec = (total - grid) @ np.array([cm.decode_rate_bound(t) for t in types])
+    dec = (total - grid) @ np.array([_rate_bound(cm, t) for t in types])
     params = cm.m.num_hidden_layers * cm.layer_params + cm.edge_params(0, 1)  # the fewest: one stage
     # optimizer: a stage of GPU type t spends >= 32 B / hbm per parameter it holds, per minibatch
     opt = cm.w.minibatches * 32 * params * np.where(grid > 0, eff / hbm, np.inf).min(1)
@@ -122,6 +122,14 @@ def bound_parts(ev: Evaluator, types: list[str], grid: np.ndarray) -> tuple[np.n
         lb_g = np.where(dec > 0, cm.w.gen_tokens / dec, np.inf)
         lb_s = np.where(send > 0, 2 * params / send, 0.0)
     return lb_t, lb_g, lb_s
+
+
+def _rate_bound(cm, t: str) -> float:
+    """An upper bound on one GPU of type t's generated tokens/s in any rollout plan: its best point
+    per GPU (no recompute). With a long tail, of both classes: a class of short samples decodes faster."""
+    if cm.tail is None:
+        return cm.decode_rate_bound(t)
+    return max((pt.tokens_per_s / pt.tp for pt in plan_points(cm, t)), default=0.0)
 
 
 def split_grid(totals: list[int], limit: int = GRID_POINTS, per_type: int = TYPE_POINTS) -> np.ndarray:
@@ -282,26 +290,39 @@ def makespan_bound(cm, gpu_type: str, n: int) -> float:
     """A lower bound on the makespan T = (tokens + sum h R) / sum h (rollout_milp.makespan) of any
     rollout plan on n free GPUs of one type: the replica counts relaxed to the polytope of its
     MILP without TP packing (GPUs and the staleness gate's cap on running sequences: two rows),
-    where the ratio is least at a vertex, and a vertex uses one or two configurations."""
+    where the ratio is least at a vertex, and a vertex uses one or two configurations. With a long
+    tail the polytope has both classes' columns: the slower class's T is at least the mediant
+    (both classes' tokens + sum h R) / sum h over all replicas, which a vertex of it bounds."""
     cap = float("inf") if cm.w.eta is None else (cm.w.eta + 1) * cm.w.samples
     parts = _vertex_rates(cm, gpu_type, n, cap) if n > 0 else None
     if parts is None or parts[0].max() <= 0:
         return float("inf")
     rate, loss = parts
+    tokens = cm.w.gen_tokens if cm.tail is None else cm.tail.regular.w.gen_tokens + cm.tail.long.w.gen_tokens
     # a hair under, so that rounding never lifts it over a plan whose makespan is the vertex's
-    return float(((cm.w.gen_tokens + loss[rate > 0]) / rate[rate > 0]).min()) * (1 - 1e-9)
+    return float(((tokens + loss[rate > 0]) / rate[rate > 0]).min()) * (1 - 1e-9)
 
 
 def _vertex_rates(cm, t: str, n: int, cap: float) -> tuple[np.ndarray, np.ndarray] | None:
     """(h.y, (h R).y) at every vertex y of type t's relaxed polytope on n GPUs (makespan_bound)."""
-    points = list({(pt.tp, pt.batch): pt for tp in cm.tp_options(t) for b in (False, True)
-                   for pt in cm.decode_points(t, tp, b)}.values())
+    points = plan_points(cm, t)
     if not points:
         return None
     h, r, a, b = (np.array([getattr(pt, f) for pt in points], dtype=float)
                   for f in ("tokens_per_s", "recompute_s", "tp", "batch"))
     y = _vertices(a, b, float(n), cap)
     return y @ h, y @ (h * r)
+
+
+def plan_points(cm, t: str) -> list:
+    """Every operating point a rollout plan may give a replica of type t: the one class's, or with a
+    long tail the regular class's and the long tail's at each of its caps (priced for their lengths)."""
+    regular = cm.rollout if cm.tail is None else cm.tail.regular
+    points = {(pt.tp, pt.batch): pt for tp in cm.tp_options(t) for b in (False, True)
+              for pt in regular.decode_points(t, tp, b)}
+    long = [] if cm.tail is None else [pt for tp in cm.tp_options(t) for cap in cm.tail.caps
+                                       for pt in cm.tail.long.capped_points(t, tp, cap)]
+    return list(points.values()) + long
 
 
 def _vertices(a: np.ndarray, b: np.ndarray, n: float, cap: float) -> np.ndarray:

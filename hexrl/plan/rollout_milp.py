@@ -22,7 +22,8 @@ class, and the token rate of each class's columns must be its share of the step'
 (one row per class in place of sum r = U), so both classes end together. The long tail's columns run at
 one batch cap on one GPU type: one MILP per cap in the job's caps and GPU type, and the plan that
 generates a step soonest (the throughput makespan or the wave, as the gate lets them bind:
-CostModel.gen_s) is kept, or within 1% of it the one whose long tail ends soonest.
+CostModel.gen_s) is kept, or within 1% of it the one whose long tail ends soonest. A try whose
+relaxed MILP cannot come within that 1% is not solved (solve_rollout).
 """
 
 import ctypes
@@ -104,11 +105,13 @@ def _columns(cm: CostModel, classes: list[FreeClass], concurrency: float, long_t
     """One column (free class, operating point, long tail?) per (class, tp, operating point); all
     batch sizes only if the gate can bind. long_tail (cap, GPU type): the long tail's columns too,
     at that batch cap on that type's GPUs."""
-    cap = sum(len(c.nodes) * c.free * max((cm.max_decode_batch(c.gpu_type, tp) / tp
+    regular = cm.rollout if long_tail is None else cm.tail.regular
+    # the regular class's batches are the largest (its samples are the shortest): past this cap the
+    # gate cannot bind, whatever the plan
+    cap = sum(len(c.nodes) * c.free * max((regular.max_decode_batch(c.gpu_type, tp) / tp
                                              for tp in cm.tp_options(c.gpu_type)), default=0)
               for c in classes)
     all_batches = concurrency < cap
-    regular = cm.rollout if long_tail is None else cm.tail.regular
     cols = []
     for ci, c in enumerate(classes):
         for tp in cm.tp_options(c.gpu_type):
@@ -139,13 +142,36 @@ def solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int = 4,
     a long tail, the best of one plan per batch cap and GPU type (see the module's docstring)."""
     if cm.tail is None:
         return _solve_rollout(cm, classes, rounds, period)
-    plans = [p for cap in cm.tail.caps for kind in dict.fromkeys(c.gpu_type for c in classes)
-             if (p := _solve_rollout(cm, classes, rounds, period, (cap, kind))) is not None]
-    if not plans:
+    tries = [(cap, kind) for cap in cm.tail.caps for kind in dict.fromkeys(c.gpu_type for c in classes)]
+    # a try's generation (eta != 0) is at least its makespan, at least the step's tokens / its MILP's
+    # relaxed token rate: solve the most promising first and skip those that cannot come within 1%
+    bound = {t: 0.0 if cm.w.eta == 0 else _makespan_floor(cm, classes, t) for t in tries}
+    solved = {}  # try -> (plan, generation)
+    for t in sorted(tries, key=bound.get):
+        if solved and bound[t] > 1.01 * min(g for _, g in solved.values()):
+            break  # sorted: no later try comes within 1% either
+        if (p := _solve_rollout(cm, classes, rounds, period, t)) is not None:
+            solved[t] = p, cm.gen_s(p.gen_s, p.wave_s, 0.0, 0.0)
+    if not solved:
         return None
-    gen = [cm.gen_s(p.gen_s, p.wave_s, 0.0, 0.0) for p in plans]
+    plans, gen = zip(*(solved[t] for t in tries if t in solved))  # in the order of the tries: ties go as before
     # within 1% of the shortest generation, the plan whose long tail ends soonest: its tokens are the freshest
     return min((p for p, g in zip(plans, gen) if g <= 1.01 * min(gen)), key=cm.long_tail_wave_s)
+
+
+def _makespan_floor(cm: CostModel, classes: list[FreeClass], long_tail: tuple[int, str]) -> float:
+    """A lower bound on the makespan of every plan _solve_rollout can return for long_tail (cap, type):
+    the step's tokens over its MILP's token rate relaxed (replica counts real, no recompute). A plan's
+    slower class takes at least its tokens / its replicas' rate, and the rates its replicas give
+    every class in proportion are a point of that relaxation; inf where it has none."""
+    w = cm.w
+    concurrency = float("inf") if w.eta is None else (w.eta + 1) * w.samples
+    cols, all_batches = _columns(cm, classes, concurrency, long_tail)
+    cols += _idle_columns(cm, classes)  # more columns only relax it further
+    _, sol = _solve(cm, classes, cols, [pt.tokens_per_s for _, pt, _ in cols],
+                    concurrency if all_batches else None, integer=False)
+    tokens = cm.tail.regular.w.gen_tokens + cm.tail.long.w.gen_tokens
+    return math.inf if sol is None else tokens / sol[-1] * (1 - 1e-9)
 
 
 def _solve_rollout(cm: CostModel, classes: list[FreeClass], rounds: int, period: float | None,
@@ -206,8 +232,9 @@ def quiet_highs() -> highspy.Highs:
     return h
 
 
-def _solve(cm: CostModel, classes, cols, rates, concurrency):
-    """Build and solve the MILP; returns (replica count per column, total token rate U)."""
+def _solve(cm: CostModel, classes, cols, rates, concurrency, integer: bool = True):
+    """Build and solve the MILP (integer=False: its relaxation); returns (replica count per column,
+    the solution: counts, token rates, total token rate U)."""
     n = len(cols)
     # columns: y_0..y_{n-1} (integer), r_0..r_{n-1}, U
     nv = 2 * n + 1
@@ -247,7 +274,7 @@ def _solve(cm: CostModel, classes, cols, rates, concurrency):
         rows.append({j: float(pt.batch) for j, (_, pt, _) in enumerate(cols)})
         lo.append(-highspy.kHighsInf), hi.append(concurrency)
     # two length classes: presolve took 3/4 of the time of these small MILPs, and finds nothing
-    h = _highs(cost, lower, upper, rows, lo, hi, n, presolve=not split)
+    h = _highs(cost, lower, upper, rows, lo, hi, n if integer else 0, presolve=not split)
     if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
         return None, None
     sol = np.asarray(h.getSolution().col_value)

@@ -2,14 +2,16 @@
 and simulated side by side.
 
     python -m tools.experiments.long_tail_study [--sizes 1.5b,7b,14b] [--etas 4,0] [--steps 8]
-        [--warmup 2] [--recall 0.8] [--seed 0] [--json out.json]
+        [--warmup 2] [--recall 0.8] [--seed 0] [--lengths RUN_DIR] [--json out.json]
 
 Jobs: tools/configs/paper_<size>_hetero.json (24 H800 + 24 H20, 512 groups x 16 samples, eta 4),
 with a heavy-tailed output length in place of the paper's truncated exponential: log-normal,
 median 1,500 tokens, log sd 1.0, cut at max_new_tokens (8,192; the mass past it at the cap), and
 each eta of --etas. Every arm's simulation draws the same workload: 20% of each batch's groups
 long (their samples from the longest 20% of the distribution's mass, the rest from the rest:
-a prompt's difficulty sets its group's lengths).
+a prompt's difficulty sets its group's lengths). --lengths RUN_DIR: the output lengths are a real
+run's instead, every trained sample's generated length it recorded (RUN_DIR/lengths.jsonl), as
+workload.output_len samples.
 
 - length-blind: the job as it is (one class), its groups dealt by share whatever their length;
 - skew-aware: the job with long_tail.alpha = 0.2, its long groups predicted right (recall 1);
@@ -27,6 +29,7 @@ import json
 import math
 from pathlib import Path
 
+from hexrl.control.metrics import LENGTHS_FILE, read_metrics
 from hexrl.plan.planner import plan_job
 from hexrl.plan.simulate import simulate
 from hexrl.schema import load_job
@@ -45,15 +48,31 @@ def heavy_tail(median: float, sigma: float, cap: int, bins: int = 64) -> dict:
     return {"histogram": {"edges": edges, "counts": counts}}
 
 
-def job_dict(size: str, eta: int, alpha: float) -> dict:
-    """The hetero job of one model with the heavy tail, eta, and long_tail.alpha (0: no section)."""
+def recorded_lengths(run_dir: Path) -> list[int]:
+    """Every trained sample's generated length a run recorded (RUN_DIR/lengths.jsonl), at least 1 token
+    (workload.output_len's samples); empty if it recorded none."""
+    path = run_dir / LENGTHS_FILE
+    rows = read_metrics(path) if path.is_file() else []
+    return [max(1, int(n)) for row in rows for n in row.get("lengths", [])]
+
+
+def job_dict(size: str, eta: int, alpha: float, lengths: list[int] | None = None) -> dict:
+    """The hetero job of one model with the heavy tail (or these output lengths), eta, and
+    long_tail.alpha (0: no section)."""
     d = json.loads((CONFIGS / f"paper_{size}_hetero.json").read_text())
     d = copy.deepcopy(d)
     d["rl"]["eta"] = eta
-    d["workload"]["output_len"] = heavy_tail(1500, 1.0, d["rl"]["max_new_tokens"])
+    d["workload"]["output_len"] = ({"samples": lengths} if lengths
+                                   else heavy_tail(1500, 1.0, d["rl"]["max_new_tokens"]))
     if alpha:
         d["long_tail"] = {"alpha": alpha}
     return d
+
+
+def percentile(values: list[int], q: float) -> int:
+    """The q-th percentile of values (nearest rank)."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
 
 
 def tail_staleness(hist: dict) -> float:
@@ -62,8 +81,8 @@ def tail_staleness(hist: dict) -> float:
     return sum(k * v for k, v in hist.items()) / n if n else float("nan")
 
 
-def plan(size: str, eta: int, alpha: float):
-    return plan_job(load_job(job_dict(size, eta, alpha), check_paths=False))
+def plan(size: str, eta: int, alpha: float, lengths: list[int] | None = None):
+    return plan_job(load_job(job_dict(size, eta, alpha, lengths), check_paths=False))
 
 
 def arm(plan, recall: float, args) -> dict:
@@ -82,8 +101,8 @@ def arm(plan, recall: float, args) -> dict:
 
 def cell(size: str, eta: int, args) -> list[dict]:
     """The arms of one model and eta: length-blind, skew-aware, skew-aware at --recall."""
-    aware = plan(size, eta, ALPHA)
-    rows = [arm(plan(size, eta, 0.0), 1.0, args), arm(aware, 1.0, args)]
+    aware = plan(size, eta, ALPHA, args.run_lengths)
+    rows = [arm(plan(size, eta, 0.0, args.run_lengths), 1.0, args), arm(aware, 1.0, args)]
     if args.recall < 1:
         rows.append(arm(aware, args.recall, args))
     return [{"size": size, **r} for r in rows]
@@ -118,8 +137,19 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--recall", type=float, default=0.8, help="the prediction's recall of the third arm (1: none)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--lengths", type=Path, metavar="RUN_DIR",
+                    help="the output lengths a run recorded (RUN_DIR/lengths.jsonl) in place of the heavy tail")
     ap.add_argument("--json", help="write every arm's numbers here")
     args = ap.parse_args(argv)
+    args.run_lengths = None
+    if args.lengths is not None:
+        args.run_lengths = recorded_lengths(args.lengths)
+        if not args.run_lengths:
+            print(f"long_tail_study: {args.lengths / LENGTHS_FILE}: no recorded lengths")
+            return 2
+        print(f"output lengths: {len(args.run_lengths)} samples of {args.lengths}, "
+              f"P10/P50/P90/max {percentile(args.run_lengths, 10)}/{percentile(args.run_lengths, 50)}/"
+              f"{percentile(args.run_lengths, 90)}/{max(args.run_lengths)} tokens")
     out = []
     for size in args.sizes.split(","):
         for eta in (int(e) for e in args.etas.split(",")):
