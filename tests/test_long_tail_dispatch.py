@@ -264,6 +264,7 @@ def test_a_group_that_outgrows_its_prediction_moves_to_a_long_tail_replica_with_
     resume, to = router.sent[-1]
     gid = grows["group_id"]
     assert resume["type"] == "prompt" and resume["group_id"] == gid and to == 1 and ctl.moved == 1
+    assert ctl.counters()["groups_moved"] == 1 and ctl.state()["counters"]["groups_moved"] == 1  # metrics, checkpoint
     assert ctl.dispatched[gid].replica == 1 and ctl.dispatched[gid].long and ctl.dispatcher.owner[gid] == 1
     assert ctl.gate.capacity(0) == capacity and ctl.buffer.accounting() == accounting  # still one in-flight group
 

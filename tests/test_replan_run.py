@@ -189,8 +189,9 @@ class Counters:
 
 def counters(tokens: dict) -> dict:
     return {"accepted": 0, "filtered": {}, "dropped": {}, "trained": 0, "produced": 0, "pending": 0, "too_stale": 0,
-            "rewards_clipped": 0, "env_timeouts": 0, "equal_groups_in_a_row": 0, "rejected_messages": 0,
-            "rejected_reasons": {}, "completion_tokens": sum(tokens.values()), "replica_tokens": tokens}
+            "rewards_clipped": 0, "env_timeouts": 0, "equal_groups_in_a_row": 0, "groups_moved": 0,
+            "rejected_messages": 0, "rejected_reasons": {}, "completion_tokens": sum(tokens.values()),
+            "replica_tokens": tokens}
 
 
 STEP_OUT = ("loss", "clip_frac", "capped_frac", "mean_w", "w_std", "w_p05", "w_p50", "w_p95", "tokens",

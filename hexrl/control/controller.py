@@ -175,7 +175,7 @@ class Controller:
                              "too_stale": self.gate.too_stale},
                     "counters": {**self.buffer.counters(), "completion_tokens": self.completion_tokens,
                                  "rewards_clipped": self.rewards_clipped, "env_timeouts": self.progress.env_timeouts,
-                                 "rejected": dict(self._rejected())},
+                                 "groups_moved": self.moved, "rejected": dict(self._rejected())},
                     **({"auto_eta": self.auto.state()} if self.auto else {})}
 
     def load_state(self, state: dict) -> None:
@@ -195,6 +195,7 @@ class Controller:
         self.buffer.load_counters(counters)
         self.completion_tokens = counters.get("completion_tokens", 0)
         self.rewards_clipped = counters.get("rewards_clipped", 0)
+        self.moved = counters.get("groups_moved", 0)
         self.progress.env_timeouts = counters.get("env_timeouts", 0)
         self.rejected.update(counters.get("rejected", {}))
 
@@ -206,7 +207,7 @@ class Controller:
             return {**acc, "completion_tokens": self.completion_tokens, "replica_tokens": per_replica,
                     "too_stale": self.gate.too_stale,
                     "rewards_clipped": self.rewards_clipped, "env_timeouts": self.progress.env_timeouts,
-                    "equal_groups_in_a_row": self.progress.equal_in_a_row,
+                    "equal_groups_in_a_row": self.progress.equal_in_a_row, "groups_moved": self.moved,
                     "rejected_messages": sum(rejected.values()), "rejected_reasons": dict(rejected)}
 
     def _rejected(self) -> Counter:

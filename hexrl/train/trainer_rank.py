@@ -287,7 +287,7 @@ def run_step(ctx: RankContext, trainer: Trainer, controller: ControllerProcess |
             "max_staleness": max(version_before - t.oldest_version for t in batch),
             "staleness_hist": staleness_histogram([t.oldest_version for t in batch], version_before),
             "too_stale": c["too_stale"], "rewards_clipped": c["rewards_clipped"], "env_timeouts": c["env_timeouts"],
-            "equal_groups_in_a_row": c["equal_groups_in_a_row"],
+            "equal_groups_in_a_row": c["equal_groups_in_a_row"], "groups_moved": c["groups_moved"],
             "rejected_messages": c["rejected_messages"],
             "rejected_reasons": c["rejected_reasons"],
             "rollout_tokens_per_s": (c["completion_tokens"] - before["completion_tokens"]) / elapsed,
