@@ -2,7 +2,7 @@
 
 Rank 0's trainer runs Python between its kernels (batch hand-off, packing, bookkeeping); a controller
 thread beside it shared its GIL and took in ~5x fewer trajectories (docs/fast-paths.md). So the
-controller rank starts `ControllerProcess`: a fresh interpreter (`python -c BOOT`, as the reward
+controller rank starts `ControllerProcess`: a fresh interpreter (`worker_pool.spawn`, as the reward
 workers start: it imports the controller, ZeroMQ and numpy, not torch or the trainer) that runs the
 same `Controller`, thread and all, and a proxy in the trainer with the methods the trainer calls.
 
@@ -27,7 +27,6 @@ gone); the proxy raises ControllerFailure naming the exit code as soon as the ch
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import signal
@@ -37,7 +36,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from multiprocessing import Pipe
 from multiprocessing.connection import Connection
 from types import SimpleNamespace
 
@@ -52,8 +50,6 @@ from hexrl.control.dataset import DatasetCursor
 from hexrl.data.problems import Problem
 from hexrl.trajectory import ID_DTYPE
 
-BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
-        "from hexrl.control.controller_process import serve; serve(int(sys.argv[1]))")
 TRAINER = "trainer"  # the proxy's name on the link
 METHODS = frozenset({"start", "next_batch", "wait_delivered", "publish_version", "choose_eta", "counters", "state",
                      "load_state", "stop"})  # what the proxy may call
@@ -238,16 +234,10 @@ class ControllerProcess:
     """The controller in a process of its own, behind `Controller`'s trainer-thread methods (module doc)."""
 
     def __init__(self, setup: ControllerSetup, start_timeout_s: float = 120.0):
-        from hexrl.rewards.worker_pool import worker_env  # the parent's only: the child never needs it
+        from hexrl.rewards.worker_pool import spawn  # the parent's only: the child never needs it
 
         link_secret = new_secret()
-        parent, child = Pipe()
-        argv = [sys.executable, "-c", BOOT, str(child.fileno()), json.dumps(sys.path)]
-        try:
-            self.proc = subprocess.Popen(argv, pass_fds=(child.fileno(),), env=worker_env(),
-                                         stdin=subprocess.DEVNULL)
-        finally:
-            child.close()
+        self.proc, parent = spawn("hexrl.control.controller_process")
         self.pid, self.conn = self.proc.pid, parent
         self.waiting = False  # a call was sent and its reply not read (the trainer was interrupted in it)
         self._end = weakref.finalize(self, _end_process, self.proc, parent)  # at stop, collection or exit

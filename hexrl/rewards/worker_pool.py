@@ -11,7 +11,7 @@ An idle worker is handed a chunk of queued items in one message and streams a re
 so a worker keeps scoring while its caller decodes, however rarely the caller polls. Each item
 still has its own `timeout_s`: the clock restarts at every reply.
 
-A worker is a fresh `python -c WORKER_BOOT` (not multiprocessing's spawn, which re-imports the
+A worker is a fresh `python -c BOOT` (`spawn`) (not multiprocessing's spawn, which re-imports the
 launching module, `hexrl.main` and torch with it, in every worker): it imports this module and what
 its functions need, so replacing one is cheap. It starts with `worker_env()`, none of the job's
 variables: model output reaches workers, the job's secret must not.
@@ -101,8 +101,8 @@ def _finite_float(value) -> float:
 # a worker's variables: what Python, the locale and thread pools read, and the code reward's opt-out
 KEPT_ENV = frozenset({"PATH", "HOME", "USER", "LOGNAME", "LANG", "LANGUAGE", "TZ", "TMPDIR", "VIRTUAL_ENV",
                       "CUDA_VISIBLE_DEVICES", "HEXRL_CODE_REWARD_UNSAFE"})
-WORKER_BOOT = ("import json, sys; sys.path[:] = json.loads(sys.argv[2]); "
-               "from hexrl.rewards.worker_pool import serve; serve(int(sys.argv[1]))")
+# a fresh interpreter's first line: this process's sys.path, then `serve(fd)` of the module named
+BOOT = "import json, sys; sys.path[:] = json.loads(sys.argv[2]); from {module} import serve; serve(int(sys.argv[1]))"
 
 
 def worker_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
@@ -110,6 +110,21 @@ def worker_env(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
     nothing else of the job's (HEXRL_SECRET, tokens, keys)."""
     return {k: v for k, v in environ.items()
             if k in KEPT_ENV or k.startswith(("LC_", "PYTHON")) or k.endswith("_THREADS")}
+
+
+def spawn(module: str) -> tuple[subprocess.Popen, Connection]:
+    """A fresh interpreter (`python -c BOOT`) running `module`'s serve(fd) on the child end of a pipe,
+    with worker_env() and this process's sys.path; returns it and the pipe's parent end."""
+    parent, child = Pipe()
+    argv = [sys.executable, "-c", BOOT.format(module=module), str(child.fileno()), json.dumps(sys.path)]
+    try:
+        proc = subprocess.Popen(argv, pass_fds=(child.fileno(),), env=worker_env(), stdin=subprocess.DEVNULL)
+    except BaseException:
+        parent.close()
+        raise
+    finally:
+        child.close()
+    return proc, parent
 
 
 def serve(fd: int) -> None:
@@ -209,12 +224,7 @@ class WorkerPool:
     # -- workers ---------------------------------------------------------------
 
     def _start(self) -> _Worker:
-        parent, child = Pipe()
-        argv = [sys.executable, "-c", WORKER_BOOT, str(child.fileno()), json.dumps(sys.path)]
-        try:
-            proc = subprocess.Popen(argv, pass_fds=(child.fileno(),), env=worker_env(), stdin=subprocess.DEVNULL)
-        finally:
-            child.close()
+        proc, parent = spawn("hexrl.rewards.worker_pool")
         try:
             parent.send_bytes(self._setup)
         except OSError:
