@@ -144,11 +144,16 @@ def rank(predicted: Sequence[float]) -> list[int]:
     return sorted(range(len(predicted)), key=lambda i: -predicted[i])
 
 
+def check_alpha(alpha) -> None:
+    """ValueError unless alpha, the long tail's share, is a number in [0, 1)."""
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < 1:
+        raise ValueError(f"alpha must be in [0, 1), got {alpha!r}")
+
+
 def is_long(predicted: Sequence[float], alpha: float = 0.2) -> list[bool]:
     """Per entry of a batch, whether it is among the round(alpha * len) predicted longest: the
     long-tail class (alpha 0 marks none)."""
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not 0 <= alpha < 1:
-        raise ValueError(f"alpha must be in [0, 1), got {alpha!r}")
+    check_alpha(alpha)
     marked = [False] * len(predicted)
     for i in rank(predicted)[:int(alpha * len(predicted) + 0.5)]:
         marked[i] = True
@@ -172,8 +177,7 @@ class LongTailWindow:
     ranked_long: list = field(default_factory=list, repr=False)  # ... of the groups marked long
 
     def __post_init__(self):
-        if isinstance(self.alpha, bool) or not isinstance(self.alpha, numbers.Real) or not 0 <= self.alpha < 1:
-            raise ValueError(f"alpha must be in [0, 1), got {self.alpha!r}")
+        check_alpha(self.alpha)
         if isinstance(self.size, bool) or not isinstance(self.size, int) or self.size < 1:
             raise ValueError(f"size must be an int >= 1 (groups in the window), got {self.size!r}")
 
