@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from hexrl.gpus import canonical_name, gpu_type_name
+from hexrl.runtime.files import write_json_atomic
 from hexrl.runtime.nodes import is_local_address
 from hexrl.schema import ConfigError, Job, Plan, load_plan
 
@@ -187,12 +188,10 @@ def newest_plan(plans_dir: Path, job: Job) -> tuple[int, dict] | None:
 def record_plan(plans_dir: Path, plan: dict, round_no: int, why: str, **more) -> Path:
     """Write `plan` as RUN_DIR/plans/<round_no>.json, its nodes and `why` under predicted.elastic (with
     `more`), complete or not at all (a rename): the newest recorded plan is what a restart runs."""
-    plans_dir.mkdir(parents=True, exist_ok=True)
     names = [n["name"] for n in plan["cluster"]["nodes"]]
     plan["predicted"]["elastic"] = {"round": round_no, "nodes": names, "reason": why, **more}
-    path, tmp = plans_dir / f"{round_no}.json", plans_dir / f".{round_no}.json.tmp"
-    tmp.write_text(json.dumps(plan, indent=1) + "\n")
-    os.replace(tmp, path)
+    path = plans_dir / f"{round_no}.json"
+    write_json_atomic(path, plan)
     return path
 
 
